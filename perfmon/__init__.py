@@ -1,0 +1,36 @@
+"""perfmon: an in-process performance monitor for PyTorch inference.
+
+    import perfmon
+    monitor = perfmon.Monitor(port=0).start()
+    model = monitor.wrap(model, name="encoder")
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .clocks import CudaBackend, TimingEvent
+from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, Config, log_buckets
+from .exceptions import ConfigError, PerfmonError, WrapError
+from .instrument import MonitoredFunction, MonitoredModule, Span
+from .monitor import Monitor
+from .server import make_asgi_app, make_wsgi_app
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "DEFAULT_HOST_BUCKETS",
+    "DEFAULT_PORT",
+    "Config",
+    "ConfigError",
+    "CudaBackend",
+    "Monitor",
+    "MonitoredFunction",
+    "MonitoredModule",
+    "PerfmonError",
+    "Span",
+    "TimingEvent",
+    "WrapError",
+    "__version__",
+    "log_buckets",
+    "make_asgi_app",
+    "make_wsgi_app",
+]

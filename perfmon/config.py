@@ -1,0 +1,227 @@
+"""Validated, keyword-only configuration.
+
+Every setting has a ``PERFMON_<NAME>`` environment variable; keyword arguments win over the
+environment, and the environment wins over the defaults. Invalid values raise ``ConfigError``
+naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .exceptions import ConfigError
+
+__all__ = ["DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "Config", "log_buckets"]
+
+#: No well-known exporter uses it (node_exporter 9100, dcgm-exporter 9400, OpenTelemetry 9464).
+DEFAULT_PORT = 9478
+
+
+def log_buckets(start: float, stop: float, per_decade: int) -> tuple[float, ...]:
+    """Bucket bounds in seconds, ``per_decade`` log-spaced steps from ``start`` up to ``stop``."""
+    out = []
+    k0 = round(math.log10(start) * per_decade)
+    k1 = round(math.log10(stop) * per_decade)
+    for k in range(k0, k1 + 1):
+        out.append(float(f"{10 ** (k / per_decade):.4g}"))
+    return tuple(out)
+
+
+# Forward duration buckets, in seconds. Prometheus' histogram_quantile interpolates linearly inside a
+# bucket, so a narrow latency distribution is reported at its bucket's midpoint: the error is up to
+# half the bucket's width. 24 steps a decade (ratio 1.10, error <= ~5%) over 0.5 ms .. 1 s, where
+# inference forwards live; coarse tails from 0.1 ms and up to 60 s. 94 bounds; see docs/design.md.
+DEFAULT_BUCKETS: tuple[float, ...] = (
+    (0.0001, 0.0002, 0.0003, 0.0004)
+    + log_buckets(0.0005, 1.0, 24)
+    + (1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
+)
+
+# Host-side duration buckets: coarse on purpose (1-2-5), since host time is read against device time
+# ("is this call launch-bound?"), not for percentiles, and every bucket is a series on every scrape.
+DEFAULT_HOST_BUCKETS: tuple[float, ...] = tuple(
+    float(f"{m * 10.0**e:.4g}") for e in range(-5, 2) for m in (1, 2, 5)
+) + (60.0,)
+
+_LOG_FORMATS = ("auto", "json", "console", "app")
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Every perfmon setting. Build it with ``Config.from_env(**overrides)``; units are in the names."""
+
+    host: str = "127.0.0.1"
+    #: HTTP port; 0 picks a free one; None serves nothing (mount ``wsgi_app``/``asgi_app`` yourself).
+    port: int | None = DEFAULT_PORT
+    #: Fraction of steady-state calls timed, in (0, 1]. Cold calls are always timed.
+    sample_rate: float = 0.01
+    #: A model with traffic gets at least one timed call per this many seconds.
+    sample_floor_seconds: float = 1.0
+    #: The first calls of each model are cold (warm-up) and always timed.
+    warmup_calls: int = 3
+    #: Treat the first calls of a new input signature (tensor shapes and dtypes) as cold.
+    track_signatures: bool = True
+    #: How many first calls of each new signature are cold.
+    signature_warmup_calls: int = 1
+    #: Signatures remembered per model (oldest forgotten first).
+    signature_cache_size: int = 256
+    buckets: tuple[float, ...] = DEFAULT_BUCKETS
+    host_buckets: tuple[float, ...] = DEFAULT_HOST_BUCKETS
+    #: Timed samples waiting for the resolver; when full, samples are dropped (reason queue_full).
+    queue_size: int = 8192
+    #: CUDA event pairs preallocated per device; when all are in flight, samples are dropped.
+    event_pool_size: int = 256
+    #: How often the resolver wakes to resolve events and update metrics.
+    resolve_interval_seconds: float = 0.05
+    #: The span of the exact percentiles reported by /stats.
+    stats_window_seconds: float = 60.0
+    #: Samples kept per model and phase for /stats (the oldest go first).
+    stats_max_samples: int = 10_000
+    #: Distinct exception class names per model before the rest are labelled "other".
+    max_exception_labels: int = 16
+    #: Distinct model names per monitor (each is a label value on every forward metric).
+    max_models: int = 64
+    #: How long stop() waits for in-flight CUDA samples and threads.
+    stop_timeout_seconds: float = 2.0
+    #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
+    #: application's own structlog configuration).
+    log_format: str = "auto"
+    log_level: str = "info"
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Defaults, then ``PERFMON_*`` variables from ``environ``, then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        values: dict[str, Any] = {}
+        for name, f in names.items():
+            var = "PERFMON_" + name.upper()
+            if name in overrides:
+                values[name] = overrides[name]
+            elif var in environ:
+                values[name] = _parse(var, environ[var], f.default)
+        return cls(**values)
+
+    def _check(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
+
+        _types: dict[str, type | tuple[type, ...]] = {
+            "host": str, "sample_rate": (int, float), "sample_floor_seconds": (int, float),
+            "warmup_calls": int, "track_signatures": bool, "signature_warmup_calls": int,
+            "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
+            "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),
+            "stats_max_samples": int, "max_exception_labels": int, "max_models": int,
+            "stop_timeout_seconds": (int, float), "log_format": str, "log_level": str,
+        }
+        for name, typ in _types.items():
+            value = getattr(self, name)
+            # bool is an int subclass: True is not a valid count.
+            if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+                raise bad(name, f"expected {_typename(typ)}")
+        if self.port is not None and (
+            not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535
+        ):
+            raise bad("port", "expected an integer 0..65535 (0 = any free port) or None (no server)")
+        if not self.host:
+            raise bad("host", "must not be empty")
+        if not 0.0 < self.sample_rate <= 1.0 or math.isnan(self.sample_rate):
+            raise bad("sample_rate", "must be in (0, 1]")
+        positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
+                    "stop_timeout_seconds")
+        for name in positive:
+            if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
+                raise bad(name, "must be a finite number of seconds > 0")
+        for name in ("signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
+                     "max_exception_labels", "max_models", "signature_warmup_calls"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.warmup_calls < 0:
+            raise bad("warmup_calls", "must be >= 0")
+        for name in ("buckets", "host_buckets"):
+            b = getattr(self, name)
+            try:
+                ok = (len(b) >= 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b)
+                      and all(x < y for x, y in zip(b, b[1:])) and b[0] > 0)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise bad(name, "must be a non-empty, strictly increasing sequence of seconds > 0")
+            object.__setattr__(self, name, tuple(float(v) for v in b if not math.isinf(v)))
+        if self.log_format not in _LOG_FORMATS:
+            raise bad("log_format", f"must be one of {', '.join(_LOG_FORMATS)}")
+        if self.log_level.lower() not in _LOG_LEVELS:
+            raise bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
+        if self.sample_rate > 0.1:
+            # Legal, and right for tests and benchmarks; in production it multiplies the agent's cost.
+            warnings.warn(
+                f"perfmon sample_rate={self.sample_rate} times more than 10% of calls; "
+                "production serving normally uses 0.01-0.05",
+                stacklevel=_caller_stacklevel(),
+            )
+
+    @property
+    def sample_every(self) -> int:
+        """The mean stride between timed steady-state calls (1 / sample_rate, rounded)."""
+        return max(1, round(1.0 / self.sample_rate))
+
+
+def _caller_stacklevel() -> int:
+    """The warnings stack level of the first frame outside perfmon (the user's call)."""
+    import sys
+
+    frame = sys._getframe(1)
+    level = 1
+    package = __name__.rpartition(".")[0]
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(package + "."):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    # dataclass-generated __init__ reports the dataclass module's name: skip it too
+    while frame is not None and frame.f_code.co_name == "__init__" and frame.f_code.co_filename.startswith("<"):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def _typename(typ: type | tuple[type, ...]) -> str:
+    if isinstance(typ, tuple):
+        return " or ".join(t.__name__ for t in typ)
+    return typ.__name__
+
+
+def _parse(var: str, raw: str, default: Any) -> Any:
+    """Parse one environment variable by the type of its default."""
+    text = raw.strip()
+    try:
+        if isinstance(default, bool):
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if var == "PERFMON_PORT":
+            return None if text.lower() in ("", "none", "off") else int(text)
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, tuple):
+            return tuple(float(p) for p in text.split(",") if p.strip())
+        return text
+    except ValueError as exc:
+        raise ConfigError(f"{var}={raw!r}: {exc}") from None

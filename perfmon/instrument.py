@@ -1,0 +1,392 @@
+"""The hot path: what runs on the request thread for every call of a monitored model.
+
+Per call it counts (one ``next()`` on an ``itertools.count``), decides whether the call is cold
+or due for a sample (integer comparisons and, with signature tracking, one dict lookup) and, for
+the few calls that are timed, stamps ``perf_counter_ns``/records a CUDA event pair and appends a
+tuple to a bounded deque. Nothing here touches prometheus_client, logs, takes a lock per call,
+computes a percentile or waits for the GPU.
+
+Anything that fails in here is counted as an internal error and the user's call proceeds; the
+user's own exceptions are counted by class and re-raised unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import threading
+import types
+from collections.abc import Callable, Hashable
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from .clocks import CudaBackend, EventPair, EventPools
+from .config import Config
+from .faults import InternalErrors
+from .phases import SignatureTable, signature
+from .records import DROP_REASONS, Pending
+from .sampling import Sampler
+
+__all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span"]
+
+_Tensor = torch.Tensor
+_CPU = object()  # the token of a timed call on a wall clock (no events to finish)
+_OTHER = "other"
+
+
+class Hub:
+    """What every model's hot path shares: the queue to the resolver, the event pools, fault counts."""
+
+    def __init__(self, config: Config, backend: CudaBackend) -> None:
+        self.config = config
+        self.backend = backend
+        self.queue: collections.deque[Pending] = collections.deque()
+        self.queue_size = config.queue_size
+        self.pools = EventPools(backend, config.event_pool_size)
+        self.internal = InternalErrors()
+        #: False once the monitor stops: calls are still counted but no longer timed.
+        self.timing = True
+        #: perf_counter_ns() when the monitor started (origin of time-to-first-forward).
+        self.started_ns = perf_counter_ns()
+
+
+class ModelState:
+    """Everything perfmon knows about one monitored model (or function, or span name).
+
+    Attributes read by the hot path are plain slots; the background stages read the counters and
+    write ``next_index`` (to enforce the sampling floor) and ``device`` (when the model moves).
+    """
+
+    __slots__ = (
+        "_error_lock", "_error_names", "_resolve_device", "calls", "cuda_index", "device", "drops",
+        "errors", "hub", "last_sample_ns", "name", "next_index", "sampled", "sampler", "sig_warm",
+        "sigs", "table", "warmup",
+    )
+
+    def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str]) -> None:
+        cfg = hub.config
+        self.name = name
+        self.hub = hub
+        self.calls = itertools.count()
+        self.sampled = itertools.count()  # timed attempts, drops included
+        self.drops = {reason: itertools.count() for reason in DROP_REASONS}
+        self.errors: dict[type, itertools.count[int]] = {}
+        self._error_names: dict[str, itertools.count[int]] = {}
+        self._error_lock = threading.Lock()
+        self.warmup = cfg.warmup_calls
+        self.sampler = Sampler(cfg.sample_rate, cfg.sample_floor_seconds)
+        self.next_index = self.sampler.first_index(cfg.warmup_calls)
+        self.last_sample_ns = perf_counter_ns()
+        self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls)
+        self.sigs: dict[Hashable, int] | None = self.table.seen if cfg.track_signatures else None
+        self.sig_warm = cfg.signature_warmup_calls
+        self._resolve_device = resolve_device
+        self.device = "cpu"
+        self.cuda_index = -1
+        self.refresh_device()
+
+    # -- background side ---------------------------------------------------------------------
+
+    def refresh_device(self) -> None:
+        """Re-read the model's device (it may have moved with ``.to()``)."""
+        label = self._resolve_device()
+        if label == self.device:
+            return
+        index = -1
+        if label.startswith("cuda") and self.hub.backend.available():
+            index = int(label.partition(":")[2] or 0)
+        # Write the index first: a racing call then times on the new device with the old label at worst.
+        self.cuda_index = index
+        self.device = label
+
+    def error_counts(self) -> dict[str, int]:
+        from .faults import count_value
+
+        return {name: count_value(c) for name, c in list(self._error_names.items())}
+
+    # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----
+
+    def new_signature(self, key: Hashable, count: int | None) -> bool:
+        """A signature not yet seen enough times: record it; True if the call is cold."""
+        table = self.table
+        cold = table.observe(key, count)
+        if table.churning and self.sigs is not None:
+            self.sigs = None
+            self.hub.internal.report("signatures", _Churn(self.name, table.capacity))
+        return cold
+
+    def begin(self, index: int, cold: bool) -> object | None:
+        """Start timing call ``index``; returns a token for ``finish``, or None if not timed."""
+        hub = self.hub
+        if not hub.timing:
+            return None
+        if not cold:
+            self.next_index = self.sampler.next_index(index)
+        next(self.sampled)
+        cuda = self.cuda_index
+        if cuda < 0:
+            return _CPU
+        backend = hub.backend
+        if backend.is_capturing(cuda):
+            next(self.drops["graph_capture"])
+            return None
+        pair = hub.pools.get(cuda).acquire()
+        if pair is None:
+            next(self.drops["pool_exhausted"])
+            return None
+        stream = backend.current_stream(cuda)
+        try:
+            pair.start.record(stream)
+        except BaseException:
+            hub.pools.release(pair)
+            raise
+        return (pair, stream)
+
+    def finish(self, token: object, index: int, cold: bool, start_ns: int, end_ns: int) -> None:
+        """Close a timed call and hand it to the resolver; never raises."""
+        pair: EventPair | None = None
+        hub = self.hub
+        try:
+            if token is not _CPU:
+                pair, stream = token  # type: ignore[misc]
+                pair.end.record(stream)  # type: ignore[union-attr]
+            queue = hub.queue
+            if len(queue) >= hub.queue_size:
+                next(self.drops["queue_full"])
+                if pair is not None:
+                    hub.pools.release(pair)
+                return
+            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device))
+            self.last_sample_ns = end_ns
+        except Exception as exc:
+            if pair is not None:
+                hub.pools.release(pair)
+            hub.internal.report("instrument", exc)
+
+    def abort(self, token: object | None) -> None:
+        """The timed call raised: give its events back; never raises."""
+        if token is None or token is _CPU:
+            return
+        try:
+            self.hub.pools.release(token[0])  # type: ignore[index]
+        except Exception as exc:
+            self.hub.internal.report("instrument", exc)
+
+    def error(self, exc: BaseException) -> None:
+        """Count one exception raised by the user's code, by class name (capped); never raises."""
+        try:
+            cls = type(exc)
+            counter = self.errors.get(cls)
+            if counter is None:
+                counter = self._error_counter(cls)
+            next(counter)
+        except Exception as inner:
+            self.hub.internal.report("errors", inner)
+
+    def _error_counter(self, cls: type) -> itertools.count[int]:
+        with self._error_lock:
+            names = self._error_names
+            name = cls.__name__
+            counter = names.get(name)
+            if counter is None:
+                if len(names) >= self.hub.config.max_exception_labels:
+                    name = _OTHER
+                counter = names.setdefault(name, itertools.count())
+            # Bounded too: beyond this, unseen classes take the lock path (errors are rare anyway).
+            if len(self.errors) < 4 * self.hub.config.max_exception_labels:
+                self.errors[cls] = counter
+            return counter
+
+
+class _Churn(Exception):
+    def __init__(self, model: str, capacity: int) -> None:
+        super().__init__(
+            f"model {model!r}: more than {capacity} distinct input signatures; new signatures are no "
+            "longer treated as cold for this model (warm-up calls still are)"
+        )
+
+
+class Probe:
+    """Base of the objects ``Monitor.wrap``/``instrument`` return: ``__call__`` is the hot path."""
+
+    __slots__ = ("_pm", "_pm_fn")
+
+    _pm: ModelState
+    _pm_fn: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._pm
+        token = None
+        try:
+            n = next(st.calls)
+            cold = n < st.warmup
+            sigs = st.sigs
+            if sigs is not None:
+                if len(args) == 1 and not kwargs and type(args[0]) is _Tensor:
+                    key: Hashable = (args[0].shape, args[0].dtype)
+                else:
+                    key = signature(args, kwargs)
+                count = sigs.get(key)
+                if count is None or count < st.sig_warm:
+                    cold = st.new_signature(key, count) or cold
+            if cold or n >= st.next_index:
+                token = st.begin(n, cold)
+        except Exception as exc:
+            st.hub.internal.report("instrument", exc)
+            token = None
+        if token is None:
+            try:
+                return self._pm_fn(*args, **kwargs)
+            except BaseException as exc:
+                st.error(exc)
+                raise
+        t0 = perf_counter_ns()
+        try:
+            out = self._pm_fn(*args, **kwargs)
+        except BaseException as exc:
+            st.abort(token)
+            st.error(exc)
+            raise
+        st.finish(token, n, cold, t0, perf_counter_ns())
+        return out
+
+
+_OWN = frozenset(("_pm", "_pm_fn"))
+
+
+class MonitoredModule(Probe):
+    """A transparent proxy of an ``nn.Module`` whose calls are monitored.
+
+    Attribute reads and writes go to the module; ``isinstance(proxy, type(module))`` holds; methods
+    that return the module itself (``.eval()``, ``.to()``, ``.cuda()``, ``.half()``,
+    ``.requires_grad_()``...) return the proxy, so ``model = model.to(device).eval()`` stays
+    monitored. Pickling (``torch.save``) saves the bare module.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, module: torch.nn.Module, state: ModelState) -> None:
+        object.__setattr__(self, "_pm_fn", module)
+        object.__setattr__(self, "_pm", state)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105 - isinstance() checks against the module's class
+        return type(self._pm_fn)
+
+    def __getattr__(self, name: str) -> Any:
+        module = object.__getattribute__(self, "_pm_fn")
+        value = getattr(module, name)
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            return self._rebind(value)
+        return value
+
+    def _rebind(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        module = self._pm_fn
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            if result is module:
+                # The module may have moved (.to/.cuda/.cpu): re-read its device now.
+                try:
+                    self._pm.refresh_device()
+                except Exception as exc:
+                    self._pm.hub.internal.report("device", exc)
+                return self
+            return result
+
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._pm_fn, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._pm_fn, name)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._pm_fn)
+
+    def __repr__(self) -> str:
+        return repr(self._pm_fn)
+
+    # Containers (nn.Sequential, nn.ModuleList, nn.ModuleDict): special methods bypass __getattr__.
+    def __len__(self) -> int:
+        return len(self._pm_fn)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Any:
+        return iter(self._pm_fn)  # type: ignore[call-overload]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._pm_fn[key]  # type: ignore[index]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._pm_fn  # type: ignore[operator]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._pm_fn.__reduce_ex__(protocol)
+
+    @property
+    def perfmon_name(self) -> str:
+        """The ``model`` label of this proxy's metrics."""
+        return self._pm.name
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The bare module."""
+        return self._pm_fn  # type: ignore[return-value]
+
+
+class MonitoredFunction(Probe):
+    """A monitored plain callable (a ``generate()`` loop, a pipeline step); also works on methods."""
+
+    __slots__ = ("__dict__", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any], state: ModelState) -> None:
+        self._pm_fn = fn
+        self._pm = state
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
+
+    def __repr__(self) -> str:
+        return f"<perfmon monitored {self._pm_fn!r} as {self._pm.name!r}>"
+
+
+class Span:
+    """``with monitor.track(name):`` — count and sample-time a block of code like a call."""
+
+    __slots__ = ("_cold", "_index", "_start_ns", "_st", "_token")
+
+    def __init__(self, state: ModelState) -> None:
+        self._st = state
+        self._token: object | None = None
+
+    def __enter__(self) -> Span:
+        st = self._st
+        try:
+            n = self._index = next(st.calls)
+            cold = self._cold = n < st.warmup
+            self._token = st.begin(n, cold) if cold or n >= st.next_index else None
+        except Exception as exc:
+            st.hub.internal.report("instrument", exc)
+            self._token = None
+        self._start_ns = perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        end_ns = perf_counter_ns()
+        st = self._st
+        if exc is not None:
+            st.abort(self._token)
+            st.error(exc)
+        elif self._token is not None:
+            st.finish(self._token, self._index, self._cold, self._start_ns, end_ns)

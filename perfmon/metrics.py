@@ -1,0 +1,188 @@
+"""Every metric perfmon exports, declared in one place: the only prometheus_client importer.
+
+Histograms are fed by the resolver (a sink); per-call counts are read at scrape time straight from
+the hot path's ``itertools.count`` counters by a custom collector, so a scrape always shows the
+exact number of calls and errors without the request thread ever touching prometheus_client.
+Labelled children are bound once per (model, device, phase) and cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from ._version import __version__
+from .config import Config
+from .faults import InternalErrors, count_value
+from .instrument import ModelState
+from .records import DROP_REASONS, Sample
+
+__all__ = ["METRICS", "Metrics"]
+
+#: name (as exposed, without histogram suffixes) -> (type, unit, labels, help). docs/metrics.md
+#: lists the same; a test keeps the two and the registry in step.
+METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    "perfmon_forward_calls_total": (
+        "counter", "calls", ("model",), "Calls of the monitored model, every call, counted exactly."),
+    "perfmon_forward_errors_total": (
+        "counter", "calls", ("model", "exception"),
+        "Calls that raised, by exception class name (capped; the rest are 'other')."),
+    "perfmon_forward_duration_seconds": (
+        "histogram", "seconds", ("model", "device", "phase"),
+        "Sampled call duration: device time from CUDA events on GPU, wall time on CPU."),
+    "perfmon_forward_host_duration_seconds": (
+        "histogram", "seconds", ("model", "device", "phase"),
+        "Sampled call duration as seen by the calling thread (launch time on GPU)."),
+    "perfmon_forward_sampled_total": (
+        "counter", "calls", ("model",), "Calls chosen for timing (dropped samples included)."),
+    "perfmon_samples_dropped_total": (
+        "counter", "samples", ("model", "reason"), "Timed calls that never reached the histograms, by reason."),
+    "perfmon_cold_start_seconds": (
+        "gauge", "seconds", ("model",), "Duration of the model's first call (device time on GPU)."),
+    "perfmon_time_to_first_forward_seconds": (
+        "gauge", "seconds", ("model",), "From monitor start to the end of the model's first call."),
+    "perfmon_sample_rate": (
+        "gauge", "ratio", ("model",), "Configured fraction of steady-state calls that are timed."),
+    "perfmon_input_signatures": (
+        "gauge", "signatures", ("model",), "Distinct input signatures (shapes, dtypes) seen by the model."),
+    "perfmon_internal_errors_total": (
+        "counter", "errors", ("stage",), "Faults inside the agent, by stage; none ever reaches a request."),
+    "perfmon_info": (
+        "info", "", ("version", "torch_version", "cuda"), "perfmon, torch and CUDA versions."),
+}
+
+
+class Metrics:
+    """Declares the metrics on ``registry`` and keeps them current."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        config: Config,
+        *,
+        states: Callable[[], Iterable[ModelState]],
+        internal: InternalErrors,
+        started_ns: Callable[[], int],
+        process_collectors: bool = True,
+    ) -> None:
+        self.registry = registry
+        self._states = states
+        self._started_ns = started_ns
+        self._duration = Histogram(
+            "perfmon_forward_duration_seconds", METRICS["perfmon_forward_duration_seconds"][3],
+            ("model", "device", "phase"), registry=registry, buckets=config.buckets)
+        self._host = Histogram(
+            "perfmon_forward_host_duration_seconds", METRICS["perfmon_forward_host_duration_seconds"][3],
+            ("model", "device", "phase"), registry=registry, buckets=config.host_buckets)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._firsts: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+        info = Info("perfmon", METRICS["perfmon_info"][3], registry=registry)
+        info.info(_versions())
+        registry.register(_CountsCollector(self, states, internal))
+        if process_collectors:
+            _register_process_collectors(registry)
+
+    def observe(self, sample: Sample) -> None:
+        """Sink: put one resolved sample into the histograms (resolver thread)."""
+        key = (sample.model, sample.device, sample.phase)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self._duration.labels(*key), self._host.labels(*key))
+        children[0].observe(sample.duration_seconds)
+        children[1].observe(sample.host_seconds)
+        if sample.seq == 0 and sample.model not in self._firsts:
+            ttff = (sample.end_ns - self._started_ns()) / 1e9
+            self._firsts[sample.model] = (sample.duration_seconds, max(ttff, 0.0))
+
+    def first_call(self, model: str) -> tuple[float, float] | None:
+        """(cold start seconds, time to first forward seconds) once the first call is resolved."""
+        return self._firsts.get(model)
+
+    def forget(self, model: str) -> None:
+        """Drop a model's series (its name was released)."""
+        for key in [k for k in self._children if k[0] == model]:
+            self._duration.remove(*key)
+            self._host.remove(*key)
+            del self._children[key]
+        self._firsts.pop(model, None)
+
+
+class _CountsCollector(Collector):
+    """Exact counts read at scrape time from the hot path's counters."""
+
+    def __init__(self, metrics: Metrics, states: Callable[[], Iterable[ModelState]],
+                 internal: InternalErrors) -> None:
+        self._metrics = metrics
+        self._states = states
+        self._internal = internal
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names are fixed, but collect() is cheap enough to run at registration
+
+    def collect(self) -> Iterator[Metric]:
+        def fam(cls: Any, name: str) -> Any:
+            _, _, labels, doc = METRICS[name]
+            base = name[: -len("_total")] if cls is CounterMetricFamily else name
+            return cls(base, doc, labels=list(labels))
+
+        calls = fam(CounterMetricFamily, "perfmon_forward_calls_total")
+        errors = fam(CounterMetricFamily, "perfmon_forward_errors_total")
+        sampled = fam(CounterMetricFamily, "perfmon_forward_sampled_total")
+        dropped = fam(CounterMetricFamily, "perfmon_samples_dropped_total")
+        cold = fam(GaugeMetricFamily, "perfmon_cold_start_seconds")
+        ttff = fam(GaugeMetricFamily, "perfmon_time_to_first_forward_seconds")
+        rate = fam(GaugeMetricFamily, "perfmon_sample_rate")
+        sigs = fam(GaugeMetricFamily, "perfmon_input_signatures")
+        for st in list(self._states()):
+            m = st.name
+            calls.add_metric([m], count_value(st.calls))
+            sampled.add_metric([m], count_value(st.sampled))
+            for exc, n in sorted(st.error_counts().items()):
+                errors.add_metric([m, exc], n)
+            for reason in DROP_REASONS:
+                dropped.add_metric([m, reason], count_value(st.drops[reason]))
+            rate.add_metric([m], st.sampler.rate)
+            sigs.add_metric([m], st.table.distinct)
+            first = self._metrics.first_call(m)
+            if first is not None:
+                cold.add_metric([m], first[0])
+                ttff.add_metric([m], first[1])
+        internal = fam(CounterMetricFamily, "perfmon_internal_errors_total")
+        for stage, n in sorted(self._internal.counts()):
+            internal.add_metric([stage], n)
+        yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, internal)
+
+
+def _versions() -> dict[str, str]:
+    try:
+        import torch
+
+        torch_version = str(torch.__version__)
+        cuda = str(torch.version.cuda or "none")
+    except Exception:  # pragma: no cover - torch is a dependency
+        torch_version, cuda = "unknown", "none"
+    return {"version": __version__, "torch_version": torch_version, "cuda": cuda}
+
+
+def _register_process_collectors(registry: CollectorRegistry) -> None:
+    """Process RSS/CPU/fds, Python GC and platform info, unless the registry already has them."""
+    from prometheus_client import REGISTRY
+
+    if registry is REGISTRY:
+        return  # prometheus_client registered its defaults there on import
+    for make in (lambda: ProcessCollector(registry=registry),
+                 lambda: GCCollector(registry=registry),
+                 lambda: PlatformCollector(registry=registry)):
+        try:
+            make()
+        except ValueError:
+            pass  # already registered by the caller

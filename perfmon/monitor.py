@@ -1,0 +1,262 @@
+"""The composition root: builds the stages, wires them, owns start/stop.
+
+    request thread   Probe.__call__ (instrument.py) ──► Hub.queue
+    resolver thread  Resolver (resolver.py) ──► Metrics.observe (metrics.py), Windows.add (windows.py)
+    HTTP thread      AgentServer (server.py) ──► /metrics /healthz /stats
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from time import perf_counter_ns
+from typing import Any, TypeVar, overload
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from ._version import __version__
+from .clocks import CudaBackend, NoCuda, TorchCuda
+from .config import Config
+from .exceptions import ConfigError, WrapError
+from .faults import count_value
+from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
+from .logs import make_logger
+from .metrics import Metrics
+from .resolver import Resolver
+from .server import AgentServer, make_asgi_app, make_wsgi_app
+from .windows import Windows
+
+__all__ = ["Monitor"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Monitor:
+    """An in-process performance monitor for PyTorch inference.
+
+    ``Monitor(**settings)`` takes every ``Config`` setting as a keyword argument (keywords win over
+    ``PERFMON_*`` variables). ``registry`` (a prometheus_client ``CollectorRegistry``; a private
+    one by default) and ``cuda`` (a ``CudaBackend``; real CUDA when available) are injectable.
+    """
+
+    def __init__(self, *, registry: CollectorRegistry | None = None, cuda: CudaBackend | None = None,
+                 **settings: Any) -> None:
+        self.config = Config.from_env(**settings)
+        cfg = self.config
+        self._log = make_logger(cfg.log_format, cfg.log_level, component="monitor")
+        if cuda is None:
+            cuda = TorchCuda() if torch.cuda.is_available() else NoCuda()
+        self._hub = Hub(cfg, cuda)
+        self._states: dict[str, ModelState] = {}
+        self._names_lock = threading.Lock()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry, cfg, states=self._state_list, internal=self._hub.internal,
+                               started_ns=lambda: self._hub.started_ns)
+        self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
+        self._resolver = Resolver(self._hub, [self.metrics.observe, self.windows.add],
+                                  states=self._state_list,
+                                  log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
+        self._server: AgentServer | None = None
+        self._lifecycle = threading.Lock()
+        self._running = False
+        self._anon = itertools.count(1)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> Monitor:
+        """Start the resolver thread and the HTTP server (unless ``port=None``). Idempotent."""
+        with self._lifecycle:
+            if self._running:
+                return self
+            cfg = self.config
+            self._hub.started_ns = perf_counter_ns()
+            self._hub.timing = True
+            if cfg.port is not None:
+                self._server = AgentServer(make_wsgi_app(self), cfg.host, cfg.port)
+            self._resolver.start(cfg.resolve_interval_seconds)
+            if self._server is not None:
+                self._server.start()
+            self._running = True
+        self._log.info("started", url=self.url, sample_rate=cfg.sample_rate, version=__version__,
+                       cuda=self._hub.backend.available())
+        return self
+
+    def stop(self) -> None:
+        """Stop timing, resolve in-flight samples (bounded), join threads, close the port. Idempotent."""
+        with self._lifecycle:
+            if not self._running:
+                return
+            self._running = False
+            timeout = self.config.stop_timeout_seconds
+            self._hub.timing = False
+            if self._server is not None:
+                self._server.stop(timeout)
+                self._server = None
+            self._resolver.stop(timeout)
+        self._log.info("stopped", calls=sum(count_value(s.calls) for s in self._state_list()))
+
+    def __enter__(self) -> Monitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def url(self) -> str | None:
+        """The agent's base URL, e.g. ``http://127.0.0.1:40123``; None when it serves no HTTP."""
+        server = self._server
+        return server.url if server is not None else None
+
+    # -- instrumenting ------------------------------------------------------------------------
+
+    def wrap(self, model: Any, *, name: str | None = None, device: str = "auto") -> Any:
+        """Monitor ``model``'s calls; returns a proxy usable exactly like it.
+
+        ``name`` is the ``model`` label (default: the class name). ``device`` is "auto" (follow the
+        model's parameters) or a fixed label such as "cuda:0" or "cpu".
+        """
+        if isinstance(model, Probe) or type(model) in (MonitoredModule, MonitoredFunction):
+            raise WrapError("this object is already monitored")
+        if not callable(model):
+            raise WrapError(f"cannot monitor {type(model).__name__!r}: it is not callable")
+        if not isinstance(model, torch.nn.Module):
+            return self.instrument(model, name=name, device=device)
+        label = name if name is not None else type(model).__name__
+        resolve = _fixed(device) if device != "auto" else _module_device(model)
+        return MonitoredModule(model, self._new_state(label, resolve))
+
+    @overload
+    def instrument(self, fn: F, *, name: str | None = None, device: str = "auto") -> F: ...
+
+    @overload
+    def instrument(self, fn: None = None, *, name: str | None = None,
+                   device: str = "auto") -> Callable[[F], F]: ...
+
+    def instrument(self, fn: Callable[..., Any] | None = None, *, name: str | None = None,
+                   device: str = "auto") -> Any:
+        """Monitor a plain callable; use as ``monitor.instrument(fn)`` or ``@monitor.instrument(name=...)``."""
+        def decorate(f: Callable[..., Any]) -> Any:
+            if isinstance(f, Probe):
+                raise WrapError("this callable is already monitored")
+            if not callable(f):
+                raise WrapError(f"cannot monitor {type(f).__name__!r}: it is not callable")
+            label = name if name is not None else getattr(f, "__qualname__", None) or f"callable{next(self._anon)}"
+            resolve = _fixed(device) if device != "auto" else _current_cuda_device
+            return MonitoredFunction(f, self._new_state(label, resolve))
+
+        return decorate if fn is None else decorate(fn)
+
+    def track(self, name: str, *, device: str = "auto") -> Span:
+        """``with monitor.track("generate"): ...`` counts and sample-times the block under ``model=name``."""
+        state = self._states.get(name)
+        if state is None:
+            with self._names_lock:
+                state = self._states.get(name)
+            if state is None:
+                resolve = _fixed(device) if device != "auto" else _current_cuda_device
+                try:
+                    state = self._new_state(name, resolve)
+                except ConfigError:
+                    state = self._states[name]  # created by a racing thread
+        return Span(state)
+
+    def _new_state(self, name: str, resolve: Callable[[], str]) -> ModelState:
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise ConfigError(f"model name {name!r}: expected a non-empty string of at most 128 characters")
+        with self._names_lock:
+            if name in self._states:
+                raise ConfigError(f"model name {name!r} is already monitored; pass a distinct name=")
+            if len(self._states) >= self.config.max_models:
+                raise ConfigError(f"at most max_models={self.config.max_models} models per monitor "
+                                  "(each name is a label value on every forward metric)")
+            state = ModelState(name, self._hub, resolve)
+            self._states[name] = state
+        return state
+
+    def _state_list(self) -> list[ModelState]:
+        return list(self._states.values())
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Resolve every sample taken so far (waiting up to ``timeout`` seconds for the device).
+
+        For tests, benchmarks and shutdown paths; never needed on the request path.
+        """
+        return self._resolver.drain(deadline_ns=perf_counter_ns() + int(timeout * 1e9))
+
+    def stats(self) -> dict[str, Any]:
+        """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
+        now = perf_counter_ns()
+        models: dict[str, Any] = {}
+        for st in self._state_list():
+            first = self.metrics.first_call(st.name)
+            models[st.name] = {
+                "device": st.device,
+                "calls": count_value(st.calls),
+                "errors": st.error_counts(),
+                "sampled": count_value(st.sampled),
+                "dropped": {r: n for r, c in st.drops.items() if (n := count_value(c))},
+                "sample_rate": st.sampler.rate,
+                "input_signatures": st.table.distinct,
+                "signature_tracking": st.sigs is not None,
+                "cold_start_seconds": first[0] if first else None,
+                "time_to_first_forward_seconds": first[1] if first else None,
+                "latency": self.windows.summary(st.name, now),
+            }
+        return {
+            "version": __version__,
+            "uptime_seconds": (now - self._hub.started_ns) / 1e9,
+            "window_seconds": self.config.stats_window_seconds,
+            "pending_samples": self._resolver.pending,
+            "internal_errors": dict(self._hub.internal.counts()),
+            "models": models,
+        }
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, details): healthy while the resolver thread runs."""
+        alive = self._resolver.alive
+        return alive, {"resolver": "running" if alive else "stopped", "models": len(self._states)}
+
+    @property
+    def wsgi_app(self) -> Callable[..., Any]:
+        """/metrics, /healthz and /stats as a WSGI app, to mount in your own server."""
+        return make_wsgi_app(self)
+
+    @property
+    def asgi_app(self) -> Callable[..., Any]:
+        """/metrics, /healthz and /stats as an ASGI app, to mount in your own server."""
+        return make_asgi_app(self)
+
+    def models(self) -> Iterator[str]:
+        return iter(list(self._states))
+
+
+def _fixed(label: str) -> Callable[[], str]:
+    label = str(label)
+    if label.startswith("cuda") and ":" not in label and torch.cuda.is_available():
+        label = f"cuda:{torch.cuda.current_device()}"
+    return lambda: label
+
+
+def _module_device(module: torch.nn.Module) -> Callable[[], str]:
+    def resolve() -> str:
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            return str(t.device)
+        return "cpu"
+
+    return resolve
+
+
+def _current_cuda_device() -> str:
+    # A plain callable has no parameters to look at: once the process uses CUDA, time on the current
+    # device's stream with events (the work a callable enqueues is asynchronous).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"

@@ -1,0 +1,50 @@
+"""Immutable records passed between stages. Units are in the field names.
+
+``Pending`` is what the request thread enqueues: raw nanosecond stamps and, on CUDA, the event
+pair still in flight. ``Sample`` is what the resolver makes of it once the device time is known.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from .clocks import EventPair
+
+__all__ = ["COLD", "DROP_REASONS", "STEADY", "Pending", "Sample"]
+
+COLD = "cold"
+STEADY = "steady"
+
+#: Why a timed sample never reached the histograms (the ``reason`` label; every reason is exported).
+DROP_REASONS = (
+    "queue_full",  # the resolver fell behind; the request thread never blocks on the queue
+    "pool_exhausted",  # every CUDA event pair of the device is still in flight
+    "graph_capture",  # the stream is being captured into a CUDA graph: timing events are illegal there
+    "timing_failed",  # elapsed_time() refused a completed pair (driver error)
+    "shutdown",  # the monitor stopped before the device finished the work
+)
+
+
+class Pending(NamedTuple):
+    """A timed call as the request thread saw it; built on the hot path, so a plain tuple."""
+
+    probe: Any  # the Probe that made it (gives model name, device label, first-call bookkeeping)
+    seq: int  # the call's index for its model, from 0
+    cold: bool
+    start_ns: int  # perf_counter_ns() just before the call
+    end_ns: int  # perf_counter_ns() just after the call returned
+    events: EventPair | None  # CUDA start/end events recorded around the call, else None
+    device: str  # the device label at the time of the call ("cpu", "cuda:0")
+
+
+class Sample(NamedTuple):
+    """A resolved timed call."""
+
+    model: str
+    device: str
+    phase: str  # COLD or STEADY
+    seq: int
+    duration_seconds: float  # device time on CUDA (events), wall time otherwise
+    host_seconds: float  # time the calling thread spent inside the call
+    end_ns: int  # perf_counter_ns() when the call returned (a monotonic clock)

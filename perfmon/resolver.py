@@ -1,0 +1,217 @@
+"""The resolver: turns pending timed calls into samples, off the request thread.
+
+Each step drains the queue the hot path appends to, asks every pending CUDA pair whether its end
+event completed (``query()``, no synchronize), converts completed pairs to seconds, returns the
+events to their pool and hands each ``Sample`` to the sinks (metrics, windows). Pairs complete
+out of order across streams and devices; each is polled on its own. The step is guarded by a
+lock so ``Monitor.flush()`` can run it from the caller's thread and tests can drive it without
+a thread at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from time import perf_counter_ns
+from typing import Any
+
+from .clocks import elapsed_seconds
+from .instrument import Hub, ModelState
+from .records import COLD, STEADY, Pending, Sample
+
+__all__ = ["Resolver", "Sink"]
+
+#: A stage that consumes resolved samples (structlog-style: a plain callable).
+Sink = Callable[[Sample], None]
+
+
+class Resolver:
+    """Owns the pending list and the background thread that works it."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        sinks: Iterable[Sink],
+        *,
+        states: Callable[[], Iterable[ModelState]] = tuple,
+        log: Any = None,
+        device_refresh_seconds: float = 1.0,
+    ) -> None:
+        self.hub = hub
+        self.sinks = list(sinks)
+        self._states = states
+        self._log = log
+        self._pending: list[Pending] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._refresh_ns = int(device_refresh_seconds * 1e9)
+        self._last_refresh_ns = 0
+        self._dropped_seen: dict[tuple[str, str], int] = {}
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self, now_ns: int | None = None) -> int:
+        """Resolve what can be resolved now; returns the number of samples delivered."""
+        with self._lock:
+            done = self._collect()
+            delivered = self._deliver(done)
+            now = perf_counter_ns() if now_ns is None else now_ns
+            self._housekeeping(now)
+            return delivered
+
+    def _collect(self) -> list[Sample]:
+        queue = self.hub.queue
+        pending = self._pending
+        while queue:
+            try:
+                pending.append(queue.popleft())
+            except IndexError:  # pragma: no cover - only this thread pops
+                break
+        done: list[Sample] = []
+        keep: list[Pending] = []
+        for p in pending:
+            try:
+                sample = self._resolve(p)
+            except Exception as exc:
+                self.hub.internal.report("resolver", exc)
+                self._release(p)
+                continue
+            if sample is None:
+                keep.append(p)
+            elif sample is not _DROPPED:
+                done.append(sample)  # type: ignore[arg-type]
+        self._pending = keep
+        return done
+
+    def _resolve(self, p: Pending) -> Sample | object | None:
+        host_seconds = (p.end_ns - p.start_ns) / 1e9
+        pair = p.events
+        if pair is None:
+            duration = host_seconds
+        else:
+            # query() on a never-recorded event is True; ours were recorded on the hot path.
+            if not pair.end.query():
+                return None
+            try:
+                duration = elapsed_seconds(pair)
+            except (RuntimeError, ValueError) as exc:
+                next(p.probe.drops["timing_failed"])
+                self.hub.internal.report("elapsed_time", exc)
+                return _DROPPED
+            finally:
+                self.hub.pools.release(pair)
+        return Sample(p.probe.name, p.device, COLD if p.cold else STEADY, p.seq, duration, host_seconds,
+                      p.end_ns)
+
+    def _release(self, p: Pending) -> None:
+        if p.events is not None:
+            try:
+                self.hub.pools.release(p.events)
+            except Exception as exc:  # pragma: no cover
+                self.hub.internal.report("resolver", exc)
+
+    def _deliver(self, samples: list[Sample]) -> int:
+        for sink in self.sinks:
+            for s in samples:
+                try:
+                    sink(s)
+                except Exception as exc:
+                    self.hub.internal.report("sink", exc)
+        return len(samples)
+
+    def _housekeeping(self, now_ns: int) -> None:
+        refresh = now_ns - self._last_refresh_ns >= self._refresh_ns
+        if refresh:
+            self._last_refresh_ns = now_ns
+        for st in self._states():
+            try:
+                # The sampling floor: a model with no timed call for floor_seconds gets its next call timed.
+                if st.sampler.floor_due(st.last_sample_ns, now_ns):
+                    st.next_index = 0
+                if refresh:
+                    st.refresh_device()
+                    self._note_drops(st)
+            except Exception as exc:
+                self.hub.internal.report("housekeeping", exc)
+        if self._log is not None:
+            self.hub.internal.log_new(self._log)
+
+    def _note_drops(self, st: ModelState) -> None:
+        """Log a burst of dropped samples once per refresh period (never per dropped sample)."""
+        from .faults import count_value
+
+        for reason, c in st.drops.items():
+            n = count_value(c)
+            key = (st.name, reason)
+            before = self._dropped_seen.get(key, 0)
+            if n > before:
+                self._dropped_seen[key] = n
+                if self._log is not None:
+                    self._log.warning("samples_dropped", model=st.name, reason=reason, dropped=n - before,
+                                      dropped_total=n)
+
+    @property
+    def pending(self) -> int:
+        """Samples waiting: queued plus in flight on a device."""
+        return len(self._pending) + len(self.hub.queue)
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def start(self, interval_seconds: float) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, args=(interval_seconds,),
+                                        name="perfmon-resolver", daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.step()
+            except Exception as exc:  # a sink or housekeeping bug must not kill the thread
+                self.hub.internal.report("resolver", exc)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_seconds: float) -> None:
+        """Stop the thread, resolve what completes within the timeout, drop the rest (reason shutdown)."""
+        deadline = perf_counter_ns() + int(timeout_seconds * 1e9)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+            self._thread = None
+        self.drain(deadline_ns=deadline)
+        with self._lock:
+            for p in self._pending + _pop_all(self.hub.queue):
+                next(p.probe.drops["shutdown"])
+                self._release(p)
+            self._pending = []
+
+    def drain(self, *, deadline_ns: int) -> bool:
+        """Step until nothing is pending or the deadline passes; True if everything resolved."""
+        while True:
+            self.step()
+            if not self.pending:
+                return True
+            if perf_counter_ns() >= deadline_ns:
+                return False
+            # Waiting for the device to finish in-flight work: a short poll, bounded by the deadline.
+            time.sleep(0.001)
+
+
+_DROPPED = object()
+
+
+def _pop_all(queue: Any) -> list[Pending]:
+    out = []
+    while queue:
+        try:
+            out.append(queue.popleft())
+        except IndexError:  # pragma: no cover
+            break
+    return out

@@ -1,0 +1,75 @@
+"""Recent samples per model and phase, for the exact percentiles of ``/stats``.
+
+Written by the resolver thread, read by the HTTP thread; the percentile math happens on read,
+never on the request thread. Bounded in time (``window_seconds``) and in count (``max_samples``).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from collections.abc import Sequence
+from time import perf_counter_ns
+from typing import Any
+
+from .records import Sample
+
+__all__ = ["QUANTILES", "Windows", "quantile"]
+
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted values, linearly interpolated (numpy's default method)."""
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Count, mean, max and the QUANTILES of values in seconds."""
+    ordered = sorted(values)
+    out: dict[str, Any] = {"count": len(ordered)}
+    if ordered:
+        out["mean_seconds"] = sum(ordered) / len(ordered)
+        out["max_seconds"] = ordered[-1]
+        for q in QUANTILES:
+            out[f"p{round(q * 100)}_seconds"] = quantile(ordered, q)
+    return out
+
+
+class Windows:
+    """Per (model, phase): a ring of (end_ns, duration_seconds, host_seconds)."""
+
+    def __init__(self, window_seconds: float, max_samples: int) -> None:
+        self.window_ns = int(window_seconds * 1e9)
+        self.max_samples = max_samples
+        self._rings: dict[tuple[str, str], collections.deque[tuple[int, float, float]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, sample: Sample) -> None:
+        """Sink for resolved samples."""
+        key = (sample.model, sample.phase)
+        with self._lock:
+            ring = self._rings.get(key)
+            if ring is None:
+                ring = self._rings[key] = collections.deque(maxlen=self.max_samples)
+            ring.append((sample.end_ns, sample.duration_seconds, sample.host_seconds))
+
+    def summary(self, model: str, now_ns: int | None = None) -> dict[str, dict[str, Any]]:
+        """Per phase: device (or wall) and host duration summaries over the window."""
+        cutoff = (perf_counter_ns() if now_ns is None else now_ns) - self.window_ns
+        out: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            rings = {phase: list(ring) for (m, phase), ring in self._rings.items() if m == model}
+        for phase, items in sorted(rings.items()):
+            recent = [(d, h) for end, d, h in items if end >= cutoff]
+            out[phase] = {
+                "duration": summarize([d for d, _ in recent]),
+                "host_duration": summarize([h for _, h in recent]),
+            }
+        return out

@@ -1,0 +1,73 @@
+"""Configuration: keyword arguments, PERFMON_* variables, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+import perfmon
+from perfmon.config import Config
+
+
+def test_env_is_read_and_keywords_win() -> None:
+    """PERFMON_* variables set settings, and keyword arguments override them."""
+    env = {"PERFMON_SAMPLE_RATE": "0.05", "PERFMON_PORT": "0", "PERFMON_HOST": "0.0.0.0",
+           "PERFMON_TRACK_SIGNATURES": "false", "PERFMON_BUCKETS": "0.001,0.01,0.1"}
+    cfg = Config.from_env(env)
+    assert cfg.sample_rate == 0.05 and cfg.port == 0 and cfg.host == "0.0.0.0"
+    assert cfg.track_signatures is False and cfg.buckets == (0.001, 0.01, 0.1)
+    cfg = Config.from_env(env, sample_rate=0.02, host="127.0.0.1")
+    assert cfg.sample_rate == 0.02 and cfg.host == "127.0.0.1" and cfg.port == 0
+
+
+def test_port_off_from_env() -> None:
+    """PERFMON_PORT=off means no HTTP server."""
+    assert Config.from_env({"PERFMON_PORT": "off"}).port is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "fragment"),
+    [
+        ({"sample_rate": 0.0}, "sample_rate"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"port": 70000}, "port"),
+        ({"port": True}, "port"),
+        ({"warmup_calls": -1}, "warmup_calls"),
+        ({"queue_size": 0}, "queue_size"),
+        ({"buckets": (0.1, 0.01)}, "buckets"),
+        ({"buckets": ()}, "buckets"),
+        ({"log_format": "xml"}, "log_format"),
+        ({"sample_floor_seconds": 0}, "sample_floor_seconds"),
+        ({"track_signatures": "yes"}, "track_signatures"),
+        ({"no_such_setting": 1}, "unknown setting"),
+    ],
+)
+def test_bad_settings_raise_config_error(kw: dict[str, object], fragment: str) -> None:
+    """Out-of-range or mistyped settings raise ConfigError naming the setting."""
+    with pytest.raises(perfmon.ConfigError, match=fragment):
+        Config.from_env({}, **kw)
+
+
+def test_bad_env_names_the_variable() -> None:
+    """A malformed environment variable's error names the variable."""
+    with pytest.raises(perfmon.ConfigError, match="PERFMON_QUEUE_SIZE"):
+        Config.from_env({"PERFMON_QUEUE_SIZE": "lots"})
+
+
+def test_harmful_sample_rate_warns_at_the_callers_line() -> None:
+    """A legal but costly sample rate warns, attributed to the user's code."""
+    with pytest.warns(UserWarning, match="sample_rate") as record:
+        perfmon.Monitor(port=None, sample_rate=1.0)
+    assert record[0].filename == __file__
+
+
+def test_default_port_avoids_well_known_exporters() -> None:
+    """The default port is none of node_exporter's, dcgm-exporter's or OpenTelemetry's."""
+    assert perfmon.DEFAULT_PORT not in (9100, 9400, 9464)
+    assert Config.from_env({}).port == perfmon.DEFAULT_PORT
+
+
+def test_default_buckets_resolve_within_five_percent_from_half_ms_to_one_s() -> None:
+    """Adjacent default bounds differ by at most ~10% in the 0.5 ms - 1 s range (see docs/design.md)."""
+    b = [x for x in perfmon.DEFAULT_BUCKETS if 0.0005 <= x <= 1.0]
+    assert max(hi / lo for lo, hi in zip(b, b[1:])) < 1.11
+    assert perfmon.DEFAULT_BUCKETS[0] <= 0.0001 and perfmon.DEFAULT_BUCKETS[-1] >= 60

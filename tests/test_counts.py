@@ -1,0 +1,211 @@
+"""Counting, sampling and the cold/steady split."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from .conftest import hist_count, value
+
+
+def _lin() -> torch.nn.Module:
+    return torch.nn.Linear(8, 8)
+
+
+def test_calls_counted_exactly_and_histograms_match_samples(make_monitor) -> None:
+    """After N calls the counter is exactly N and histogram counts equal sampled minus dropped."""
+    mon = make_monitor(sample_rate=0.05).start()
+    model = mon.wrap(_lin(), name="lin")
+    x = torch.randn(4, 8)
+    n = 3001
+    for _ in range(n):
+        model(x)
+    assert mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="lin") == n
+    sampled = value(mon, "perfmon_forward_sampled_total", model="lin")
+    timed = hist_count(mon, "lin", "cold") + hist_count(mon, "lin", "steady")
+    assert timed == sampled
+    assert hist_count(mon, "lin", "cold", name="perfmon_forward_host_duration_seconds") == 3
+    # 1-in-20 with jitter: the expected number of steady samples is ~150
+    assert 80 <= hist_count(mon, "lin", "steady") <= 240
+    stats = mon.stats()["models"]["lin"]
+    assert stats["calls"] == n and stats["sampled"] == sampled
+
+
+def test_counts_exact_under_concurrent_threads(make_monitor) -> None:
+    """Eight threads calling one wrapped model lose no call and no error."""
+    mon = make_monitor(sample_rate=0.02).start()
+
+    class Flaky(torch.nn.Module):
+        def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+            if fail:
+                raise ValueError("bad request")
+            return x + 1
+
+    model = mon.wrap(Flaky(), name="flaky")
+    per_thread, threads = 2500, 8
+    barrier = threading.Barrier(threads)
+
+    def work() -> None:
+        x = torch.zeros(2)
+        barrier.wait(timeout=10)
+        for i in range(per_thread):
+            try:
+                model(x, fail=(i % 10 == 0))
+            except ValueError:
+                pass
+
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="flaky") == per_thread * threads
+    assert value(mon, "perfmon_forward_errors_total", model="flaky", exception="ValueError") == threads * 250
+    timed = hist_count(mon, "flaky", "cold") + hist_count(mon, "flaky", "steady")
+    errors_sampled = value(mon, "perfmon_forward_sampled_total", model="flaky") - timed
+    assert errors_sampled >= 0  # timed calls that raised are not put in the latency histograms
+
+
+def test_cold_steady_split_follows_warmup_and_new_signatures(make_monitor) -> None:
+    """The first warmup calls and the first call of each new shape/dtype are cold; the rest steady."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=3)
+    model = mon.wrap(_lin(), name="lin")
+    a, b, c = torch.randn(1, 8), torch.randn(2, 8), torch.randn(3, 8)
+    a64 = a.double()
+    model.double()
+    model.float()
+    # shape sequence and whether each call is cold
+    script = [(a, True), (a, True), (b, True),  # warm-up: the first three calls, whatever their shape
+              (a, False), (b, False),           # shapes seen during warm-up are known
+              (c, True), (c, False),            # a new shape
+              (a, False), (b, False), (c, False)]
+    for x, _ in script:
+        model(x)
+    expected_cold = sum(cold for _, cold in script)
+    mon.flush()
+    assert hist_count(mon, "lin", "cold") == expected_cold == 4
+    assert hist_count(mon, "lin", "steady") == len(script) - expected_cold
+    # a new dtype is a new signature
+    model.double()
+    model(a64)
+    model(a64)
+    mon.flush()
+    assert hist_count(mon, "lin", "cold") == 5
+    assert value(mon, "perfmon_input_signatures", model="lin") == 4
+
+
+def test_signature_tracking_off_uses_warmup_only(make_monitor) -> None:
+    """With track_signatures=False only the warm-up calls are cold."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=2, track_signatures=False)
+    model = mon.wrap(_lin(), name="lin")
+    for n in range(1, 7):
+        model(torch.randn(n, 8))
+    mon.flush()
+    assert hist_count(mon, "lin", "cold") == 2 and hist_count(mon, "lin", "steady") == 4
+
+
+def test_signatures_of_keyword_and_nested_inputs(make_monitor) -> None:
+    """Tensors in kwargs and lists count toward the signature; other values by type only."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0)
+    fn = mon.instrument(lambda *a, **k: None, name="f")
+    t2, t3 = torch.zeros(2), torch.zeros(3)
+    fn(ids=t2, n=5)
+    fn(ids=t2, n=6)           # int value changed: same signature
+    fn(ids=t3, n=6)           # tensor shape changed: new
+    fn([t2, t2])
+    fn([t2, t3])              # list element shape changed: new
+    fn([t2, t3])
+    mon.flush()
+    assert hist_count(mon, "f", "cold") == 4 and hist_count(mon, "f", "steady") == 2
+
+
+def test_churning_signatures_stop_being_cold(make_monitor) -> None:
+    """When shapes never repeat, signature tracking switches off after the table turns over."""
+    mon = make_monitor(sample_rate=0.001, warmup_calls=0, signature_cache_size=8)
+    model = mon.wrap(_lin(), name="lin")
+    for n in range(1, 41):
+        model(torch.randn(n, 8))
+    mon.flush()
+    # 16 cold (8 to fill the table, 8 evictions to turn it over), then tracking stops
+    assert hist_count(mon, "lin", "cold") == 16
+    assert mon.stats()["models"]["lin"]["signature_tracking"] is False
+    assert value(mon, "perfmon_internal_errors_total", stage="signatures") == 1
+
+
+def test_sampling_floor_times_a_call_after_a_quiet_period(make_monitor) -> None:
+    """With a tiny rate, the floor still gets one call timed per floor period."""
+    mon = make_monitor(sample_rate=1e-6, warmup_calls=1, sample_floor_seconds=5.0)
+    model = mon.wrap(_lin(), name="lin")
+    x = torch.randn(1, 8)
+    for _ in range(50):
+        model(x)
+    mon.flush()
+    assert hist_count(mon, "lin", "steady") == 0
+    state = mon._states["lin"]
+    # the resolver's housekeeping with a clock 6 s later arms the floor
+    mon._resolver.step(now_ns=state.last_sample_ns + 6_000_000_000)
+    model(x)
+    model(x)
+    mon.flush()
+    assert hist_count(mon, "lin", "steady") == 1
+
+
+def test_errors_counted_by_class_with_a_cap(make_monitor) -> None:
+    """Exceptions are counted by class name; beyond the cap they are labelled 'other'."""
+    mon = make_monitor(max_exception_labels=2)
+    classes = [type(f"E{i}", (Exception,), {}) for i in range(4)]
+
+    def fail(i: int) -> None:
+        raise classes[i]()
+
+    fn = mon.instrument(fail, name="fail")
+    for i in (0, 1, 2, 3, 3, 0):
+        with pytest.raises(Exception):  # noqa: B017 - any of the generated classes
+            fn(i)
+    assert value(mon, "perfmon_forward_errors_total", model="fail", exception="E0") == 2
+    assert value(mon, "perfmon_forward_errors_total", model="fail", exception="E1") == 1
+    assert value(mon, "perfmon_forward_errors_total", model="fail", exception="other") == 3
+    assert value(mon, "perfmon_forward_calls_total", model="fail") == 6
+
+
+def test_track_context_manager_counts_and_times(make_monitor) -> None:
+    """`with monitor.track(name)` counts blocks, times cold ones, and counts exceptions without eating them."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1)
+    for _ in range(3):
+        with mon.track("generate"):
+            pass
+    with pytest.raises(KeyError), mon.track("generate"):
+        raise KeyError("k")
+    mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="generate") == 4
+    assert value(mon, "perfmon_forward_errors_total", model="generate", exception="KeyError") == 1
+    assert hist_count(mon, "generate", "cold") == 1 and hist_count(mon, "generate", "steady") == 2
+
+
+def test_several_models_get_their_own_label(make_monitor) -> None:
+    """Two wrapped models are counted under their own model label."""
+    mon = make_monitor()
+    a, b = mon.wrap(_lin(), name="a"), mon.wrap(_lin(), name="b")
+    x = torch.randn(1, 8)
+    for _ in range(3):
+        a(x)
+    b(x)
+    assert value(mon, "perfmon_forward_calls_total", model="a") == 3
+    assert value(mon, "perfmon_forward_calls_total", model="b") == 1
+
+
+def test_calls_after_stop_are_counted_not_timed(make_monitor) -> None:
+    """After stop() a wrapped model still works and is counted, but nothing is queued."""
+    mon = make_monitor(sample_rate=1.0).start()
+    model = mon.wrap(_lin(), name="lin")
+    x = torch.randn(1, 8)
+    model(x)
+    mon.stop()
+    for _ in range(10):
+        model(x)
+    assert value(mon, "perfmon_forward_calls_total", model="lin") == 11
+    assert len(mon._hub.queue) == 0

@@ -1,0 +1,147 @@
+"""A wrapped model behaves exactly like the bare one."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import traceback
+
+import pytest
+import torch
+
+import perfmon
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def test_outputs_identical_for_real_models(make_monitor) -> None:
+    """Outputs of a wrapped MLP and Transformer encoder equal the bare model's bit for bit."""
+    mon = make_monitor(sample_rate=0.05).start()
+    torch.manual_seed(1)
+    enc = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True),
+        num_layers=2, enable_nested_tensor=False).eval()
+    mlp = _mlp().eval()
+    wrapped = {"mlp": mon.wrap(mlp, name="mlp"), "enc": mon.wrap(enc, name="enc")}
+    with torch.inference_mode():
+        for _ in range(20):
+            x = torch.randn(3, 16)
+            assert torch.equal(wrapped["mlp"](x), mlp(x))
+            s = torch.randn(2, 5, 32)
+            assert torch.equal(wrapped["enc"](s), enc(s))
+            # keyword arguments pass through unchanged
+            mask = torch.zeros(2, 5, dtype=torch.bool)
+            assert torch.equal(wrapped["enc"](s, src_key_padding_mask=mask), enc(s, src_key_padding_mask=mask))
+
+
+def test_user_exceptions_pass_through_unchanged(make_monitor) -> None:
+    """The user's exception reaches the caller as the same object, with its traceback into the model."""
+    mon = make_monitor(sample_rate=1.0)
+    mlp = _mlp()
+    model = mon.wrap(mlp, name="mlp")
+    bad = torch.randn(2, 7)
+    with pytest.raises(RuntimeError) as bare:
+        mlp(bad)
+    for _ in range(5):  # cold (timed) and steady calls alike
+        with pytest.raises(RuntimeError) as wrapped:
+            model(bad)
+        assert str(wrapped.value) == str(bare.value)
+        frames = [f.name for f in traceback.extract_tb(wrapped.value.__traceback__)]
+        assert "forward" in frames
+
+    class Boom(Exception):
+        pass
+
+    def explode(x: torch.Tensor) -> torch.Tensor:
+        raise Boom("mine")
+
+    fn = mon.instrument(explode, name="explode")
+    err = Boom("x")
+    with pytest.raises(Boom, match="mine"):
+        fn(torch.ones(1))
+
+    def raise_given(e: BaseException) -> None:
+        raise e
+
+    same = mon.instrument(raise_given, name="given")
+    with pytest.raises(Boom) as caught:
+        same(err)
+    assert caught.value is err
+
+
+def test_module_api_is_preserved(make_monitor) -> None:
+    """eval/train/to/state_dict/attributes/isinstance/containers work on the proxy, and stay monitored."""
+    mon = make_monitor()
+    bare = _mlp()
+    model = mon.wrap(bare, name="mlp")
+    assert isinstance(model, torch.nn.Sequential) and isinstance(model, torch.nn.Module)
+    assert isinstance(model, perfmon.MonitoredModule)
+    assert model.eval() is model and not bare.training
+    assert model.train() is model and bare.training
+    assert model.to(torch.float64) is model and bare[0].weight.dtype == torch.float64
+    model = model.float().requires_grad_(False)
+    assert isinstance(model, perfmon.MonitoredModule)
+    assert list(model.state_dict()) == list(bare.state_dict())
+    assert len(model) == 3 and isinstance(model[0], torch.nn.Linear)
+    assert [type(m) for m in model] == [type(m) for m in bare]
+    model.custom_flag = 7  # attribute writes land on the module
+    assert bare.custom_flag == 7 and model.custom_flag == 7
+    assert model.unwrapped is bare and model.perfmon_name == "mlp"
+    assert repr(model) == repr(bare)
+    model(torch.randn(2, 16))
+    mon.flush()
+    assert mon.stats()["models"]["mlp"]["calls"] == 1
+
+
+def test_torch_save_of_proxy_saves_the_bare_module(make_monitor) -> None:
+    """torch.save/pickle of a monitored model round-trips to an equivalent bare module."""
+    mon = make_monitor()
+    bare = _mlp()
+    model = mon.wrap(bare, name="mlp")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded) is torch.nn.Sequential
+    x = torch.randn(2, 16)
+    assert torch.equal(loaded(x), bare(x))
+    assert type(pickle.loads(pickle.dumps(model))) is torch.nn.Sequential
+
+
+def test_wrap_rejects_double_wrap_duplicate_names_and_non_callables(make_monitor) -> None:
+    """Wrapping twice, reusing a name, or wrapping a non-callable fails with a clear error."""
+    mon = make_monitor()
+    model = mon.wrap(_mlp(), name="a")
+    with pytest.raises(perfmon.WrapError):
+        mon.wrap(model)
+    with pytest.raises(perfmon.ConfigError, match="already monitored"):
+        mon.wrap(_mlp(), name="a")
+    with pytest.raises(perfmon.WrapError):
+        mon.wrap(42)
+    small = make_monitor(max_models=1)
+    small.wrap(_mlp(), name="one")
+    with pytest.raises(perfmon.ConfigError, match="max_models"):
+        small.wrap(_mlp(), name="two")
+
+
+def test_instrumented_method_binds_to_its_instance(make_monitor) -> None:
+    """@monitor.instrument on a method keeps `self` and keeps the function's metadata."""
+    mon = make_monitor()
+
+    class Pipeline:
+        def __init__(self) -> None:
+            self.scale = 3
+
+        @mon.instrument(name="pipeline.step")
+        def step(self, x: int) -> int:
+            """Scale x."""
+            return x * self.scale
+
+    p = Pipeline()
+    assert p.step(2) == 6 and Pipeline.step.__doc__ == "Scale x."
+    assert Pipeline.step.__wrapped__.__name__ == "step"
+    mon.flush()
+    assert mon.stats()["models"]["pipeline.step"]["calls"] == 1
