@@ -137,8 +137,8 @@ class ModelState:
         if pair is None:
             next(self.drops["pool_exhausted"])
             return None
-        stream = backend.current_stream(cuda)
         try:
+            stream = backend.current_stream(cuda)
             pair.start.record(stream)
         except BaseException:
             hub.pools.release(pair)

@@ -1,0 +1,91 @@
+"""Agent faults are counted and logged once; they never reach the caller's request."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import torch
+
+from perfmon.logs import make_logger
+from perfmon.testing import FakeCuda, FakeGpu, GpuWork
+
+from .conftest import value
+
+
+def test_backend_failure_never_reaches_the_request(make_monitor) -> None:
+    """If the CUDA backend raises while timing, the call still returns its result and the fault is counted."""
+    gpu = FakeGpu()
+    backend = FakeCuda(gpu)
+
+    def broken(device_index: int) -> object:
+        raise RuntimeError("driver exploded")
+
+    backend.current_stream = broken  # type: ignore[method-assign]
+    mon = make_monitor(cuda=backend, sample_rate=1.0)
+    model = mon.wrap(GpuWork(gpu, ms=1.0), name="m", device="cuda:0")
+    x = torch.ones(2)
+    for _ in range(5):
+        assert torch.equal(model(x), x)
+    assert value(mon, "perfmon_forward_calls_total", model="m") == 5
+    assert value(mon, "perfmon_internal_errors_total", stage="instrument") == 5
+    assert mon._hub.pools.in_flight() == 0  # the pair taken before the failure went back
+
+
+def test_failing_sink_is_counted_and_others_still_run(make_monitor) -> None:
+    """A sink that raises is counted under stage 'sink'; the histograms still get the sample."""
+    mon = make_monitor(sample_rate=1.0)
+
+    def bad_sink(sample: object) -> None:
+        raise KeyError("sink bug")
+
+    mon._resolver.sinks.insert(0, bad_sink)
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    model(torch.ones(1, 2))
+    mon.flush()
+    assert value(mon, "perfmon_internal_errors_total", stage="sink") == 1
+    assert value(mon, "perfmon_forward_duration_seconds_count", model="m", device="cpu", phase="cold") == 1
+
+
+def test_full_queue_drops_and_counts_without_blocking(make_monitor) -> None:
+    """With the resolver stalled, samples beyond queue_size are dropped as queue_full; calls go on."""
+    mon = make_monitor(sample_rate=1.0, queue_size=5)
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    for _ in range(12):
+        model(torch.ones(1, 2))
+    assert value(mon, "perfmon_samples_dropped_total", model="m", reason="queue_full") == 7
+    assert value(mon, "perfmon_forward_calls_total", model="m") == 12
+    assert len(mon._hub.queue) == 5
+
+
+def test_internal_errors_logged_once_per_kind() -> None:
+    """The same fault repeated 100 times produces one log line and a count of 100."""
+    from perfmon.faults import InternalErrors
+
+    out = io.StringIO()
+    log = make_logger("json", "info", component="resolver", stream=out)
+    faults = InternalErrors()
+    for _ in range(100):
+        faults.report("sink", KeyError("x"))
+    faults.report("sink", ValueError("y"))
+    faults.log_new(log)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(e["event"], e["error"]) for e in lines] == [("internal_error", "KeyError"), ("internal_error", "ValueError")]
+    assert lines[0]["component"] == "resolver" and dict(faults.counts()) == {"sink": 101}
+
+
+def test_logs_are_json_lines_off_a_tty_and_readable_on_one() -> None:
+    """log_format=auto renders JSON lines to a pipe and console text to a terminal."""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    pipe, tty = io.StringIO(), Tty()
+    make_logger("auto", "info", component="monitor", stream=pipe).info("started", url="x")
+    make_logger("auto", "info", component="monitor", stream=tty).info("started", url="x")
+    assert json.loads(pipe.getvalue())["event"] == "started"
+    assert "started" in tty.getvalue() and not tty.getvalue().lstrip().startswith("{")
+    quiet = io.StringIO()
+    make_logger("json", "error", component="m", stream=quiet).info("started")
+    assert quiet.getvalue() == ""

@@ -1,0 +1,149 @@
+"""The HTTP surface over real sockets, the WSGI and ASGI apps, and promtool's lint."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+
+import perfmon
+
+from .conftest import promtool_check
+
+
+def _get(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+@pytest.fixture
+def served(make_monitor):
+    mon = make_monitor(port=0, sample_rate=0.5).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    for n in (1, 2, 2, 2, 3):
+        model(torch.randn(n, 4))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(1, 5))
+    mon.flush()
+    return mon
+
+
+def test_url_and_port_zero(served) -> None:
+    """port=0 picks a free port on 127.0.0.1 and url reports it."""
+    assert served.url.startswith("http://127.0.0.1:") and not served.url.endswith(":0")
+
+
+def test_metrics_over_http_pass_promtool(served) -> None:
+    """/metrics in the text format passes `promtool check metrics` with no finding."""
+    status, headers, body = _get(served.url + "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    text = body.decode()
+    assert 'perfmon_forward_calls_total{model="lin"} 6.0' in text
+    assert 'perfmon_forward_errors_total{exception="RuntimeError",model="lin"} 1.0' in text
+    assert "process_resident_memory_bytes" in text and "perfmon_info{" in text
+    result = promtool_check(body)
+    assert result.returncode == 0, result.stderr.decode() + result.stdout.decode()
+    assert result.stderr.decode().strip() == "" and result.stdout.decode().strip() == ""
+
+
+def test_openmetrics_and_gzip_on_request(served) -> None:
+    """The Accept header selects OpenMetrics; Accept-Encoding: gzip compresses."""
+    status, headers, body = _get(served.url + "/metrics",
+                                 headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert status == 200 and headers["content-type"].startswith("application/openmetrics-text")
+    assert body.rstrip().endswith(b"# EOF")
+    status, headers, body = _get(served.url + "/metrics", headers={"Accept-Encoding": "gzip"})
+    assert headers.get("content-encoding") == "gzip" and b"perfmon_forward_calls_total" in gzip.decompress(body)
+
+
+def test_healthz_and_stats(served) -> None:
+    """/healthz is ok while running; /stats is JSON with exact counts and per-phase percentiles in seconds."""
+    status, _, body = _get(served.url + "/healthz")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, headers, body = _get(served.url + "/stats")
+    assert status == 200 and headers["content-type"] == "application/json"
+    lin = json.loads(body)["models"]["lin"]
+    assert lin["calls"] == 6 and lin["errors"] == {"RuntimeError": 1}
+    assert lin["latency"]["cold"]["duration"]["count"] == 4  # 3 warm-up calls + the first (3, 4) input
+    assert lin["latency"]["cold"]["duration"]["p50_seconds"] > 0
+    assert lin["cold_start_seconds"] > 0 and lin["time_to_first_forward_seconds"] > 0
+
+
+def test_unknown_path_404_and_wrong_method_405(served) -> None:
+    """Unknown paths get a JSON 404; POST to a GET route gets 405 with Allow."""
+    status, headers, body = _get(served.url + "/nope")
+    assert status == 404 and json.loads(body)["error"] == "not found"
+    status, headers, body = _get(served.url + "/metrics", method="POST")
+    assert status == 405 and headers["allow"] == "GET, HEAD" and "not allowed" in json.loads(body)["error"]
+    status, headers, body = _get(served.url + "/healthz", method="HEAD")
+    assert status == 200 and body == b""
+
+
+def test_stop_closes_the_port(make_monitor) -> None:
+    """After stop() the port refuses connections."""
+    mon = make_monitor(port=0).start()
+    url = mon.url
+    assert _get(url + "/healthz")[0] == 200
+    mon.stop()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "/healthz", timeout=2)
+    assert mon.url is None
+
+
+def test_start_is_idempotent(make_monitor) -> None:
+    """Calling start() twice keeps one server and one URL."""
+    mon = make_monitor(port=0)
+    assert mon.start() is mon
+    url = mon.url
+    mon.start()
+    assert mon.url == url
+
+
+def test_wsgi_app_serves_the_same_routes(make_monitor) -> None:
+    """The WSGI app answers /metrics and 404s like the agent's own server."""
+    mon = make_monitor()
+    mon.wrap(torch.nn.Linear(2, 2), name="w")(torch.ones(1, 2))
+    app = perfmon.make_wsgi_app(mon)
+    seen: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+        seen["status"], seen["headers"] = status, dict(headers)
+
+    body = b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics"}, start_response))
+    assert seen["status"] == "200 OK" and b'perfmon_forward_calls_total{model="w"} 1.0' in body
+    b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/x"}, start_response))
+    assert seen["status"].startswith("404")
+
+
+def test_asgi_app_serves_the_same_routes(make_monitor) -> None:
+    """The ASGI app answers /stats and /metrics."""
+    mon = make_monitor()
+    mon.wrap(torch.nn.Linear(2, 2), name="a")(torch.ones(1, 2))
+    app = mon.asgi_app
+
+    async def call(path: str) -> tuple[int, bytes]:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+
+        await app({"type": "http", "method": "GET", "path": path, "headers": []}, receive, send)
+        return sent[0]["status"], sent[1]["body"]
+
+    status, body = asyncio.run(call("/stats"))
+    assert status == 200 and json.loads(body)["models"]["a"]["calls"] == 1
+    status, body = asyncio.run(call("/metrics"))
+    assert status == 200 and b"perfmon_forward_calls_total" in body
