@@ -1,0 +1,48 @@
+# perfmon: `make demo` runs the embedded demo, `make test` runs every test.
+# Both create .venv when missing and install torch first from $(TORCH) (a CPU build by default),
+# so the package's own `torch>=...` requirement never pulls a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.perfmon-installed
+
+.PHONY: demo test lint bench tools clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/perfmon demo $(DEMO_ARGS)
+
+# promtool (Debian's prometheus package) lints /metrics in the tests; install it when we can.
+tools:
+	@if command -v promtool >/dev/null 2>&1; then \
+		echo "tools: promtool found at $$(command -v promtool)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "tools: installing Debian's prometheus package for promtool"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+			|| echo "tools: could not install prometheus; the promtool tests will be SKIPPED"; \
+	else \
+		echo "tools: promtool missing and apt-get unavailable (not root?); the promtool tests will be SKIPPED"; \
+	fi
+
+test: $(STAMP) tools
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check perfmon tests benchmarks
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,7 @@
+"""``python -m perfmon``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""Documentation and public surface stay in step with the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+import perfmon
+from perfmon.metrics import METRICS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _doc_rows() -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    rows = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        m = re.match(r"^\| `(perfmon_\w+)` \| (\w+) \| ([^|]+) \| ([^|]+) \|", line)
+        if m:
+            labels = tuple(re.findall(r"`(\w+)`", m.group(4)))
+            rows[m.group(1)] = (m.group(2), m.group(3).strip(), labels)
+    return rows
+
+
+def test_metrics_doc_matches_declarations() -> None:
+    """docs/metrics.md lists exactly the declared metrics, with their type, unit and labels."""
+    declared = {name: (typ, unit or "—", labels) for name, (typ, unit, labels, _) in METRICS.items()}
+    assert _doc_rows() == declared
+
+
+def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor) -> None:
+    """Every perfmon_* family a live monitor exposes is documented, and every documented one is exposed."""
+    mon = make_monitor(sample_rate=1.0)
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    model(torch.ones(1, 2))
+    try:
+        model(torch.ones(1, 3))
+    except RuntimeError:
+        pass
+    mon._hub.internal.report("test", RuntimeError("a fault, so the family has a sample"))
+    mon.flush()
+    exposed = {}
+    for metric in mon.registry.collect():
+        if not (metric.name == "perfmon" or metric.name.startswith("perfmon_")):
+            continue
+        suffix = {"counter": "_total", "info": "_info"}.get(metric.type, "")
+        name = metric.name + suffix
+        labels = set()
+        for s in metric.samples:
+            labels |= set(s.labels) - {"le"}
+        exposed[name] = (metric.type, labels)
+    documented = {n: (t, set(labels)) for n, (t, _, labels) in _doc_rows().items()}
+    assert exposed == documented
+
+
+def test_public_surface_is_locked() -> None:
+    """perfmon.__all__ is sorted and exactly the curated public names."""
+    assert perfmon.__all__ == sorted(perfmon.__all__)
+    assert set(perfmon.__all__) == {
+        "DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "Config", "ConfigError", "CudaBackend",
+        "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "Span", "TimingEvent", "WrapError",
+        "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
+    }
+    for name in perfmon.__all__:
+        assert hasattr(perfmon, name)
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    """README.md shows `make demo` and `make test` before anything else in a code block."""
+    text = (ROOT / "README.md").read_text()
+    first_block = text.split("```")[1]
+    assert "make demo" in first_block and "make test" in first_block
