@@ -33,7 +33,8 @@ from .sampling import Sampler
 __all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span"]
 
 _Tensor = torch.Tensor
-_CPU = object()  # the token of a timed call on a wall clock (no events to finish)
+#: A timed call in progress: (cold, CUDA event pair or None on a wall clock, stream or None).
+Token = tuple[bool, "EventPair | None", Any]
 _OTHER = "other"
 
 
@@ -78,7 +79,8 @@ class ModelState:
         self._error_lock = threading.Lock()
         self.warmup = cfg.warmup_calls
         self.sampler = Sampler(cfg.sample_rate, cfg.sample_floor_seconds)
-        self.next_index = self.sampler.first_index(cfg.warmup_calls)
+        # 0 until warm-up ends: every warm-up call takes the (cold, timed) slow path.
+        self.next_index = 0 if cfg.warmup_calls else self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
         self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls)
         self.sigs: dict[Hashable, int] | None = self.table.seen if cfg.track_signatures else None
@@ -109,16 +111,28 @@ class ModelState:
 
     # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----
 
-    def new_signature(self, key: Hashable, count: int | None) -> bool:
-        """A signature not yet seen enough times: record it; True if the call is cold."""
+    def new_signature(self, index: int, key: Hashable) -> object | None:
+        """A signature not yet seen ``signature_warmup_calls`` times: the call is cold and timed."""
         table = self.table
-        cold = table.observe(key, count)
+        table.observe(key, table.seen.get(key))
         if table.churning and self.sigs is not None:
             self.sigs = None
             self.hub.internal.report("signatures", _Churn(self.name, table.capacity))
-        return cold
+        if index < self.warmup:
+            return self.due(index)
+        return self.begin(index, True)
 
-    def begin(self, index: int, cold: bool) -> object | None:
+    def due(self, index: int) -> object | None:
+        """Call ``index`` reached ``next_index``: a warm-up call (cold) or a steady-state sample."""
+        warmup = self.warmup
+        if index < warmup:
+            if index == warmup - 1:
+                # Warm-up ends: steady sampling starts at a random phase.
+                self.next_index = self.sampler.first_index(warmup)
+            return self.begin(index, True)
+        return self.begin(index, False)
+
+    def begin(self, index: int, cold: bool) -> Token | None:
         """Start timing call ``index``; returns a token for ``finish``, or None if not timed."""
         hub = self.hub
         if not hub.timing:
@@ -128,7 +142,7 @@ class ModelState:
         next(self.sampled)
         cuda = self.cuda_index
         if cuda < 0:
-            return _CPU
+            return (cold, None, None)
         backend = hub.backend
         if backend.is_capturing(cuda):
             next(self.drops["graph_capture"])
@@ -143,16 +157,15 @@ class ModelState:
         except BaseException:
             hub.pools.release(pair)
             raise
-        return (pair, stream)
+        return (cold, pair, stream)
 
-    def finish(self, token: object, index: int, cold: bool, start_ns: int, end_ns: int) -> None:
+    def finish(self, token: Token, index: int, start_ns: int, end_ns: int) -> None:
         """Close a timed call and hand it to the resolver; never raises."""
-        pair: EventPair | None = None
+        cold, pair, stream = token
         hub = self.hub
         try:
-            if token is not _CPU:
-                pair, stream = token  # type: ignore[misc]
-                pair.end.record(stream)  # type: ignore[union-attr]
+            if pair is not None:
+                pair.end.record(stream)
             queue = hub.queue
             if len(queue) >= hub.queue_size:
                 next(self.drops["queue_full"])
@@ -166,12 +179,12 @@ class ModelState:
                 hub.pools.release(pair)
             hub.internal.report("instrument", exc)
 
-    def abort(self, token: object | None) -> None:
+    def abort(self, token: Token | None) -> None:
         """The timed call raised: give its events back; never raises."""
-        if token is None or token is _CPU:
+        if token is None or token[1] is None:
             return
         try:
-            self.hub.pools.release(token[0])  # type: ignore[index]
+            self.hub.pools.release(token[1])
         except Exception as exc:
             self.hub.internal.report("instrument", exc)
 
@@ -219,21 +232,25 @@ class Probe:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         st = self._pm
-        token = None
         try:
             n = next(st.calls)
-            cold = n < st.warmup
             sigs = st.sigs
             if sigs is not None:
-                if len(args) == 1 and not kwargs and type(args[0]) is _Tensor:
-                    key: Hashable = (args[0].shape, args[0].dtype)
+                if len(args) == 1 and not kwargs and type(a := args[0]) is _Tensor:
+                    key: Hashable = (a.shape, a.dtype)
                 else:
                     key = signature(args, kwargs)
-                count = sigs.get(key)
-                if count is None or count < st.sig_warm:
-                    cold = st.new_signature(key, count) or cold
-            if cold or n >= st.next_index:
-                token = st.begin(n, cold)
+                # Stored counts start at 1: a missing key reads 0, "not seen enough".
+                if sigs.get(key, 0) < st.sig_warm:
+                    token = st.new_signature(n, key)
+                elif n >= st.next_index:
+                    token = st.due(n)
+                else:
+                    token = None
+            elif n >= st.next_index:
+                token = st.due(n)
+            else:
+                token = None
         except Exception as exc:
             st.hub.internal.report("instrument", exc)
             token = None
@@ -250,7 +267,7 @@ class Probe:
             st.abort(token)
             st.error(exc)
             raise
-        st.finish(token, n, cold, t0, perf_counter_ns())
+        st.finish(token, n, t0, perf_counter_ns())
         return out
 
 
@@ -364,18 +381,17 @@ class MonitoredFunction(Probe):
 class Span:
     """``with monitor.track(name):`` — count and sample-time a block of code like a call."""
 
-    __slots__ = ("_cold", "_index", "_start_ns", "_st", "_token")
+    __slots__ = ("_index", "_start_ns", "_st", "_token")
 
     def __init__(self, state: ModelState) -> None:
         self._st = state
-        self._token: object | None = None
+        self._token: Token | None = None
 
     def __enter__(self) -> Span:
         st = self._st
         try:
             n = self._index = next(st.calls)
-            cold = self._cold = n < st.warmup
-            self._token = st.begin(n, cold) if cold or n >= st.next_index else None
+            self._token = st.due(n) if n >= st.next_index else None
         except Exception as exc:
             st.hub.internal.report("instrument", exc)
             self._token = None
@@ -389,4 +405,4 @@ class Span:
             st.abort(self._token)
             st.error(exc)
         elif self._token is not None:
-            st.finish(self._token, self._index, self._cold, self._start_ns, end_ns)
+            st.finish(self._token, self._index, self._start_ns, end_ns)
