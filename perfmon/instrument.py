@@ -222,26 +222,32 @@ class _Churn(Exception):
         )
 
 
-class Probe:
-    """Base of the objects ``Monitor.wrap``/``instrument`` return: ``__call__`` is the hot path."""
+def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Build the ``__call__`` of one monitored object: the per-call hot path.
 
-    __slots__ = ("_pm", "_pm_fn")
+    A closure rather than a method: the state, the target and the constants are closure cells, read
+    without an attribute lookup (a proxy class that defines ``__getattr__`` pays extra for every
+    ``self.x``). On an unsampled call it does: one ``next()``, one comparison and, with signature
+    tracking, the signature's dict lookup. Everything else is on the rare paths.
+    """
+    calls = st.calls
+    sig_warm = st.sig_warm
+    report = st.hub.internal.report
+    tensor = _Tensor
+    general_signature = signature
+    clock = perf_counter_ns
 
-    _pm: ModelState
-    _pm_fn: Callable[..., Any]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        st = self._pm
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            n = next(st.calls)
+            n = next(calls)
             sigs = st.sigs
             if sigs is not None:
-                if len(args) == 1 and not kwargs and type(a := args[0]) is _Tensor:
+                if len(args) == 1 and not kwargs and type(a := args[0]) is tensor:
                     key: Hashable = (a.shape, a.dtype)
                 else:
-                    key = signature(args, kwargs)
+                    key = general_signature(args, kwargs)
                 # Stored counts start at 1: a missing key reads 0, "not seen enough".
-                if sigs.get(key, 0) < st.sig_warm:
+                if sigs.get(key, 0) < sig_warm:
                     token = st.new_signature(n, key)
                 elif n >= st.next_index:
                     token = st.due(n)
@@ -252,23 +258,47 @@ class Probe:
             else:
                 token = None
         except Exception as exc:
-            st.hub.internal.report("instrument", exc)
+            report("instrument", exc)
             token = None
         if token is None:
             try:
-                return self._pm_fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except BaseException as exc:
                 st.error(exc)
                 raise
-        t0 = perf_counter_ns()
+        t0 = clock()
         try:
-            out = self._pm_fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except BaseException as exc:
             st.abort(token)
             st.error(exc)
             raise
-        st.finish(token, n, t0, perf_counter_ns())
+        st.finish(token, n, t0, clock())
         return out
+
+    return __call__
+
+
+class Probe:
+    """Base of the objects ``Monitor.wrap``/``instrument`` return.
+
+    Each instance gets its own subclass whose ``__call__`` is ``hot_path(state, target)``
+    (see ``Probe.create``); the bounded number of models keeps the number of classes bounded.
+    """
+
+    __slots__ = ("_pm", "_pm_fn")
+
+    _pm: ModelState
+    _pm_fn: Callable[..., Any]
+
+    @classmethod
+    def create(cls, target: Callable[..., Any], state: ModelState) -> Any:
+        sub = type(cls.__name__, (cls,), {"__slots__": (), "__call__": hot_path(state, target),
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return sub(target, state)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - replaced per instance
+        raise TypeError("use Probe.create()")
 
 
 _OWN = frozenset(("_pm", "_pm_fn"))

@@ -129,7 +129,7 @@ class Monitor:
             return self.instrument(model, name=name, device=device)
         label = name if name is not None else type(model).__name__
         resolve = _fixed(device) if device != "auto" else _module_device(model)
-        return MonitoredModule(model, self._new_state(label, resolve))
+        return MonitoredModule.create(model, self._new_state(label, resolve))
 
     @overload
     def instrument(self, fn: F, *, name: str | None = None, device: str = "auto") -> F: ...
@@ -148,7 +148,7 @@ class Monitor:
                 raise WrapError(f"cannot monitor {type(f).__name__!r}: it is not callable")
             label = name if name is not None else getattr(f, "__qualname__", None) or f"callable{next(self._anon)}"
             resolve = _fixed(device) if device != "auto" else _current_cuda_device
-            return MonitoredFunction(f, self._new_state(label, resolve))
+            return MonitoredFunction.create(f, self._new_state(label, resolve))
 
         return decorate if fn is None else decorate(fn)
 
