@@ -35,6 +35,8 @@ tools:
 	fi
 
 test: $(STAMP) tools
+	$(BIN)/ruff check perfmon tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -121,7 +121,7 @@ def measure(name: str, make: Callable[[], torch.nn.Module], x: torch.Tensor, rou
         rows.append((key, statistics.median(values), statistics.median(diffs), q[0], q[2]))
     print(f"\n## {name}: bare call median {statistics.median(bare) / 1e3:.2f} µs "
           f"({rounds} rounds x {calls} calls, interleaved)\n")
-    print(f"| variant | per call (µs) | added (ns, median) | added p25..p75 (ns) | ratio to bare |")
+    print("| variant | per call (µs) | added (ns, median) | added p25..p75 (ns) | ratio to bare |")
     print("|---|---:|---:|---:|---:|")
     b = statistics.median(bare)
     for key, med, add, q1, q3 in rows:

@@ -16,12 +16,12 @@ from .monitor import Monitor
 from .server import make_asgi_app, make_wsgi_app
 
 __all__ = [
-    "Config",
-    "ConfigError",
-    "CudaBackend",
     "DEFAULT_BUCKETS",
     "DEFAULT_HOST_BUCKETS",
     "DEFAULT_PORT",
+    "Config",
+    "ConfigError",
+    "CudaBackend",
     "Monitor",
     "MonitoredFunction",
     "MonitoredModule",

@@ -15,7 +15,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CudaBackend", "EventPair", "EventPool", "EventPools", "NoCuda", "TimingEvent", "TorchCuda", "elapsed_seconds"]
+__all__ = [
+    "CudaBackend", "EventPair", "EventPool", "EventPools", "NoCuda", "TimingEvent", "TorchCuda", "elapsed_seconds",
+]
 
 
 @runtime_checkable
@@ -63,7 +65,7 @@ class TorchCuda:
         return bool(self._cuda.is_available())
 
     def new_event(self) -> TimingEvent:
-        return self._cuda.Event(enable_timing=True)  # type: ignore[no-any-return]
+        return self._cuda.Event(enable_timing=True)  # type: ignore[no-any-return,no-untyped-call]
 
     def current_stream(self, device_index: int) -> Any:
         return self._cuda.current_stream(device_index)

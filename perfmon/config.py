@@ -8,6 +8,7 @@ naming the setting and where it came from.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import warnings
@@ -156,7 +157,7 @@ class Config:
             b = getattr(self, name)
             try:
                 ok = (len(b) >= 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b)
-                      and all(x < y for x, y in zip(b, b[1:])) and b[0] > 0)
+                      and all(x < y for x, y in itertools.pairwise(b)) and b[0] > 0)
             except TypeError:
                 ok = False
             if not ok:

@@ -52,7 +52,8 @@ def run_demo(*, host: str | None = None, port: int | None = None, duration: floa
                 x = torch.randn(batch, seq, 128, device=device)
             with torch.inference_mode():
                 y = model(x)
-            return y.mean(dim=1)
+            out: torch.Tensor = y.mean(dim=1)
+            return out
 
         url = monitor.url
         print(f"perfmon demo: encoder on {device}, {threads} threads, ~{rps:g} requests/s", file=out)
@@ -105,7 +106,10 @@ def _report(monitor: Monitor, out: TextIO) -> None:
     cold = enc["latency"].get("cold", {}).get("duration", {})
     p50 = steady.get("p50_seconds")
     p99 = steady.get("p99_seconds")
-    fmt = (lambda v: "-" if v is None else f"{v * 1e3:.2f} ms")
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f} ms"
+
     print(f"  encoder: {enc['calls']} calls, {sum(enc['errors'].values())} errors, "
           f"steady p50 {fmt(p50)} p99 {fmt(p99)} ({steady.get('count', 0)} samples), "
           f"cold calls timed {cold.get('count', 0)}", file=out, flush=True)

@@ -111,7 +111,7 @@ class ModelState:
 
     # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----
 
-    def new_signature(self, index: int, key: Hashable) -> object | None:
+    def new_signature(self, index: int, key: Hashable) -> Token | None:
         """A signature not yet seen ``signature_warmup_calls`` times: the call is cold and timed."""
         table = self.table
         table.observe(key, table.seen.get(key))
@@ -122,7 +122,7 @@ class ModelState:
             return self.due(index)
         return self.begin(index, True)
 
-    def due(self, index: int) -> object | None:
+    def due(self, index: int) -> Token | None:
         """Call ``index`` reached ``next_index``: a warm-up call (cold) or a steady-state sample."""
         warmup = self.warmup
         if index < warmup:
@@ -247,6 +247,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 else:
                     key = general_signature(args, kwargs)
                 # Stored counts start at 1: a missing key reads 0, "not seen enough".
+                token: Token | None
                 if sigs.get(key, 0) < sig_warm:
                     token = st.new_signature(n, key)
                 elif n >= st.next_index:
@@ -320,7 +321,7 @@ class MonitoredModule(Probe):
         object.__setattr__(self, "_pm", state)
 
     @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: D105 - isinstance() checks against the module's class
+    def __class__(self) -> type:
         return type(self._pm_fn)
 
     def __getattr__(self, name: str) -> Any:
@@ -411,7 +412,7 @@ class MonitoredFunction(Probe):
 class Span:
     """``with monitor.track(name):`` — count and sample-time a block of code like a call."""
 
-    __slots__ = ("_index", "_start_ns", "_st", "_token")
+    __slots__ = ("_index", "_st", "_start_ns", "_token")
 
     def __init__(self, state: ModelState) -> None:
         self._st = state

@@ -257,6 +257,6 @@ def _module_device(module: torch.nn.Module) -> Callable[[], str]:
 def _current_cuda_device() -> str:
     # A plain callable has no parameters to look at: once the process uses CUDA, time on the current
     # device's stream with events (the work a callable enqueues is asynchronous).
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return f"cuda:{torch.cuda.current_device()}"
     return "cpu"

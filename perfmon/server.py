@@ -150,13 +150,15 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
 class AgentServer:
     """The agent's own HTTP server on a daemon thread."""
 
     def __init__(self, app: Callable[..., Any], host: str, port: int) -> None:
-        server_class = _ThreadingServer
-        if ":" in host:
-            server_class = type("_ThreadingServer6", (_ThreadingServer,), {"address_family": socket.AF_INET6})
+        server_class: type[_ThreadingServer] = _ThreadingServer6 if ":" in host else _ThreadingServer
         self._httpd = make_server(host, port, app, server_class=server_class, handler_class=_Handler)
         self.host = host
         self.port = int(self._httpd.server_port)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import perfmon
@@ -69,5 +71,5 @@ def test_default_port_avoids_well_known_exporters() -> None:
 def test_default_buckets_resolve_within_five_percent_from_half_ms_to_one_s() -> None:
     """Adjacent default bounds differ by at most ~10% in the 0.5 ms - 1 s range (see docs/design.md)."""
     b = [x for x in perfmon.DEFAULT_BUCKETS if 0.0005 <= x <= 1.0]
-    assert max(hi / lo for lo, hi in zip(b, b[1:])) < 1.11
+    assert max(hi / lo for lo, hi in itertools.pairwise(b)) < 1.11
     assert perfmon.DEFAULT_BUCKETS[0] <= 0.0001 and perfmon.DEFAULT_BUCKETS[-1] >= 60

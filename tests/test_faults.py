@@ -70,7 +70,8 @@ def test_internal_errors_logged_once_per_kind() -> None:
     faults.report("sink", ValueError("y"))
     faults.log_new(log)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert [(e["event"], e["error"]) for e in lines] == [("internal_error", "KeyError"), ("internal_error", "ValueError")]
+    kinds = [(e["event"], e["error"]) for e in lines]
+    assert kinds == [("internal_error", "KeyError"), ("internal_error", "ValueError")]
     assert lines[0]["component"] == "resolver" and dict(faults.counts()) == {"sink": 101}
 
 
