@@ -1,0 +1,93 @@
+"""A real Prometheus server for tests: started by hand on 127.0.0.1 with a temp config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Prometheus:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """Instant query; returns the result vector (raises on a PromQL error)."""
+        qs = urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]  # type: ignore[no-any-return]
+
+    def wait_for(self, promql: str, timeout: float = 40.0) -> list[dict[str, Any]]:
+        """Poll an instant query until it returns a non-empty vector, or fail at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(promql)
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no data for {promql!r} after {timeout} s")
+            time.sleep(0.5)
+
+
+@contextmanager
+def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s") -> Iterator[Prometheus]:
+    """Start prometheus scraping ``targets`` (host:port); stop it afterwards."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (make test installs Debian's prometheus package when it can)")
+    port = free_port()
+    cfg = tmp / "prometheus.yml"
+    cfg.write_text(
+        "global:\n"
+        f"  scrape_interval: {scrape_interval}\n"
+        f"  evaluation_interval: {scrape_interval}\n"
+        "scrape_configs:\n"
+        "  - job_name: perfmon\n"
+        "    static_configs:\n"
+        f"      - targets: {json.dumps(targets)}\n"
+    )
+    log = (tmp / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    prom = Prometheus(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(prom.url + "/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("prometheus did not become ready: " + (tmp / "prometheus.log").read_text()[-2000:])
+            time.sleep(0.2)
+        yield prom
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
