@@ -91,6 +91,16 @@ class Config:
     max_models: int = 64
     #: How long stop() waits for in-flight CUDA samples and threads.
     stop_timeout_seconds: float = 2.0
+    #: Poll NVML for GPU telemetry (a no-op where NVML is absent).
+    nvml: bool = True
+    #: Seconds between NVML polls (each poll is ~15 NVML calls per GPU).
+    nvml_interval_seconds: float = 1.0
+    #: Where captures and allocator snapshots go (created 0700).
+    trace_dir: str = "./perfmon-traces"
+    #: On a CUDA out-of-memory error in a monitored call, write one allocator snapshot to trace_dir.
+    oom_snapshot: bool = False
+    #: At most one OOM snapshot per this many seconds.
+    oom_snapshot_cooldown_seconds: float = 600.0
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
     #: application's own structlog configuration).
     log_format: str = "auto"
@@ -128,6 +138,8 @@ class Config:
             "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),
             "stats_max_samples": int, "max_exception_labels": int, "max_models": int,
             "stop_timeout_seconds": (int, float), "log_format": str, "log_level": str,
+            "nvml": bool, "nvml_interval_seconds": (int, float), "trace_dir": str, "oom_snapshot": bool,
+            "oom_snapshot_cooldown_seconds": (int, float),
         }
         for name, typ in _types.items():
             value = getattr(self, name)
@@ -140,10 +152,12 @@ class Config:
             raise bad("port", "expected an integer 0..65535 (0 = any free port) or None (no server)")
         if not self.host:
             raise bad("host", "must not be empty")
+        if not self.trace_dir:
+            raise bad("trace_dir", "must not be empty")
         if not 0.0 < self.sample_rate <= 1.0 or math.isnan(self.sample_rate):
             raise bad("sample_rate", "must be in (0, 1]")
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
-                    "stop_timeout_seconds")
+                    "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")

@@ -33,6 +33,7 @@ from .sampling import Sampler
 __all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span"]
 
 _Tensor = torch.Tensor
+_OOM = torch.cuda.OutOfMemoryError
 #: A timed call in progress: (cold, CUDA event pair or None on a wall clock, stream or None).
 Token = tuple[bool, "EventPair | None", Any]
 _OTHER = "other"
@@ -52,6 +53,8 @@ class Hub:
         self.timing = True
         #: perf_counter_ns() when the monitor started (origin of time-to-first-forward).
         self.started_ns = perf_counter_ns()
+        #: Called on the request thread with a CUDA OutOfMemoryError (the allocator snapshot).
+        self.on_oom: Callable[[BaseException], object] | None = None
 
 
 class ModelState:
@@ -196,6 +199,8 @@ class ModelState:
             if counter is None:
                 counter = self._error_counter(cls)
             next(counter)
+            if cls is _OOM and self.hub.on_oom is not None:
+                self.hub.on_oom(exc)
         except Exception as inner:
             self.hub.internal.report("errors", inner)
 

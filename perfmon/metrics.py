@@ -23,6 +23,8 @@ from ._version import __version__
 from .config import Config
 from .faults import InternalErrors, count_value
 from .instrument import ModelState
+from .memory import MemorySource, read_memory
+from .nvml import NvmlPoller, normalize_uuid
 from .records import DROP_REASONS, Sample
 
 __all__ = ["METRICS", "Metrics"]
@@ -55,6 +57,47 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "signatures", ("model",), "Distinct input signatures (shapes, dtypes) seen by the model."),
     "perfmon_internal_errors_total": (
         "counter", "errors", ("stage",), "Faults inside the agent, by stage; none ever reaches a request."),
+    # -- torch allocator (memory.py), per CUDA device this process used ------------------------
+    "perfmon_torch_memory_allocated_bytes": (
+        "gauge", "bytes", ("device", "gpu", "UUID"), "Bytes in live tensors (torch caching allocator)."),
+    "perfmon_torch_memory_reserved_bytes": (
+        "gauge", "bytes", ("device", "gpu", "UUID"),
+        "Bytes the allocator holds from the driver (allocated + cached; caching is not a leak)."),
+    "perfmon_torch_memory_peak_allocated_bytes": (
+        "gauge", "bytes", ("device", "gpu", "UUID"), "Peak allocated bytes since process start."),
+    "perfmon_torch_memory_peak_reserved_bytes": (
+        "gauge", "bytes", ("device", "gpu", "UUID"), "Peak reserved bytes since process start."),
+    "perfmon_torch_memory_fragmentation_ratio": (
+        "gauge", "ratio", ("device", "gpu", "UUID"), "Inactive split bytes over reserved bytes (0-1)."),
+    "perfmon_torch_alloc_retries_total": (
+        "counter", "retries", ("device", "gpu", "UUID"),
+        "cudaMalloc retries after flushing the cache (a sign of memory pressure)."),
+    "perfmon_torch_ooms_total": (
+        "counter", "errors", ("device", "gpu", "UUID"), "Out-of-memory errors raised by the allocator."),
+    "perfmon_oom_snapshots_total": (
+        "counter", "files", (), "Allocator snapshots written to the trace directory after an OOM."),
+    # -- NVML (nvml.py), per GPU; labels as dcgm-exporter's ------------------------------------
+    "perfmon_gpu_utilization_ratio": (
+        "gauge", "ratio", ("gpu", "UUID"), "Fraction of the last sample period a kernel ran (0-1)."),
+    "perfmon_gpu_memory_utilization_ratio": (
+        "gauge", "ratio", ("gpu", "UUID"), "Fraction of the last sample period memory was read or written."),
+    "perfmon_gpu_memory_used_bytes": ("gauge", "bytes", ("gpu", "UUID"), "Device memory in use (all processes)."),
+    "perfmon_gpu_memory_total_bytes": ("gauge", "bytes", ("gpu", "UUID"), "Device memory in total."),
+    "perfmon_gpu_temperature_celsius": ("gauge", "celsius", ("gpu", "UUID"), "GPU die temperature."),
+    "perfmon_gpu_power_watts": ("gauge", "watts", ("gpu", "UUID"), "Power draw."),
+    "perfmon_gpu_power_limit_watts": ("gauge", "watts", ("gpu", "UUID"), "Enforced power limit."),
+    "perfmon_gpu_energy_joules_total": (
+        "counter", "joules", ("gpu", "UUID"), "Energy consumed since the driver loaded."),
+    "perfmon_gpu_sm_clock_hertz": ("gauge", "hertz", ("gpu", "UUID"), "Current SM clock."),
+    "perfmon_gpu_sm_clock_max_hertz": ("gauge", "hertz", ("gpu", "UUID"), "Maximum SM clock."),
+    "perfmon_gpu_clocks_event_reasons": (
+        "gauge", "boolean", ("gpu", "UUID", "reason"), "1 while the reason holds clocks down (throttling), else 0."),
+    "perfmon_gpu_process_memory_used_bytes": (
+        "gauge", "bytes", ("gpu", "UUID"), "Device memory used by this process (NVML's compute process list)."),
+    "perfmon_gpu_process_utilization_ratio": (
+        "gauge", "ratio", ("gpu", "UUID"), "SM utilization by this process in the latest NVML sample (0-1)."),
+    "perfmon_nvml_up": ("gauge", "boolean", (), "1 when the last NVML poll succeeded, else 0."),
+    "perfmon_nvml_errors_total": ("counter", "errors", ("call",), "Failed NVML calls, by function."),
     "perfmon_info": (
         "info", "", ("version", "torch_version", "cuda"), "perfmon, torch and CUDA versions."),
 }
@@ -160,6 +203,104 @@ class _CountsCollector(Collector):
         for stage, n in sorted(self._internal.counts()):
             internal.add_metric([stage], n)
         yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, internal)
+
+
+#: GpuReading.values key -> metric name.
+_GPU_FIELDS = {
+    "utilization_ratio": "perfmon_gpu_utilization_ratio",
+    "memory_utilization_ratio": "perfmon_gpu_memory_utilization_ratio",
+    "memory_used_bytes": "perfmon_gpu_memory_used_bytes",
+    "memory_total_bytes": "perfmon_gpu_memory_total_bytes",
+    "temperature_celsius": "perfmon_gpu_temperature_celsius",
+    "power_watts": "perfmon_gpu_power_watts",
+    "power_limit_watts": "perfmon_gpu_power_limit_watts",
+    "energy_joules": "perfmon_gpu_energy_joules_total",
+    "sm_clock_hertz": "perfmon_gpu_sm_clock_hertz",
+    "sm_clock_max_hertz": "perfmon_gpu_sm_clock_max_hertz",
+    "process_memory_used_bytes": "perfmon_gpu_process_memory_used_bytes",
+    "process_utilization_ratio": "perfmon_gpu_process_utilization_ratio",
+}
+
+#: DeviceMemory attribute -> metric name.
+_MEMORY_FIELDS = {
+    "allocated_bytes": "perfmon_torch_memory_allocated_bytes",
+    "reserved_bytes": "perfmon_torch_memory_reserved_bytes",
+    "peak_allocated_bytes": "perfmon_torch_memory_peak_allocated_bytes",
+    "peak_reserved_bytes": "perfmon_torch_memory_peak_reserved_bytes",
+    "fragmentation_ratio": "perfmon_torch_memory_fragmentation_ratio",
+    "alloc_retries": "perfmon_torch_alloc_retries_total",
+    "ooms": "perfmon_torch_ooms_total",
+}
+
+
+def _family(name: str) -> Any:
+    """An empty family for a declared metric (counters take their name without ``_total``)."""
+    typ, _, labels, doc = METRICS[name]
+    if typ == "counter":
+        return CounterMetricFamily(name[: -len("_total")], doc, labels=list(labels))
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+class TelemetryCollector(Collector):
+    """Torch allocator and NVML figures at scrape time; a failing source is counted, not raised."""
+
+    def __init__(self, *, memory: MemorySource | None, nvml: NvmlPoller | None, internal: InternalErrors,
+                 oom_snapshots: Callable[[], int] | None = None) -> None:
+        self._memory = memory
+        self._nvml = nvml
+        self._internal = internal
+        self._oom_snapshots = oom_snapshots
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._nvml.snapshot() if self._nvml is not None else None
+        gpu_of = snap.index_by_uuid() if snap is not None else {}
+        if self._memory is not None:
+            try:
+                rows = read_memory(self._memory)
+            except Exception as exc:
+                self._internal.report("memory", exc)
+                rows = []
+            if rows:
+                fams = {attr: _family(name) for attr, name in _MEMORY_FIELDS.items()}
+                for r in rows:
+                    uuid = normalize_uuid(r.uuid)
+                    gpu = gpu_of.get(uuid)
+                    labels = [f"cuda:{r.device}", "" if gpu is None else str(gpu), uuid]
+                    for attr, fam in fams.items():
+                        fam.add_metric(labels, getattr(r, attr))
+                yield from fams.values()
+        if self._oom_snapshots is not None:
+            fam = _family("perfmon_oom_snapshots_total")
+            fam.add_metric([], self._oom_snapshots())
+            yield fam
+        if snap is None:
+            return
+        up = _family("perfmon_nvml_up")
+        up.add_metric([], 1.0 if snap.up else 0.0)
+        yield up
+        errors = _family("perfmon_nvml_errors_total")
+        for call, n in sorted(snap.errors.items()):
+            errors.add_metric([call], n)
+        yield errors
+        if not snap.gpus:
+            return
+        fams = {key: _family(name) for key, name in _GPU_FIELDS.items()}
+        reasons = _family("perfmon_gpu_clocks_event_reasons")
+        for g in snap.gpus:
+            labels = [str(g.index), g.uuid]
+            for key, value in g.values.items():
+                fam = fams.get(key)
+                if fam is not None:
+                    fam.add_metric(labels, value)
+            for reason, on in g.clock_event_reasons.items():
+                reasons.add_metric([*labels, reason], on)
+        # A family with no sample (a field no GPU supports) is left out entirely.
+        yield from (f for f in fams.values() if f.samples)
+        if reasons.samples:
+            yield reasons
 
 
 def _versions() -> dict[str, str]:

@@ -23,7 +23,9 @@ from .exceptions import ConfigError, WrapError
 from .faults import count_value
 from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
 from .logs import make_logger
-from .metrics import Metrics
+from .memory import MemorySource, OomSnapshotter, TorchMemory
+from .metrics import Metrics, TelemetryCollector
+from .nvml import NvmlPoller
 from .resolver import Resolver
 from .server import AgentServer, make_asgi_app, make_wsgi_app
 from .windows import Windows
@@ -37,12 +39,14 @@ class Monitor:
     """An in-process performance monitor for PyTorch inference.
 
     ``Monitor(**settings)`` takes every ``Config`` setting as a keyword argument (keywords win over
-    ``PERFMON_*`` variables). ``registry`` (a prometheus_client ``CollectorRegistry``; a private
-    one by default) and ``cuda`` (a ``CudaBackend``; real CUDA when available) are injectable.
+    ``PERFMON_*`` variables). Data sources are injectable: ``registry`` (a prometheus_client
+    ``CollectorRegistry``; a private one by default), ``cuda`` (a ``CudaBackend``; real CUDA when
+    available), ``nvml`` (anything with pynvml's API; pynvml by default) and ``memory`` (a
+    ``MemorySource``; torch's allocator when CUDA is available).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None, cuda: CudaBackend | None = None,
-                 **settings: Any) -> None:
+                 nvml: Any = None, memory: MemorySource | None = None, **settings: Any) -> None:
         self.config = Config.from_env(**settings)
         cfg = self.config
         self._log = make_logger(cfg.log_format, cfg.log_level, component="monitor")
@@ -58,6 +62,23 @@ class Monitor:
         self._resolver = Resolver(self._hub, [self.metrics.observe, self.windows.add],
                                   states=self._state_list,
                                   log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
+        if memory is None and torch.cuda.is_available():
+            memory = TorchMemory()
+        self._memory = memory
+        self._nvml = (NvmlPoller(nvml, interval_seconds=cfg.nvml_interval_seconds,
+                                 log=make_logger(cfg.log_format, cfg.log_level, component="nvml"))
+                      if cfg.nvml else None)
+        self._oom: OomSnapshotter | None = None
+        if cfg.oom_snapshot and memory is not None:
+            self._oom = OomSnapshotter(memory, cfg.trace_dir, cfg.oom_snapshot_cooldown_seconds,
+                                       on_written=lambda path: self._log.warning("oom_snapshot_written",
+                                                                                 path=str(path)),
+                                       on_error=lambda exc: self._hub.internal.report("oom_snapshot", exc))
+            self._hub.on_oom = self._oom
+        oom = self._oom
+        self.registry.register(TelemetryCollector(
+            memory=memory, nvml=self._nvml, internal=self._hub.internal,
+            oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
         self._server: AgentServer | None = None
         self._lifecycle = threading.Lock()
         self._running = False
@@ -76,6 +97,8 @@ class Monitor:
             if cfg.port is not None:
                 self._server = AgentServer(make_wsgi_app(self), cfg.host, cfg.port)
             self._resolver.start(cfg.resolve_interval_seconds)
+            if self._nvml is not None:
+                self._nvml.start()
             if self._server is not None:
                 self._server.start()
             self._running = True
@@ -95,6 +118,10 @@ class Monitor:
                 self._server.stop(timeout)
                 self._server = None
             self._resolver.stop(timeout)
+            if self._nvml is not None:
+                self._nvml.stop(timeout)
+            if self._oom is not None:
+                self._oom.join(timeout)
         self._log.info("stopped", calls=sum(count_value(s.calls) for s in self._state_list()))
 
     def __enter__(self) -> Monitor:

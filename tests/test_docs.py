@@ -9,6 +9,7 @@ import torch
 
 import perfmon
 from perfmon.metrics import METRICS
+from perfmon.testing import FakeNvml, FakeTorchMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,9 +30,10 @@ def test_metrics_doc_matches_declarations() -> None:
     assert _doc_rows() == declared
 
 
-def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor) -> None:
+def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, tmp_path: Path) -> None:
     """Every perfmon_* family a live monitor exposes is documented, and every documented one is exposed."""
-    mon = make_monitor(sample_rate=1.0)
+    mon = make_monitor(sample_rate=1.0, nvml=FakeNvml(), memory=FakeTorchMemory(), oom_snapshot=True,
+                       trace_dir=str(tmp_path)).start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
     model(torch.ones(1, 2))
     try:
@@ -39,6 +41,8 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor) -
     except RuntimeError:
         pass
     mon._hub.internal.report("test", RuntimeError("a fault, so the family has a sample"))
+    mon._nvml.nvml.failing.add((1, "nvmlDeviceGetPowerUsage"))  # so the NVML error family has a sample
+    mon._nvml.poll()
     mon.flush()
     exposed = {}
     for metric in mon.registry.collect():

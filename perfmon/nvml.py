@@ -1,0 +1,291 @@
+"""NVML telemetry: the only module that imports pynvml.
+
+A daemon poller reads each visible GPU every ``nvml_interval_seconds`` and keeps the latest
+reading; the exporter renders that reading at scrape time (a scrape never waits on NVML).
+
+Failure model, per the NVML return codes:
+
+* library or driver missing at start (``NVMLError_LibraryNotFound``, ``DriverNotLoaded``...):
+  ``up`` is False, one log line, no thread left spinning;
+* a field the GPU does not support (``NVMLError_NotSupported``): that field is absent for that GPU
+  and never asked again; other fields still update;
+* any other error from a call: counted by call, that field is absent from the reading (no stale
+  value is exported), and when a whole poll fails the poller backs off (doubling up to 60 s) and
+  re-initialises NVML; ``up`` reflects the last poll.
+
+The backend is injectable (``Monitor(nvml=...)``): anything with pynvml's function names and
+exception classes. ``perfmon.testing.FakeNvml`` is one; the real one is the ``pynvml`` module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+__all__ = ["CLOCK_EVENT_REASONS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors", "normalize_uuid"]
+
+#: The ``reason`` label of ``perfmon_gpu_clocks_event_reasons`` -> NVML's bit (nvmlClocksEventReason*).
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+_MAX_BACKOFF_SECONDS = 60.0
+
+
+def errors() -> Any:
+    """pynvml's exception classes, for fakes that must raise the real ones."""
+    return pynvml
+
+
+def normalize_uuid(uuid: Any) -> str:
+    """NVML's ``GPU-xxxxxxxx-...`` form (torch reports the same UUID without the prefix)."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+@dataclass
+class GpuReading:
+    """One GPU's latest values, in base units; a field is absent when unsupported or failing."""
+
+    index: int
+    uuid: str
+    values: dict[str, float] = field(default_factory=dict)
+    clock_event_reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class NvmlSnapshot:
+    up: bool
+    gpus: list[GpuReading]
+    errors: dict[str, int]
+
+    def index_by_uuid(self) -> dict[str, int]:
+        return {g.uuid: g.index for g in self.gpus}
+
+
+class NvmlPoller:
+    """Polls NVML on a daemon thread; ``snapshot()`` returns the latest reading."""
+
+    def __init__(self, backend: Any = None, *, interval_seconds: float = 1.0, log: Any = None,
+                 pid: Callable[[], int] = os.getpid) -> None:
+        self.nvml = backend if backend is not None else pynvml
+        self.interval = interval_seconds
+        self._log = log
+        self._pid = pid
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._initialized = False
+        self._unsupported: set[tuple[int, str]] = set()
+        self._errors: dict[str, int] = {}
+        self._last_seen_us: dict[int, int] = {}
+        self._failures = 0
+        self._logged_down = False
+        self._snapshot = NvmlSnapshot(False, [], {})
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Initialise NVML and start polling; without NVML, stay down quietly (one log line)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        if not self._init(first=True):
+            return  # no library or driver: nothing will change while the process runs
+        self.poll()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="perfmon-nvml", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+            self._thread = None
+        if self._initialized:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass  # shutting down anyway
+            self._initialized = False
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        delay = self.interval
+        while not self._stop.wait(delay):
+            ok = self.poll()
+            if ok:
+                self._failures = 0
+                delay = self.interval
+            else:
+                # Back off while NVML is failing; re-initialise on the next try.
+                self._failures += 1
+                delay = min(self.interval * 2 ** self._failures, _MAX_BACKOFF_SECONDS)
+
+    def _init(self, first: bool = False) -> bool:
+        nvml = self.nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            if not first:
+                self._count("nvmlInit")  # NVML was up and is failing now; absent at start is not an error
+            self._set(NvmlSnapshot(False, [], dict(self._errors)))
+            if not self._logged_down and self._log is not None:
+                self._logged_down = True
+                self._log.warning("nvml_unavailable", error=type(exc).__name__, detail=str(exc),
+                                  note="GPU telemetry off; perfmon_nvml_up is 0; everything else works")
+            return False
+        except Exception as exc:  # e.g. a broken ctypes load
+            if not first:
+                self._count("nvmlInit")
+            if self._log is not None and not self._logged_down:
+                self._logged_down = True
+                self._log.warning("nvml_unavailable", error=type(exc).__name__, detail=str(exc))
+            return False
+        self._initialized = True
+        return True
+
+    # -- one poll -----------------------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Read every GPU once; True if NVML answered (even with some fields missing)."""
+        nvml = self.nvml
+        if not self._initialized and not self._init():
+            return False
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except Exception:
+            self._count("nvmlDeviceGetCount")
+            self._initialized = False  # re-init on the next poll
+            self._set(NvmlSnapshot(False, [], dict(self._errors)))
+            return False
+        gpus = []
+        for index in range(count):
+            reading = self._read_gpu(index)
+            if reading is not None:
+                gpus.append(reading)
+        up = bool(gpus) or count == 0
+        self._set(NvmlSnapshot(up, gpus, dict(self._errors)))
+        return up
+
+    def _read_gpu(self, index: int) -> GpuReading | None:
+        nvml = self.nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = normalize_uuid(nvml.nvmlDeviceGetUUID(handle))
+        except Exception:
+            self._count("nvmlDeviceGetHandleByIndex")
+            return None  # a lost GPU: its series disappear rather than go stale
+        r = GpuReading(index, uuid)
+        v = r.values
+        util = self._call(index, "nvmlDeviceGetUtilizationRates", handle)
+        if util is not None:
+            v["utilization_ratio"] = util.gpu / 100.0
+            v["memory_utilization_ratio"] = util.memory / 100.0
+        mem = self._call(index, "nvmlDeviceGetMemoryInfo", handle)
+        if mem is not None:
+            v["memory_used_bytes"] = float(mem.used)
+            v["memory_total_bytes"] = float(mem.total)
+        temp = self._call(index, "nvmlDeviceGetTemperature", handle, nvml.NVML_TEMPERATURE_GPU)
+        if temp is not None:
+            v["temperature_celsius"] = float(temp)
+        power = self._call(index, "nvmlDeviceGetPowerUsage", handle)
+        if power is not None:
+            v["power_watts"] = power / 1000.0  # milliwatts
+        limit = self._call(index, "nvmlDeviceGetEnforcedPowerLimit", handle)
+        if limit is not None:
+            v["power_limit_watts"] = limit / 1000.0
+        energy = self._call(index, "nvmlDeviceGetTotalEnergyConsumption", handle)
+        if energy is not None:
+            v["energy_joules"] = energy / 1000.0  # millijoules since the driver loaded
+        clock = self._call(index, "nvmlDeviceGetClockInfo", handle, nvml.NVML_CLOCK_SM)
+        if clock is not None:
+            v["sm_clock_hertz"] = clock * 1e6  # MHz
+        max_clock = self._call(index, "nvmlDeviceGetMaxClockInfo", handle, nvml.NVML_CLOCK_SM)
+        if max_clock is not None:
+            v["sm_clock_max_hertz"] = max_clock * 1e6
+        reasons = self._call(index, "nvmlDeviceGetCurrentClocksEventReasons", handle)
+        if reasons is not None:
+            r.clock_event_reasons = {name: int(bool(reasons & bit)) for name, bit in CLOCK_EVENT_REASONS.items()}
+        self._read_process(index, handle, r)
+        return r
+
+    def _read_process(self, index: int, handle: Any, r: GpuReading) -> None:
+        """This process's share: memory from the compute process list, SM use from utilization samples."""
+        pid = self._pid()
+        procs = self._call(index, "nvmlDeviceGetComputeRunningProcesses", handle)
+        if procs is not None:
+            # usedGpuMemory is None when the driver may not report it (e.g. some containers); PIDs are
+            # the host's, so a process in its own PID namespace is not found: the series is then absent.
+            mine = [p.usedGpuMemory for p in procs if p.pid == pid and p.usedGpuMemory is not None]
+            if mine:
+                r.values["process_memory_used_bytes"] = float(sum(mine))
+        samples = self._process_samples(index, handle)
+        if samples is not None:
+            mine_s = [s for s in samples if s.pid == pid]
+            # No sample of ours since the last poll means none of our kernels ran: 0, not absent.
+            latest = max(mine_s, key=lambda s: s.timeStamp).smUtil if mine_s else 0
+            r.values["process_utilization_ratio"] = latest / 100.0
+
+    def _process_samples(self, index: int, handle: Any) -> list[Any] | None:
+        nvml = self.nvml
+        key = (index, "nvmlDeviceGetProcessUtilization")
+        if key in self._unsupported:
+            return None
+        try:
+            samples = list(nvml.nvmlDeviceGetProcessUtilization(handle, self._last_seen_us.get(index, 0)))
+        except nvml.NVMLError_NotSupported:
+            self._unsupported.add(key)
+            return None
+        except nvml.NVMLError as exc:
+            # NOT_FOUND (and pynvml's quirk of raising with SUCCESS) mean "no samples since then".
+            if getattr(exc, "value", None) in (nvml.NVML_ERROR_NOT_FOUND, nvml.NVML_SUCCESS):
+                return []
+            self._count("nvmlDeviceGetProcessUtilization")
+            return None
+        except Exception:
+            self._count("nvmlDeviceGetProcessUtilization")
+            return None
+        if samples:
+            self._last_seen_us[index] = max(s.timeStamp for s in samples)
+        return samples
+
+    def _call(self, index: int, name: str, *args: Any) -> Any:
+        """One NVML call; None when unsupported (remembered) or failing (counted)."""
+        if (index, name) in self._unsupported:
+            return None
+        nvml = self.nvml
+        try:
+            return getattr(nvml, name)(*args)
+        except nvml.NVMLError_NotSupported:
+            self._unsupported.add((index, name))
+            return None
+        except Exception:
+            self._count(name)
+            return None
+
+    def _count(self, call: str) -> None:
+        self._errors[call] = self._errors.get(call, 0) + 1
+
+    def _set(self, snapshot: NvmlSnapshot) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def snapshot(self) -> NvmlSnapshot:
+        with self._lock:
+            return self._snapshot

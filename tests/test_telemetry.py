@@ -1,0 +1,238 @@
+"""Torch allocator and NVML telemetry, on the fakes of perfmon.testing."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from perfmon.nvml import NvmlPoller
+from perfmon.testing import FakeNvml, FakeTorchMemory
+
+from .conftest import promtool_check, value
+
+GIB = 2**30
+
+
+def _families(mon) -> dict[str, list]:
+    return {m.name: m.samples for m in mon.registry.collect()}
+
+
+def test_fake_nvml_readings_exported_with_dcgm_labels_and_base_units(make_monitor) -> None:
+    """Two fake GPUs export utilization, memory, temperature, power, energy, clocks and reasons per gpu/UUID."""
+    nvml = FakeNvml()
+    mon = make_monitor(nvml=nvml).start()
+    g0 = {"gpu": "0", "UUID": nvml.gpus[0]["uuid"]}
+    g1 = {"gpu": "1", "UUID": nvml.gpus[1]["uuid"]}
+    assert value(mon, "perfmon_nvml_up") == 1
+    assert value(mon, "perfmon_gpu_utilization_ratio", **g0) == 0.40
+    assert value(mon, "perfmon_gpu_memory_utilization_ratio", **g1) == 0.25
+    assert value(mon, "perfmon_gpu_memory_used_bytes", **g1) == 11 * GIB
+    assert value(mon, "perfmon_gpu_memory_total_bytes", **g0) == 80 * GIB
+    assert value(mon, "perfmon_gpu_temperature_celsius", **g1) == 56
+    assert value(mon, "perfmon_gpu_power_watts", **g0) == 250.0
+    assert value(mon, "perfmon_gpu_power_limit_watts", **g0) == 400.0
+    assert value(mon, "perfmon_gpu_energy_joules_total", **g0) == 1_000_000.0
+    assert value(mon, "perfmon_gpu_sm_clock_hertz", **g0) == 1410e6
+    assert value(mon, "perfmon_gpu_sm_clock_max_hertz", **g0) == 1980e6
+    assert value(mon, "perfmon_gpu_clocks_event_reasons", reason="sw_power_cap", **g1) == 1
+    assert value(mon, "perfmon_gpu_clocks_event_reasons", reason="sw_power_cap", **g0) == 0
+    assert value(mon, "perfmon_gpu_clocks_event_reasons", reason="hw_thermal_slowdown", **g1) == 0
+    # this process's share: matched by PID, the other process's usage ignored
+    assert value(mon, "perfmon_gpu_process_memory_used_bytes", **g0) == 3 * GIB
+    assert value(mon, "perfmon_gpu_process_utilization_ratio", **g1) == 0.31
+
+
+def test_no_nvml_library_means_up_zero_one_log_line_and_no_thread(make_monitor, capsys) -> None:
+    """Without NVML: perfmon_nvml_up 0, no GPU series, one warning, no poller thread, nothing raised."""
+    nvml = FakeNvml(library_missing=True)
+    mon = make_monitor(nvml=nvml, log_level="warning").start()
+    assert value(mon, "perfmon_nvml_up") == 0
+    assert "perfmon_gpu_utilization_ratio" not in _families(mon)
+    assert not any(t.name == "perfmon-nvml" for t in threading.enumerate())
+    assert nvml.calls == {"nvmlInit": 1}
+    assert capsys.readouterr().err.count("nvml_unavailable") == 1
+    assert value(mon, "perfmon_nvml_errors_total", call="nvmlInit") is None  # absence is not an error
+
+
+def test_real_pynvml_without_a_driver_degrades_quietly(make_monitor) -> None:
+    """On this machine (no GPU) the real pynvml backend leaves perfmon_nvml_up at 0 and serves the rest."""
+    mon = make_monitor().start()
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    model(torch.ones(1, 2))
+    if torch.cuda.is_available():  # pragma: no cover - only on a GPU machine
+        pytest.skip("this check is for machines without NVML")
+    assert value(mon, "perfmon_nvml_up") == 0
+    assert value(mon, "perfmon_forward_calls_total", model="m") == 1
+
+
+def test_unsupported_field_is_absent_only_where_unsupported(make_monitor) -> None:
+    """A NotSupported field is absent for that GPU, asked only once, and other fields still update."""
+    nvml = FakeNvml(unsupported={(1, "nvmlDeviceGetTotalEnergyConsumption"), "nvmlDeviceGetProcessUtilization"})
+    mon = make_monitor(nvml=nvml, nvml_interval_seconds=3600).start()  # polls driven by the test
+    mon._nvml.poll()
+    mon._nvml.poll()
+    assert value(mon, "perfmon_gpu_energy_joules_total", gpu="0", UUID=nvml.gpus[0]["uuid"]) is not None
+    assert value(mon, "perfmon_gpu_energy_joules_total", gpu="1", UUID=nvml.gpus[1]["uuid"]) is None
+    assert value(mon, "perfmon_gpu_power_watts", gpu="1", UUID=nvml.gpus[1]["uuid"]) == 260.0
+    assert "perfmon_gpu_process_utilization_ratio" not in _families(mon)
+    assert nvml.calls["nvmlDeviceGetProcessUtilization"] == 2  # once per GPU, never again
+    assert nvml.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3 + 1  # GPU 0 every poll, GPU 1 once
+    assert value(mon, "perfmon_nvml_errors_total", call="nvmlDeviceGetTotalEnergyConsumption") is None
+
+
+def test_failing_calls_are_counted_absent_and_recover(make_monitor) -> None:
+    """A call that starts failing mid-run is counted, its series vanish (no stale value), and return on recovery."""
+    nvml = FakeNvml()
+    mon = make_monitor(nvml=nvml, nvml_interval_seconds=3600).start()  # polls driven by the test
+    u0 = {"gpu": "0", "UUID": nvml.gpus[0]["uuid"]}
+    assert value(mon, "perfmon_gpu_temperature_celsius", **u0) == 55
+    nvml.failing.add("nvmlDeviceGetTemperature")
+    mon._nvml.poll()
+    assert value(mon, "perfmon_gpu_temperature_celsius", **u0) is None
+    assert value(mon, "perfmon_gpu_power_watts", **u0) == 250.0
+    assert value(mon, "perfmon_nvml_errors_total", call="nvmlDeviceGetTemperature") == 2
+    nvml.failing.clear()
+    nvml.gpus[0]["temperature"] = 70
+    mon._nvml.poll()
+    assert value(mon, "perfmon_gpu_temperature_celsius", **u0) == 70
+
+
+def test_lost_gpu_series_disappear_and_whole_failure_sets_up_zero_then_recovers() -> None:
+    """A lost GPU drops out; when NVML stops answering, up is 0 and the poller re-initialises later."""
+    nvml = FakeNvml()
+    poller = NvmlPoller(nvml)
+    assert poller._init(first=True) and poller.poll()
+    nvml.lost.add(1)
+    assert poller.poll()
+    assert [g.index for g in poller.snapshot().gpus] == [0]
+    nvml.failing.add("nvmlDeviceGetCount")
+    assert not poller.poll()
+    assert poller.snapshot().up is False and poller.snapshot().gpus == []
+    nvml.failing.clear()
+    nvml.lost.clear()
+    assert poller.poll()  # re-initialised NVML and read both GPUs again
+    assert nvml.calls["nvmlInit"] == 2 and len(poller.snapshot().gpus) == 2
+
+
+def test_poller_backs_off_while_failing_and_stops_with_the_monitor(make_monitor) -> None:
+    """The poller thread polls on its interval, backs off on failure, and is joined by stop()."""
+    nvml = FakeNvml()
+    mon = make_monitor(nvml=nvml, nvml_interval_seconds=0.02).start()
+    deadline = time.monotonic() + 5
+    while nvml.calls.get("nvmlDeviceGetCount", 0) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nvml.calls["nvmlDeviceGetCount"] >= 5
+    nvml.failing.add("nvmlDeviceGetCount")
+    time.sleep(0.5)  # a window in which an un-backed-off poller would fail ~25 times
+    failures = nvml.calls["nvmlDeviceGetCount"]
+    time.sleep(0.5)
+    assert nvml.calls["nvmlDeviceGetCount"] - failures <= 3
+    assert value(mon, "perfmon_nvml_up") == 0
+    mon.stop()
+    assert not any(t.name == "perfmon-nvml" for t in threading.enumerate())
+
+
+def test_torch_memory_metrics_join_nvml_through_uuid_under_scrambled_visible_devices(make_monitor) -> None:
+    """With CUDA_VISIBLE_DEVICES=1,0 torch's cuda:0 is NVML's GPU 1: the labels say so via the UUID."""
+    nvml = FakeNvml()
+    bare = {i: g["uuid"].removeprefix("GPU-") for i, g in enumerate(nvml.gpus)}
+    stats = {0: {"allocated_bytes.all.current": 5 * GIB, "reserved_bytes.all.current": 8 * GIB,
+                 "allocated_bytes.all.peak": 6 * GIB, "reserved_bytes.all.peak": 9 * GIB,
+                 "inactive_split_bytes.all.current": 2 * GIB, "num_alloc_retries": 3, "num_ooms": 1},
+             1: {"allocated_bytes.all.current": GIB, "reserved_bytes.all.current": 0,
+                 "allocated_bytes.all.peak": GIB, "reserved_bytes.all.peak": GIB}}
+    memory = FakeTorchMemory(stats, uuids={0: bare[1], 1: bare[0]})  # scrambled
+    mon = make_monitor(nvml=nvml, memory=memory).start()
+    d0 = {"device": "cuda:0", "gpu": "1", "UUID": nvml.gpus[1]["uuid"]}
+    d1 = {"device": "cuda:1", "gpu": "0", "UUID": nvml.gpus[0]["uuid"]}
+    assert value(mon, "perfmon_torch_memory_allocated_bytes", **d0) == 5 * GIB
+    assert value(mon, "perfmon_torch_memory_reserved_bytes", **d0) == 8 * GIB
+    assert value(mon, "perfmon_torch_memory_peak_allocated_bytes", **d0) == 6 * GIB
+    assert value(mon, "perfmon_torch_memory_peak_reserved_bytes", **d0) == 9 * GIB
+    assert value(mon, "perfmon_torch_memory_fragmentation_ratio", **d0) == 0.25
+    assert value(mon, "perfmon_torch_alloc_retries_total", **d0) == 3
+    assert value(mon, "perfmon_torch_ooms_total", **d0) == 1
+    assert value(mon, "perfmon_torch_memory_allocated_bytes", **d1) == GIB
+    assert value(mon, "perfmon_torch_memory_fragmentation_ratio", **d1) == 0.0  # nothing reserved
+
+
+def test_cpu_only_process_has_no_torch_memory_series(make_monitor) -> None:
+    """Without CUDA there are no torch memory series at all, not zeros."""
+    if torch.cuda.is_available():  # pragma: no cover
+        pytest.skip("CPU-only check")
+    mon = make_monitor(nvml=FakeNvml(library_missing=True)).start()
+    assert not any(name.startswith("perfmon_torch_") for name in _families(mon))
+
+
+def test_failing_memory_source_is_counted_not_raised(make_monitor) -> None:
+    """A memory source that raises at scrape time costs its series, counted as an internal error."""
+    memory = FakeTorchMemory()
+    memory.stats = lambda device: 1 / 0  # type: ignore[method-assign]
+    mon = make_monitor(memory=memory, nvml=FakeNvml())
+    mon.start()
+    fams = _families(mon)
+    assert "perfmon_torch_memory_allocated_bytes" not in fams
+    assert "perfmon_gpu_power_watts" in fams  # the other source still reports
+    assert value(mon, "perfmon_internal_errors_total", stage="memory") >= 1
+
+
+def test_oom_in_a_forward_writes_one_private_snapshot_per_cooldown(make_monitor, tmp_path: Path) -> None:
+    """A CUDA OOM is counted as an error, re-raised, and leaves one 0600 allocator snapshot per cooldown."""
+    memory = FakeTorchMemory()
+    trace_dir = tmp_path / "traces"
+    mon = make_monitor(memory=memory, nvml=FakeNvml(), oom_snapshot=True, trace_dir=str(trace_dir),
+                       oom_snapshot_cooldown_seconds=3600)
+
+    class Oom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model = mon.wrap(Oom(), name="big")
+    for _ in range(3):
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate"):
+            model(torch.ones(1))
+    mon._oom.join(5)
+    files = sorted(trace_dir.iterdir())
+    assert len(files) == 1 and files[0].name.endswith(".oom_snapshot.pickle")
+    assert memory.snapshots == 1
+    assert pickle.loads(files[0].read_bytes())["segments"][0]["total_size"] == 4 * GIB
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert stat.S_IMODE(trace_dir.stat().st_mode) == 0o700
+    assert value(mon, "perfmon_forward_errors_total", model="big", exception="OutOfMemoryError") == 3
+    assert value(mon, "perfmon_oom_snapshots_total") == 1
+    assert not [p for p in trace_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_unwritable_trace_dir_costs_the_snapshot_not_the_request(make_monitor, tmp_path: Path) -> None:
+    """If the snapshot cannot be written, the user's OOM still propagates and the failure is counted."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    mon = make_monitor(memory=FakeTorchMemory(), nvml=FakeNvml(), oom_snapshot=True,
+                       trace_dir=str(blocker / "sub"))
+
+    def oom(x: object) -> None:
+        raise torch.cuda.OutOfMemoryError("oom")
+
+    fn = mon.instrument(oom, name="f")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fn(1)
+    mon._oom.join(5)
+    assert value(mon, "perfmon_internal_errors_total", stage="oom_snapshot") == 1
+    assert value(mon, "perfmon_oom_snapshots_total") == 0
+
+
+def test_gpu_metrics_pass_promtool(make_monitor) -> None:
+    """/metrics with two fake GPUs and torch memory passes `promtool check metrics`."""
+    from prometheus_client import generate_latest
+
+    mon = make_monitor(nvml=FakeNvml(), memory=FakeTorchMemory()).start()
+    result = promtool_check(generate_latest(mon.registry))
+    assert result.returncode == 0, result.stderr.decode() + result.stdout.decode()
+    assert os.environ.get("PERFMON_NVML") is None
