@@ -11,6 +11,7 @@ from ._version import __version__
 from .clocks import CudaBackend, TimingEvent
 from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, Config, log_buckets
 from .exceptions import ConfigError, PerfmonError, WrapError
+from .regression import RegressionPolicy
 from .instrument import MonitoredFunction, MonitoredModule, Span
 from .monitor import Monitor
 from .server import make_asgi_app, make_wsgi_app
@@ -26,6 +27,7 @@ __all__ = [
     "MonitoredFunction",
     "MonitoredModule",
     "PerfmonError",
+    "RegressionPolicy",
     "Span",
     "TimingEvent",
     "WrapError",

@@ -1,0 +1,107 @@
+"""The regression detector on synthetic sample streams (simulated clock, no threads)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import perfmon
+from perfmon.regression import Detector, RegressionPolicy
+
+S = 1_000_000_000  # ns per second
+
+
+def feed(det: Detector, model: str, seconds_of_traffic: float, rate_hz: float, latency, start_s: float,
+         rng: random.Random) -> list:
+    """Feed ``rate_hz`` samples per second for ``seconds_of_traffic``; returns what fired."""
+    fired = []
+    n = int(seconds_of_traffic * rate_hz)
+    for i in range(n):
+        t = start_s + i / rate_hz
+        fired += det.add(model, latency(rng), int(t * S))
+    fired += det.tick(int((start_s + seconds_of_traffic) * S))
+    return fired
+
+
+def lognormal(median: float, sigma: float = 0.2):
+    return lambda rng: median * rng.lognormvariate(0.0, sigma)
+
+
+POLICY = RegressionPolicy(window_seconds=1, ratio=1.5, min_samples=20, consecutive=2, baseline_windows=4)
+
+
+def test_fires_once_on_a_2x_step_within_the_configured_windows() -> None:
+    """A 2x latency step fires exactly once, after `consecutive` regressed windows, with its figures."""
+    det = Detector(POLICY, seed=1)
+    rng = random.Random(1)
+    assert feed(det, "m", 10, 100, lognormal(0.010), 0, rng) == []
+    fired = feed(det, "m", 10, 100, lognormal(0.020), 10, rng)
+    assert len(fired) == 1
+    r = fired[0]
+    assert r.model == "m" and len(r.windows) == 2 and set(r.exceeded) <= {"p50", "p99"}
+    assert r.windows[-1].end_ns <= 12 * S  # caught within two windows of the step
+    d = r.as_dict()
+    assert d["observed_ratio"][r.exceeded[0]] > 1.5 and d["baseline_seconds"]["p50"] == pytest.approx(0.010, rel=0.1)
+    # still regressed: no second firing; back to normal ends it; a new step fires again
+    assert feed(det, "m", 5, 100, lognormal(0.010), 20, rng) == []
+    assert [v[3] for v in det.views()] == [False]
+    assert len(feed(det, "m", 5, 100, lognormal(0.030), 25, rng)) == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_never_fires_on_stationary_lognormal_noise(seed: int) -> None:
+    """Ten minutes of stationary lognormal noise (sigma 0.2) never fire, whatever the seed."""
+    det = Detector(POLICY, seed=seed)
+    assert feed(det, "m", 600, 50, lognormal(0.005, 0.2), 0, random.Random(seed)) == []
+
+
+def test_needs_min_samples_and_a_learned_baseline() -> None:
+    """Too few samples per window, or a baseline still learning, never fire."""
+    det = Detector(POLICY, seed=0)
+    rng = random.Random(0)
+    assert feed(det, "m", 30, 10, lognormal(0.010), 0, rng) == []  # 10/window < min_samples
+    assert det.baseline("m") is None
+    det2 = Detector(POLICY, seed=0)
+    assert feed(det2, "m", 3, 100, lognormal(0.010), 0, rng) == []  # 3 windows < baseline_windows
+    assert feed(det2, "m", 1, 100, lognormal(0.040), 3, rng) == []  # still learning: never armed
+    assert det2.baseline("m") is not None
+
+
+def test_regressed_windows_do_not_poison_the_baseline() -> None:
+    """During a long regression the baseline stays at the healthy level."""
+    det = Detector(POLICY, seed=2)
+    rng = random.Random(2)
+    feed(det, "m", 8, 100, lognormal(0.010), 0, rng)
+    before = det.baseline("m")
+    feed(det, "m", 30, 100, lognormal(0.030), 8, rng)
+    assert det.baseline("m") == before
+
+
+def test_gap_in_traffic_breaks_a_streak() -> None:
+    """One regressed window, silence, one regressed window: not consecutive, no firing."""
+    det = Detector(POLICY, seed=3)
+    rng = random.Random(3)
+    feed(det, "m", 8, 100, lognormal(0.010), 0, rng)
+    assert feed(det, "m", 1, 100, lognormal(0.030), 8, rng) == []
+    assert feed(det, "m", 1, 100, lognormal(0.030), 15, rng) == []
+
+
+def test_models_are_independent() -> None:
+    """A regression of one model does not fire for another."""
+    det = Detector(POLICY, seed=4)
+    rng = random.Random(4)
+    feed(det, "a", 8, 100, lognormal(0.010), 0, rng)
+    feed(det, "b", 8, 100, lognormal(0.010), 0, rng)
+    fired = feed(det, "a", 4, 100, lognormal(0.030), 8, rng) + feed(det, "b", 4, 100, lognormal(0.010), 8, rng)
+    assert [r.model for r in fired] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"ratio": 1.0}, {"window_seconds": 0}, {"min_samples": 0}, {"quantiles": ("p42",)},
+           {"capture_steps": 101}, {"consecutive": True}])
+def test_policy_validation(kw: dict) -> None:
+    """Nonsense policies raise ConfigError; short windows such as 1 s are accepted."""
+    with pytest.raises(perfmon.ConfigError):
+        RegressionPolicy(**kw)
+    assert RegressionPolicy(window_seconds=1).window_seconds == 1
