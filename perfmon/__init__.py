@@ -10,16 +10,18 @@ from __future__ import annotations
 from ._version import __version__
 from .clocks import CudaBackend, TimingEvent
 from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, Config, log_buckets
-from .exceptions import ConfigError, PerfmonError, WrapError
-from .regression import RegressionPolicy
+from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, WrapError
 from .instrument import MonitoredFunction, MonitoredModule, Span
 from .monitor import Monitor
+from .regression import RegressionPolicy
 from .server import make_asgi_app, make_wsgi_app
 
 __all__ = [
     "DEFAULT_BUCKETS",
     "DEFAULT_HOST_BUCKETS",
     "DEFAULT_PORT",
+    "CaptureBusy",
+    "CaptureRateLimited",
     "Config",
     "ConfigError",
     "CudaBackend",

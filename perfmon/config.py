@@ -101,6 +101,18 @@ class Config:
     oom_snapshot: bool = False
     #: At most one OOM snapshot per this many seconds.
     oom_snapshot_cooldown_seconds: float = 600.0
+    #: Bearer token required on the control and trace routes (/profile, /profiles...); never logged.
+    token: str | None = field(default=None, repr=False)
+    #: Captures kept in trace_dir (oldest removed first), and their total size.
+    trace_max_files: int = 20
+    trace_max_bytes: int = 512 * 2**20
+    #: Manual (HTTP/API) captures allowed per hour; beyond, 429.
+    manual_captures_per_hour: int = 30
+    #: An armed capture whose model is not called within this many seconds is aborted.
+    capture_arm_timeout_seconds: float = 60.0
+    #: Initialise the profiler (~1 s, once per process) in start(), before traffic, so the first
+    #: capture does not stall a request. Only when captures are possible.
+    prepare_profiler: bool = True
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
     #: application's own structlog configuration).
     log_format: str = "auto"
@@ -139,7 +151,8 @@ class Config:
             "stats_max_samples": int, "max_exception_labels": int, "max_models": int,
             "stop_timeout_seconds": (int, float), "log_format": str, "log_level": str,
             "nvml": bool, "nvml_interval_seconds": (int, float), "trace_dir": str, "oom_snapshot": bool,
-            "oom_snapshot_cooldown_seconds": (int, float),
+            "oom_snapshot_cooldown_seconds": (int, float), "trace_max_files": int, "trace_max_bytes": int,
+            "manual_captures_per_hour": int, "capture_arm_timeout_seconds": (int, float), "prepare_profiler": bool,
         }
         for name, typ in _types.items():
             value = getattr(self, name)
@@ -157,12 +170,16 @@ class Config:
         if not 0.0 < self.sample_rate <= 1.0 or math.isnan(self.sample_rate):
             raise bad("sample_rate", "must be in (0, 1]")
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
-                    "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds")
+                    "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
+                    "capture_arm_timeout_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")
+        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
+            raise ConfigError("token: expected a string of at least 8 characters (or None)")
         for name in ("signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
-                     "max_exception_labels", "max_models", "signature_warmup_calls"):
+                     "max_exception_labels", "max_models", "signature_warmup_calls", "trace_max_files",
+                     "trace_max_bytes", "manual_captures_per_hour"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if self.warmup_calls < 0:
@@ -231,6 +248,8 @@ def _parse(var: str, raw: str, default: Any) -> Any:
             raise ValueError("expected true/false")
         if var == "PERFMON_PORT":
             return None if text.lower() in ("", "none", "off") else int(text)
+        if var == "PERFMON_TOKEN":
+            return text or None
         if isinstance(default, int):
             return int(text)
         if isinstance(default, float):

@@ -7,13 +7,15 @@ nothing the agent does can raise into a request: failures are counted in
 Hierarchy::
 
     PerfmonError
-     ├── ConfigError (also a ValueError)   a setting or environment variable is invalid
-     └── WrapError   (also a TypeError)    an object cannot be wrapped (already wrapped, not callable)
+     ├── ConfigError (also a ValueError)   a setting, environment variable or capture option is invalid
+     ├── WrapError   (also a TypeError)    an object cannot be wrapped (already wrapped, not callable)
+     ├── CaptureBusy                       a capture (or the user's own profiler) is already running
+     └── CaptureRateLimited                too many captures recently; ``retry_after`` says when to retry
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PerfmonError", "WrapError"]
+__all__ = ["CaptureBusy", "CaptureRateLimited", "ConfigError", "PerfmonError", "WrapError"]
 
 
 class PerfmonError(Exception):
@@ -26,3 +28,22 @@ class ConfigError(PerfmonError, ValueError):
 
 class WrapError(PerfmonError, TypeError):
     """The object handed to ``Monitor.wrap``/``instrument`` cannot be monitored as asked."""
+
+
+class CaptureBusy(PerfmonError):
+    """A capture is armed, recording or exporting, or another torch profiler is running."""
+
+    def __init__(self, message: str, running_id: str | None) -> None:
+        super().__init__(message)
+        #: The id of the capture in flight, when it is perfmon's.
+        self.running_id = running_id
+
+
+class CaptureRateLimited(PerfmonError):
+    """Too many captures recently (``reason``: cooldown or rate_limit)."""
+
+    def __init__(self, message: str, retry_after: float, reason: str) -> None:
+        super().__init__(message)
+        #: Seconds until the next capture is allowed.
+        self.retry_after = retry_after
+        self.reason = reason

@@ -65,14 +65,16 @@ class ModelState:
     """
 
     __slots__ = (
-        "_error_lock", "_error_names", "_resolve_device", "calls", "cuda_index", "device", "drops",
-        "errors", "hub", "last_sample_ns", "name", "next_index", "sampled", "sampler", "sig_warm",
+        "_error_lock", "_error_names", "_resolve_device", "calls", "capturable", "capture", "cuda_index",
+        "device", "drops", "errors", "hub", "last_sample_ns", "name", "next_index", "sampled", "sampler", "sig_warm",
         "sigs", "table", "warmup",
     )
 
-    def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str]) -> None:
+    def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True) -> None:
         cfg = hub.config
         self.name = name
+        #: False for track() blocks: a capture profiles calls of a wrapped model or function.
+        self.capturable = capturable
         self.hub = hub
         self.calls = itertools.count()
         self.sampled = itertools.count()  # timed attempts, drops included
@@ -91,6 +93,8 @@ class ModelState:
         self._resolve_device = resolve_device
         self.device = "cpu"
         self.cuda_index = -1
+        #: The capture controller while a capture of this model is armed or recording, else None.
+        self.capture: Any = None
         self.refresh_device()
 
     # -- background side ---------------------------------------------------------------------
@@ -114,7 +118,7 @@ class ModelState:
 
     # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----
 
-    def new_signature(self, index: int, key: Hashable) -> Token | None:
+    def new_signature(self, index: int, key: Hashable) -> Token | Any | None:
         """A signature not yet seen ``signature_warmup_calls`` times: the call is cold and timed."""
         table = self.table
         table.observe(key, table.seen.get(key))
@@ -125,7 +129,7 @@ class ModelState:
             return self.due(index)
         return self.begin(index, True)
 
-    def due(self, index: int) -> Token | None:
+    def due(self, index: int) -> Token | Any | None:
         """Call ``index`` reached ``next_index``: a warm-up call (cold) or a steady-state sample."""
         warmup = self.warmup
         if index < warmup:
@@ -135,8 +139,13 @@ class ModelState:
             return self.begin(index, True)
         return self.begin(index, False)
 
-    def begin(self, index: int, cold: bool) -> Token | None:
-        """Start timing call ``index``; returns a token for ``finish``, or None if not timed."""
+    def begin(self, index: int, cold: bool) -> Token | Any | None:
+        """Start timing call ``index``; returns a token for ``finish``, None if not timed, or the
+        capture controller when a capture of this model is pending (calls under the profiler are
+        not timed: its overhead is not the model's latency)."""
+        capture = self.capture
+        if capture is not None:
+            return capture
         hub = self.hub
         if not hub.timing:
             return None
@@ -252,7 +261,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 else:
                     key = general_signature(args, kwargs)
                 # Stored counts start at 1: a missing key reads 0, "not seen enough".
-                token: Token | None
+                token: Token | Any | None
                 if sigs.get(key, 0) < sig_warm:
                     token = st.new_signature(n, key)
                 elif n >= st.next_index:
@@ -269,6 +278,12 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
         if token is None:
             try:
                 return fn(*args, **kwargs)
+            except BaseException as exc:
+                st.error(exc)
+                raise
+        if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
+            try:
+                return token.call(st, fn, args, kwargs)  # type: ignore[union-attr]
             except BaseException as exc:
                 st.error(exc)
                 raise
@@ -427,7 +442,9 @@ class Span:
         st = self._st
         try:
             n = self._index = next(st.calls)
-            self._token = st.due(n) if n >= st.next_index else None
+            token = st.due(n) if n >= st.next_index else None
+            # Blocks are not captured (a capture profiles calls of a wrapped model or function).
+            self._token = token if token.__class__ is tuple else None
         except Exception as exc:
             st.hub.internal.report("instrument", exc)
             self._token = None

@@ -13,19 +13,21 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from ._version import __version__
+from .capture import CaptureController
 from .config import Config
 from .faults import InternalErrors, count_value
 from .instrument import ModelState
 from .memory import MemorySource, read_memory
 from .nvml import NvmlPoller, normalize_uuid
 from .records import DROP_REASONS, Sample
+from .regression import Detector
 
 __all__ = ["METRICS", "Metrics"]
 
@@ -98,6 +100,20 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "ratio", ("gpu", "UUID"), "SM utilization by this process in the latest NVML sample (0-1)."),
     "perfmon_nvml_up": ("gauge", "boolean", (), "1 when the last NVML poll succeeded, else 0."),
     "perfmon_nvml_errors_total": ("counter", "errors", ("call",), "Failed NVML calls, by function."),
+    # -- regression detection (regression.py) and captures (capture.py) -----------------------
+    "perfmon_latency_window_seconds": (
+        "gauge", "seconds", ("model", "quantile"), "Steady-state latency percentile of the last closed window."),
+    "perfmon_latency_baseline_seconds": (
+        "gauge", "seconds", ("model", "quantile"), "Learned baseline of that percentile (median of healthy windows)."),
+    "perfmon_regression_active": ("gauge", "boolean", ("model",), "1 while a latency regression is active."),
+    "perfmon_regressions_total": ("counter", "regressions", ("model",), "Latency regressions detected."),
+    "perfmon_captures_total": (
+        "counter", "captures", ("model", "trigger", "outcome"), "Profiler captures finished, by trigger and outcome."),
+    "perfmon_captures_suppressed_total": (
+        "counter", "captures", ("reason",), "Automatic captures not taken (cooldown, rate_limit, busy)."),
+    "perfmon_capture_in_progress": ("gauge", "boolean", (), "1 while a capture is armed, recording or exporting."),
+    "perfmon_capture_duration_seconds": (
+        "histogram", "seconds", (), "Time a capture's profiler window was open."),
     "perfmon_info": (
         "info", "", ("version", "torch_version", "cuda"), "perfmon, torch and CUDA versions."),
 }
@@ -301,6 +317,54 @@ class TelemetryCollector(Collector):
         yield from (f for f in fams.values() if f.samples)
         if reasons.samples:
             yield reasons
+
+
+_CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class CaptureCollector(Collector):
+    """Regression detector state and capture counts at scrape time."""
+
+    def __init__(self, *, detector: Detector | None, controller: CaptureController) -> None:
+        self._detector = detector
+        self._controller = controller
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        if self._detector is not None:
+            window = _family("perfmon_latency_window_seconds")
+            baseline = _family("perfmon_latency_baseline_seconds")
+            active = _family("perfmon_regression_active")
+            total = _family("perfmon_regressions_total")
+            for model, last, base, is_active, n in self._detector.views():
+                for q, level in (("p50", "0.5"), ("p99", "0.99")):
+                    if last is not None:
+                        window.add_metric([model, level], last.seconds[q])
+                    if base is not None:
+                        baseline.add_metric([model, level], base[q])
+                active.add_metric([model], 1.0 if is_active else 0.0)
+                total.add_metric([model], n)
+            yield from (window, baseline, active, total)
+        c = self._controller
+        captures = _family("perfmon_captures_total")
+        for (model, trigger, outcome), n in sorted(c.finished.items()):
+            captures.add_metric([model, trigger, outcome], n)
+        yield captures
+        suppressed = _family("perfmon_captures_suppressed_total")
+        for reason, n in c.suppressed.items():
+            suppressed.add_metric([reason], n)
+        yield suppressed
+        progress = _family("perfmon_capture_in_progress")
+        progress.add_metric([], 0.0 if c.state == "idle" else 1.0)
+        yield progress
+        durations = list(c.durations)
+        buckets = [(str(b), float(sum(1 for d in durations if d <= b))) for b in _CAPTURE_BUCKETS]
+        hist = HistogramMetricFamily("perfmon_capture_duration_seconds",
+                                     METRICS["perfmon_capture_duration_seconds"][3])
+        hist.add_metric([], [*buckets, ("+Inf", float(len(durations)))], sum(durations))
+        yield hist
 
 
 def _versions() -> dict[str, str]:

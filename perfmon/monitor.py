@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from time import perf_counter_ns
@@ -17,6 +18,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ._version import __version__
+from .capture import (
+    MAX_SECONDS,
+    MAX_STEPS,
+    CaptureController,
+    CaptureOptions,
+    ProfilerFactory,
+    torch_profiler,
+    warm_up_profiler,
+)
 from .clocks import CudaBackend, NoCuda, TorchCuda
 from .config import Config
 from .exceptions import ConfigError, WrapError
@@ -24,15 +34,19 @@ from .faults import count_value
 from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
 from .logs import make_logger
 from .memory import MemorySource, OomSnapshotter, TorchMemory
-from .metrics import Metrics, TelemetryCollector
+from .metrics import CaptureCollector, Metrics, TelemetryCollector
 from .nvml import NvmlPoller
+from .records import STEADY, Sample
+from .regression import Detector, Regression, RegressionPolicy
 from .resolver import Resolver
 from .server import AgentServer, make_asgi_app, make_wsgi_app
+from .traces import TraceStore
 from .windows import Windows
 
 __all__ = ["Monitor"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_DEFAULT = object()
 
 
 class Monitor:
@@ -46,9 +60,17 @@ class Monitor:
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None, cuda: CudaBackend | None = None,
-                 nvml: Any = None, memory: MemorySource | None = None, **settings: Any) -> None:
+                 nvml: Any = None, memory: MemorySource | None = None,
+                 regression: RegressionPolicy | object | None = _DEFAULT,
+                 profiler_factory: ProfilerFactory | None = None, **settings: Any) -> None:
         self.config = Config.from_env(**settings)
         cfg = self.config
+        if regression is _DEFAULT:
+            off = os.environ.get("PERFMON_REGRESSION", "").strip().lower() in ("0", "off", "false", "no", "none")
+            regression = None if off else RegressionPolicy()
+        if regression is not None and not isinstance(regression, RegressionPolicy):
+            raise ConfigError(f"regression={regression!r}: expected a perfmon.RegressionPolicy or None")
+        self.regression: RegressionPolicy | None = regression
         self._log = make_logger(cfg.log_format, cfg.log_level, component="monitor")
         if cuda is None:
             cuda = TorchCuda() if torch.cuda.is_available() else NoCuda()
@@ -59,9 +81,21 @@ class Monitor:
         self.metrics = Metrics(self.registry, cfg, states=self._state_list, internal=self._hub.internal,
                                started_ns=lambda: self._hub.started_ns)
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
-        self._resolver = Resolver(self._hub, [self.metrics.observe, self.windows.add],
-                                  states=self._state_list,
+        self.traces = TraceStore(cfg.trace_dir, max_files=cfg.trace_max_files, max_bytes=cfg.trace_max_bytes)
+        policy = regression or RegressionPolicy()
+        self.captures = CaptureController(
+            self.traces, internal=self._hub.internal,
+            log=make_logger(cfg.log_format, cfg.log_level, component="capture"),
+            cooldown_seconds=policy.cooldown_seconds, max_auto_per_hour=policy.max_captures_per_hour,
+            max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
+            profiler_factory=profiler_factory or torch_profiler)
+        self.detector = Detector(regression) if regression is not None else None
+        sinks: list[Any] = [self.metrics.observe, self.windows.add]
+        if self.detector is not None:
+            sinks.append(self._detect)
+        self._resolver = Resolver(self._hub, sinks, states=self._state_list, on_tick=self._tick,
                                   log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
+        self.registry.register(CaptureCollector(detector=self.detector, controller=self.captures))
         if memory is None and torch.cuda.is_available():
             memory = TorchMemory()
         self._memory = memory
@@ -94,6 +128,13 @@ class Monitor:
             cfg = self.config
             self._hub.started_ns = perf_counter_ns()
             self._hub.timing = True
+            self.traces.sweep_temp()
+            if cfg.prepare_profiler:
+                try:
+                    took = warm_up_profiler()
+                    self._log.info("profiler_ready", seconds=round(took, 3))
+                except Exception as exc:
+                    self._hub.internal.report("capture", exc)
             if cfg.port is not None:
                 self._server = AgentServer(make_wsgi_app(self), cfg.host, cfg.port)
             self._resolver.start(cfg.resolve_interval_seconds)
@@ -117,6 +158,7 @@ class Monitor:
             if self._server is not None:
                 self._server.stop(timeout)
                 self._server = None
+            self.captures.stop(timeout)
             self._resolver.stop(timeout)
             if self._nvml is not None:
                 self._nvml.stop(timeout)
@@ -188,12 +230,86 @@ class Monitor:
             if state is None:
                 resolve = _fixed(device) if device != "auto" else _current_cuda_device
                 try:
-                    state = self._new_state(name, resolve)
+                    state = self._new_state(name, resolve, capturable=False)
                 except ConfigError:
                     state = self._states[name]  # created by a racing thread
         return Span(state)
 
-    def _new_state(self, name: str, resolve: Callable[[], str]) -> ModelState:
+    # -- regressions and captures ---------------------------------------------------------------
+
+    def _detect(self, sample: Sample) -> None:
+        """Sink: steady-state samples feed the regression detector (resolver thread)."""
+        if sample.phase == STEADY and self.detector is not None:
+            self._fire(self.detector.add(sample.model, sample.duration_seconds, sample.end_ns))
+
+    def _tick(self, now_ns: int) -> None:
+        """Housekeeping (resolver thread): close due windows, expire stale armed captures."""
+        if self.detector is not None:
+            self._fire(self.detector.tick(now_ns))
+        self.captures.tick()
+
+    def _fire(self, regressions: list[Regression]) -> None:
+        policy = self.regression
+        for r in regressions:
+            self._log.warning("latency_regression", **r.as_dict())
+            st = self._states.get(r.model)
+            if st is None or policy is None or not st.capturable:
+                continue
+            self.captures.auto(st, CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds),
+                               r.as_dict())
+
+    def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
+                record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
+                requested_by: str = "api") -> dict[str, Any]:
+        """Arm a manual capture of ``model`` (the only model when None); returns its metadata.
+
+        Raises ``LookupError`` for an unknown model, ``ConfigError`` for bad options, ``capture.Busy``
+        while a capture runs and ``capture.RateLimited`` past ``manual_captures_per_hour``.
+        """
+        st = self._pick_model(model)
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+            raise ConfigError(f"steps={steps!r}: expected an integer 1..{MAX_STEPS}")
+        if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) \
+                or not 0 < max_seconds <= MAX_SECONDS:
+            raise ConfigError(f"max_seconds={max_seconds!r}: expected a number in (0, {MAX_SECONDS:g}]")
+        for flag, v in (("record_shapes", record_shapes), ("with_stack", with_stack),
+                        ("profile_memory", profile_memory)):
+            if not isinstance(v, bool):
+                raise ConfigError(f"{flag}={v!r}: expected true or false")
+        options = CaptureOptions(steps=steps, max_seconds=float(max_seconds), record_shapes=record_shapes,
+                                 with_stack=with_stack, profile_memory=profile_memory)
+        cap = self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]})
+        return cap.public()
+
+    def _pick_model(self, model: str | None) -> ModelState:
+        capturable = {n: s for n, s in self._states.items() if s.capturable}
+        if model is None:
+            if len(capturable) != 1:
+                raise ConfigError(f"model: required when {len(capturable)} models can be captured; "
+                                  f"one of {sorted(capturable)}")
+            return next(iter(capturable.values()))
+        st = self._states.get(model)
+        if st is None:
+            raise LookupError(f"unknown model {model!r}; known: {sorted(self._states)}")
+        if not st.capturable:
+            raise ConfigError(f"model {model!r} is a tracked block; captures need a wrapped model or function")
+        return st
+
+    def profiles(self) -> list[dict[str, Any]]:
+        """Captures, newest first: the one in flight (if any) and the stored ones."""
+        out = []
+        cur = self.captures.current
+        if cur is not None:
+            out.append(cur.public())
+        ids = {c["id"] for c in out}
+        out += [m for m in self.traces.list() if m.get("id") not in ids]
+        return out
+
+    def profile(self, capture_id: str) -> dict[str, Any] | None:
+        """One capture's metadata and op summary, or None."""
+        return self.captures.view(capture_id) or self.traces.get(capture_id)
+
+    def _new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True) -> ModelState:
         if not isinstance(name, str) or not name or len(name) > 128:
             raise ConfigError(f"model name {name!r}: expected a non-empty string of at most 128 characters")
         with self._names_lock:
@@ -202,7 +318,7 @@ class Monitor:
             if len(self._states) >= self.config.max_models:
                 raise ConfigError(f"at most max_models={self.config.max_models} models per monitor "
                                   "(each name is a label value on every forward metric)")
-            state = ModelState(name, self._hub, resolve)
+            state = ModelState(name, self._hub, resolve, capturable=capturable)
             self._states[name] = state
         return state
 

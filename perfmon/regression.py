@@ -152,7 +152,7 @@ class Detector:
         return fired
 
     def _advance(self, model: str, track: _Track, now_ns: int) -> list[Regression]:
-        fired = []
+        fired: list[Regression] = []
         if now_ns - track.start_ns < self.window_ns:
             return fired
         end = track.start_ns + self.window_ns

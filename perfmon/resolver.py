@@ -36,8 +36,10 @@ class Resolver:
         *,
         states: Callable[[], Iterable[ModelState]] = tuple,
         log: Any = None,
+        on_tick: Callable[[int], None] | None = None,
         device_refresh_seconds: float = 1.0,
     ) -> None:
+        self._on_tick = on_tick
         self.hub = hub
         self.sinks = list(sinks)
         self._states = states
@@ -133,6 +135,11 @@ class Resolver:
                 if refresh:
                     st.refresh_device()
                     self._note_drops(st)
+            except Exception as exc:
+                self.hub.internal.report("housekeeping", exc)
+        if self._on_tick is not None:
+            try:
+                self._on_tick(now_ns)
             except Exception as exc:
                 self.hub.internal.report("housekeeping", exc)
         if self._log is not None:

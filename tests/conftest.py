@@ -14,7 +14,7 @@ import perfmon
 
 
 @pytest.fixture
-def make_monitor() -> Iterator[Callable[..., perfmon.Monitor]]:
+def make_monitor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., perfmon.Monitor]]:
     """Build monitors (no HTTP unless asked, logs to JSON) and stop them all afterwards."""
     made: list[perfmon.Monitor] = []
 
@@ -23,6 +23,10 @@ def make_monitor() -> Iterator[Callable[..., perfmon.Monitor]]:
         kw.setdefault("log_format", "json")
         kw.setdefault("log_level", "error")
         kw.setdefault("registry", CollectorRegistry())
+        # Opt-in per test: no background detector, no profiler warm-up, traces under pytest's tmp.
+        kw.setdefault("regression", None)
+        kw.setdefault("prepare_profiler", False)
+        kw.setdefault("trace_dir", str(tmp_path_factory.mktemp("traces")))
         m = perfmon.Monitor(**kw)
         made.append(m)
         return m

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -32,10 +33,19 @@ def test_metrics_doc_matches_declarations() -> None:
 
 def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, tmp_path: Path) -> None:
     """Every perfmon_* family a live monitor exposes is documented, and every documented one is exposed."""
+    policy = perfmon.RegressionPolicy(window_seconds=1, min_samples=1, baseline_windows=1)
     mon = make_monitor(sample_rate=1.0, nvml=FakeNvml(), memory=FakeTorchMemory(), oom_snapshot=True,
-                       trace_dir=str(tmp_path)).start()
+                       trace_dir=str(tmp_path), regression=policy).start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    for _ in range(5):
+        model(torch.ones(1, 2))
+    mon.flush()
+    mon.detector.tick(time.perf_counter_ns() + 3_000_000_000)  # close the window: a baseline exists
+    cap = mon.capture("m", steps=1)
     model(torch.ones(1, 2))
+    deadline = time.monotonic() + 30
+    while mon.profile(cap["id"]).get("outcome") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
         model(torch.ones(1, 3))
     except RuntimeError:
@@ -62,7 +72,8 @@ def test_public_surface_is_locked() -> None:
     """perfmon.__all__ is exactly the curated public names, without duplicates (ruff's RUF022 keeps it sorted)."""
     assert len(perfmon.__all__) == len(set(perfmon.__all__))
     assert set(perfmon.__all__) == {
-        "DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "Config", "ConfigError", "CudaBackend",
+        "DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "CaptureBusy", "CaptureRateLimited", "Config",
+        "ConfigError", "CudaBackend", "RegressionPolicy",
         "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "Span", "TimingEvent", "WrapError",
         "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
     }
