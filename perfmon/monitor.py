@@ -136,13 +136,17 @@ class Monitor:
                 except Exception as exc:
                     self._hub.internal.report("capture", exc)
             if cfg.port is not None:
-                self._server = AgentServer(make_wsgi_app(self), cfg.host, cfg.port)
+                self._server = AgentServer(make_wsgi_app(self, mounted=False), cfg.host, cfg.port)
             self._resolver.start(cfg.resolve_interval_seconds)
             if self._nvml is not None:
                 self._nvml.start()
             if self._server is not None:
                 self._server.start()
             self._running = True
+        if cfg.port is not None and cfg.token is None and not cfg.host.startswith(("127.", "::1", "localhost")):
+            self._log.warning("control_api_disabled", host=cfg.host,
+                              note="no token set on a non-loopback address: /profile and /profiles answer 403; "
+                                   "/metrics, /healthz and /stats are served")
         self._log.info("started", url=self.url, sample_rate=cfg.sample_rate, version=__version__,
                        cuda=self._hub.backend.available())
         return self

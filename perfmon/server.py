@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import hmac
 import json
+import math
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.exposition import choose_encoder
+
+from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -42,39 +46,80 @@ class Response:
         return cls(status, body, _JSON, headers or [])
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+            404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
+            429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+#: Largest request body accepted (a capture request is a few fields of JSON).
+MAX_BODY_BYTES = 16 * 1024
+
+_CAPTURE_FIELDS: dict[str, type | tuple[type, ...]] = {"model": str, "steps": int, "max_seconds": (int, float), "record_shapes": bool,
+                   "with_stack": bool, "profile_memory": bool}
+_LOOPBACK = ("127.", "::1", "localhost")
 
 
 class Router:
-    """Maps requests to the monitor's views."""
+    """Maps requests to the monitor's views.
 
-    def __init__(self, monitor: Monitor) -> None:
+    ``/metrics``, ``/healthz`` and ``/stats`` are open. The control and trace routes (``/profile``,
+    ``/profiles...``) need ``Authorization: Bearer <token>`` when a token is set; with no token they
+    are served only by the agent's own server on a loopback address, and answer 403 otherwise
+    (a non-loopback bind, or the app mounted in someone else's server).
+    """
+
+    def __init__(self, monitor: Monitor, *, mounted: bool = True) -> None:
         self.monitor = monitor
-        self.routes: dict[str, Callable[[Mapping[str, str]], Response]] = {
+        self.mounted = mounted
+        self.open_routes: dict[str, Callable[[Mapping[str, str]], Response]] = {
             "/metrics": self._metrics,
             "/healthz": self._healthz,
             "/stats": self._stats,
         }
 
-    def handle(self, method: str, path: str, headers: Mapping[str, str]) -> Response:
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"") -> Response:
         """Answer one request; internal failures become a 500 JSON body and are counted."""
-        view = self.routes.get(path.rstrip("/") or path)
-        if view is None:
-            return Response.json(404, {"error": "not found", "path": path[:200],
-                                       "routes": sorted(self.routes)})
-        if method not in ("GET", "HEAD"):
-            return Response.json(405, {"error": f"method {method[:20]} not allowed", "allowed": ["GET", "HEAD"]},
-                                 [("Allow", "GET, HEAD")])
         try:
-            resp = view(headers)
+            return self._route(method, path, headers, body)
         except Exception as exc:
             self.monitor._hub.internal.report("http", exc)
             return Response.json(500, {"error": "internal error", "detail": type(exc).__name__})
-        if method == "HEAD":
-            resp.headers.append(("Content-Length", str(len(resp.body))))
-            resp.body = b""
-        return resp
+
+    def _route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+        clean = path.rstrip("/") or path
+        view = self.open_routes.get(clean)
+        if view is not None:
+            if method not in ("GET", "HEAD"):
+                return _not_allowed(method, "GET, HEAD")
+            resp = view(headers)
+            if method == "HEAD":
+                resp.headers.append(("Content-Length", str(len(resp.body))))
+                resp.body = b""
+            return resp
+        parts = clean.split("/")
+        if clean == "/profile" or clean == "/profiles" or (len(parts) in (3, 4) and parts[1] == "profiles"):
+            denied = self._authorize(headers)
+            if denied is not None:
+                return denied
+            if clean == "/profile":
+                if method != "POST":
+                    return _not_allowed(method, "POST")
+                return self._post_profile(headers, body)
+            if method not in ("GET", "HEAD"):
+                return _not_allowed(method, "GET, HEAD")
+            if clean == "/profiles":
+                return Response.json(200, {"profiles": [_brief(p) for p in self.monitor.profiles()]})
+            if len(parts) == 3:
+                meta = self.monitor.profile(parts[2])
+                if meta is None:
+                    return _unknown_capture(parts[2])
+                return Response.json(200, meta)
+            if parts[3] == "trace":
+                return self._trace(parts[2])
+        return Response.json(404, {"error": "not found", "path": path[:200],
+                                   "routes": [*sorted(self.open_routes), "/profile", "/profiles",
+                                              "/profiles/{id}", "/profiles/{id}/trace"]})
+
+    # -- open routes ---------------------------------------------------------------------------
 
     def _metrics(self, headers: Mapping[str, str]) -> Response:
         encoder, content_type = choose_encoder(headers.get("accept", ""))
@@ -92,15 +137,108 @@ class Router:
     def _stats(self, headers: Mapping[str, str]) -> Response:
         return Response.json(200, self.monitor.stats())
 
+    # -- control routes --------------------------------------------------------------------------
 
-def make_wsgi_app(monitor: Monitor) -> Callable[..., Iterable[bytes]]:
+    def _authorize(self, headers: Mapping[str, str]) -> Response | None:
+        token = self.monitor.config.token
+        if token is None:
+            host = self.monitor.config.host
+            if not self.mounted and host.startswith(_LOOPBACK):
+                return None
+            where = "mounted in another server" if self.mounted else f"listening on {host}"
+            return Response.json(403, {
+                "error": "control API disabled",
+                "detail": f"the agent is {where} and no token is set; set PERFMON_TOKEN (or token=) and send "
+                          "'Authorization: Bearer <token>'",
+            })
+        scheme, _, credential = headers.get("authorization", "").partition(" ")
+        # Constant-time comparison: the response time must not reveal how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), token.encode()):
+            return Response.json(401, {"error": "unauthorized", "detail": "send 'Authorization: Bearer <token>'"},
+                                 [("WWW-Authenticate", 'Bearer realm="perfmon"')])
+        return None
+
+    def _post_profile(self, headers: Mapping[str, str], body: bytes) -> Response:
+        if len(body) > MAX_BODY_BYTES:
+            return Response.json(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
+        try:
+            payload = json.loads(body) if body.strip() else {}
+        except ValueError as exc:
+            return Response.json(400, {"error": f"body is not valid JSON: {exc}"})
+        if not isinstance(payload, dict):
+            return Response.json(400, {"error": "body must be a JSON object"})
+        unknown = sorted(set(payload) - set(_CAPTURE_FIELDS))
+        if unknown:
+            return Response.json(400, {"error": f"unknown field(s): {', '.join(map(str, unknown))[:200]}",
+                                       "allowed": sorted(_CAPTURE_FIELDS)})
+        for name, typ in _CAPTURE_FIELDS.items():
+            v = payload.get(name)
+            if v is not None and (not isinstance(v, typ) or (typ is not bool and isinstance(v, bool))):
+                return Response.json(400, {"error": f"{name}: expected {_typename(typ)}"})
+        agent = headers.get("user-agent", "")[:100]
+        try:
+            meta = self.monitor.capture(requested_by=f"http ({agent or 'no user-agent'})", **payload)
+        except LookupError as exc:
+            return Response.json(404, {"error": str(exc.args[0]) if exc.args else "unknown model"})
+        except ConfigError as exc:
+            return Response.json(400, {"error": str(exc)})
+        except CaptureBusy as exc:
+            return Response.json(409, {"error": str(exc), "running": exc.running_id})
+        except CaptureRateLimited as exc:
+            retry = max(1, math.ceil(exc.retry_after))
+            return Response.json(429, {"error": str(exc), "retry_after_seconds": retry},
+                                 [("Retry-After", str(retry))])
+        return Response.json(202, {"id": meta["id"], "status": meta["status"], "model": meta["model"],
+                                   "links": {"self": f"/profiles/{meta['id']}",
+                                             "trace": f"/profiles/{meta['id']}/trace"}})
+
+    def _trace(self, capture_id: str) -> Response:
+        meta = self.monitor.profile(capture_id)
+        if meta is None:
+            return _unknown_capture(capture_id)
+        path = self.monitor.traces.trace_path(capture_id)
+        if path is None:
+            return Response.json(404, {"error": "this capture has no trace", "status": meta.get("status"),
+                                       "outcome": meta.get("outcome")})
+        return Response(200, path.read_bytes(), "application/gzip",
+                        [("Content-Disposition", f'attachment; filename="{path.name}"')])
+
+
+def _not_allowed(method: str, allow: str) -> Response:
+    return Response.json(405, {"error": f"method {method[:20]} not allowed", "allowed": allow.split(", ")},
+                         [("Allow", allow)])
+
+
+def _unknown_capture(capture_id: str) -> Response:
+    return Response.json(404, {"error": "no such capture", "id": capture_id[:64]})
+
+
+def _brief(meta: dict[str, Any]) -> dict[str, Any]:
+    """A capture without its op summary, for listings."""
+    return {k: v for k, v in meta.items() if k != "summary"}
+
+
+def _typename(typ: type | tuple[type, ...]) -> str:
+    names = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
+    if isinstance(typ, tuple):
+        return "a number"
+    return names.get(typ.__name__, typ.__name__)
+
+
+def make_wsgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., Iterable[bytes]]:
     """A WSGI app serving the monitor's routes (mount it under any prefix)."""
-    router = Router(monitor)
+    router = Router(monitor, mounted=mounted)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
         path = environ.get("PATH_INFO", "/") or "/"
-        resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers)
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        # Read at most one byte past the limit: a huge body is refused without being read.
+        body = environ["wsgi.input"].read(min(length, MAX_BODY_BYTES + 1)) if length > 0 else b""
+        resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers, body)
         hdrs = [("Content-Type", resp.content_type), *resp.headers]
         if not any(k == "Content-Length" for k, _ in hdrs):
             hdrs.append(("Content-Length", str(len(resp.body))))
@@ -110,9 +248,9 @@ def make_wsgi_app(monitor: Monitor) -> Callable[..., Iterable[bytes]]:
     return app
 
 
-def make_asgi_app(monitor: Monitor) -> Callable[..., Any]:
+def make_asgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., Any]:
     """An ASGI (3.0) app serving the monitor's routes; rendering runs in a worker thread."""
-    router = Router(monitor)
+    router = Router(monitor, mounted=mounted)
 
     async def app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "lifespan":
@@ -127,9 +265,15 @@ def make_asgi_app(monitor: Monitor) -> Callable[..., Any]:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope.get("path", "/")
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if len(body) > MAX_BODY_BYTES or not msg.get("more_body"):
+                break
         # A scrape renders for milliseconds: keep it off the event loop.
         resp = await asyncio.get_running_loop().run_in_executor(
-            None, router.handle, scope.get("method", "GET"), path, headers)
+            None, router.handle, scope.get("method", "GET"), path, headers, body)
         hdrs = [(b"content-type", resp.content_type.encode())]
         hdrs += [(k.lower().encode(), v.encode()) for k, v in resp.headers]
         if not any(k == b"content-length" for k, _ in hdrs):
