@@ -322,56 +322,59 @@ class CaptureController:
         """End a capture that produced no trace (never started, or broke); stores its metadata."""
         cap = self.current
         assert cap is not None
-        cap.outcome, cap.error = outcome, error
         cap.ended_at = _now_iso()
         self._release_model(st)
         self._prof = None
+        try:
+            self.store.save({**cap.public(), "status": "done", "outcome": outcome, "error": error}, None, None)
+        except Exception as exc:
+            self._internal.report("trace_store", exc)
+        cap.outcome, cap.error = outcome, error
         self._move(event)
         self._record(cap)
         self.current = None
-        try:
-            self.store.save(cap.public(), None, None)
-        except Exception as exc:
-            self._internal.report("trace_store", exc)
 
     # -- export (background) --------------------------------------------------------------
 
     def _export(self, cap: Capture, prof: Profiler, aborted: bool) -> None:
+        # The outcome is published only once the files are in place: a client that sees "ok"
+        # can download the trace at once.
         tmp = None
-        trace = None
-        name = None
+        trace = name = None
+        outcome, error = ("aborted" if aborted else "ok"), None
+        summary: list[dict[str, Any]] = []
         try:
             tmp = self.store.temp_path(cap.id, "json")
             prof.export_chrome_trace(str(tmp))
             trace = gzip.compress(tmp.read_bytes(), compresslevel=6)
             name = f"{worker_name()}.{time.time_ns()}.pt.trace.json.gz"
-            cap.summary = top_ops(prof.key_averages(group_by_input_shape=cap.options.record_shapes),
-                                  cuda=cap.device.startswith("cuda"))
-            cap.outcome = "aborted" if aborted else "ok"
+            summary = top_ops(prof.key_averages(group_by_input_shape=cap.options.record_shapes),
+                              cuda=cap.device.startswith("cuda"))
         except Exception as exc:
             self._internal.report("capture_export", exc)
-            cap.outcome, cap.error = "failed", f"export failed: {type(exc).__name__}: {exc}"
+            outcome, error = "failed", f"export failed: {type(exc).__name__}: {exc}"
             trace = name = None
         finally:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
-        cap.status = "done"
+        final = {**cap.public(), "status": "done", "outcome": outcome, "error": error, "summary": summary}
         try:
-            stored = self.store.save(cap.public(), trace, name)
+            stored = self.store.save(final, trace, name)
         except Exception as exc:  # disk full, unwritable directory: nothing partial is listed
             self._internal.report("trace_store", exc)
-            cap.outcome, cap.error = "failed", f"store failed: {type(exc).__name__}: {exc}"
-            stored = cap.public()
+            outcome, error = "failed", f"store failed: {type(exc).__name__}: {exc}"
+            stored = {**final, "outcome": outcome, "error": error}
             try:
                 self.store.save(stored, None, None)
             except Exception:
                 pass
         with self._lock:
+            cap.summary, cap.outcome, cap.error = summary, outcome, error
             self._record(cap)
             self.current = None
             self._move("done")
         if self._log is not None:
-            self._log.info("capture_done", id=cap.id, model=cap.model, outcome=cap.outcome, error=cap.error,
+            self._log.info("capture_done", id=cap.id, model=cap.model, outcome=outcome, error=error,
                            steps=cap.steps_recorded, trace=stored.get("trace_file"))
 
     def _record(self, cap: Capture) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rps", type=_positive, default=50.0, help="target requests per second (default 50)")
     demo.add_argument("--threads", type=int, default=3, help="worker threads (default 3)")
     demo.add_argument("--sample-rate", type=float, default=None, help="fraction of steady calls timed")
+
+    def control(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--url", required=True, help="the agent's base URL, e.g. http://127.0.0.1:9478")
+        p.add_argument("--token", default=os.environ.get("PERFMON_TOKEN"),
+                       help="bearer token (default: $PERFMON_TOKEN)")
+        p.add_argument("--timeout", type=_positive, default=120.0, help="seconds to wait (default 120)")
+        return p
+
+    prof = control("profile", "trigger a capture, wait for it, download the trace, print the top ops")
+    prof.add_argument("--model", default=None, help="model name (default: the only one)")
+    prof.add_argument("--steps", type=int, default=None, help="forward calls to record (1..100, default 5)")
+    prof.add_argument("--max-seconds", type=_positive, default=None, help="window limit (default 10)")
+    prof.add_argument("--out", default=None, help="where to save the .pt.trace.json.gz (default: its name, here)")
+    control("profiles", "list captures")
     return parser
 
 
@@ -55,7 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:  # e.g. the port is taken
             print(f"perfmon: cannot serve: {exc}", file=sys.stderr)
             return 1
-    return 2  # pragma: no cover - argparse enforces a command
+    from .client import ControlError, list_profiles, run_profile
+
+    try:
+        if args.command == "profiles":
+            return list_profiles(args.url, token=args.token, timeout=args.timeout)
+        return run_profile(args.url, token=args.token, model=args.model, steps=args.steps,
+                           max_seconds=args.max_seconds, out=args.out, timeout=args.timeout)
+    except ControlError as exc:
+        print(f"perfmon: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -53,8 +53,10 @@ _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
 #: Largest request body accepted (a capture request is a few fields of JSON).
 MAX_BODY_BYTES = 16 * 1024
 
-_CAPTURE_FIELDS: dict[str, type | tuple[type, ...]] = {"model": str, "steps": int, "max_seconds": (int, float), "record_shapes": bool,
-                   "with_stack": bool, "profile_memory": bool}
+_CAPTURE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "model": str, "steps": int, "max_seconds": (int, float), "record_shapes": bool, "with_stack": bool,
+    "profile_memory": bool,
+}
 _LOOPBACK = ("127.", "::1", "localhost")
 
 

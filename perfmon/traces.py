@@ -65,7 +65,8 @@ class TraceStore:
     """Captures on disk: ``{id}.meta.json`` (metadata + op summary) and the gzipped Chrome trace.
 
     The metadata file is written last, so a capture is listed only once everything it names exists.
-    Retention keeps at most ``max_files`` captures and ``max_bytes`` of traces; the oldest go first.
+    Retention keeps at most ``max_files`` captures and ``max_bytes`` of traces; the oldest go first,
+    and the newest capture is kept whatever its size.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_files: int, max_bytes: int) -> None:
@@ -130,7 +131,8 @@ class TraceStore:
             except (OSError, ValueError):
                 meta = {}
             size = int(meta.get("trace_bytes") or 0)
-            if i < self.max_files and kept_bytes + size <= self.max_bytes:
+            # The newest capture is always kept: the one an operator just asked for must be fetchable.
+            if i == 0 or (i < self.max_files and kept_bytes + size <= self.max_bytes):
                 kept_bytes += size
                 continue
             name = meta.get("trace_file")

@@ -1,0 +1,374 @@
+"""Profiler captures: automatic on a regression, manual over HTTP, and the trace store's guarantees."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import perfmon
+from perfmon.capture import CaptureOptions, torch_profiler
+from perfmon.cli import main as cli_main
+
+from .conftest import value
+
+TOKEN = "s3cret-token-for-tests"
+
+
+class Jumpy(torch.nn.Module):
+    """A linear layer followed by a busy-wait whose length the test changes at runtime."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.delay = 0.001
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        end = time.perf_counter() + self.delay
+        while time.perf_counter() < end:
+            pass
+        return torch.relu(y)
+
+
+def wait_outcome(mon: perfmon.Monitor, cap_id: str, drive=None, timeout: float = 30.0) -> dict[str, Any]:
+    """Poll a capture until it has an outcome, calling ``drive()`` in between (bounded by ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        meta = mon.profile(cap_id)
+        if meta is not None and meta.get("outcome"):
+            return meta
+        if drive is not None:
+            drive()
+        else:
+            time.sleep(0.02)
+    raise AssertionError(f"capture {cap_id} unfinished: {mon.profile(cap_id)}")
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def test_latency_jump_triggers_exactly_one_capture_with_a_valid_trace(make_monitor) -> None:
+    """A model whose latency triples at runtime gets one automatic capture: a gzip Chrome trace with its aten ops."""
+    policy = perfmon.RegressionPolicy(window_seconds=0.4, min_samples=10, consecutive=2, baseline_windows=3,
+                                      ratio=1.5, capture_steps=3)
+    mon = make_monitor(sample_rate=1.0, regression=policy, prepare_profiler=True,
+                       resolve_interval_seconds=0.02).start()
+    model = mon.wrap(Jumpy(), name="jumpy")
+    x = torch.randn(4, 16)
+    t_end = time.monotonic() + 2.0
+    while time.monotonic() < t_end:  # learn the baseline at 1 ms
+        model(x)
+    assert mon.detector.baseline("jumpy") is not None
+    model.delay = 0.003
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not mon.captures.finished:
+        model(x)
+    t_end = time.monotonic() + 2.0
+    while time.monotonic() < t_end:  # still slow: no second capture (cooldown)
+        model(x)
+    profiles = mon.profiles()
+    assert len(profiles) == 1, profiles
+    meta = mon.profile(profiles[0]["id"])
+    assert meta["trigger"] == "regression" and meta["outcome"] == "ok" and meta["steps_recorded"] == 3
+    reason = meta["reason"]
+    assert reason["baseline_seconds"]["p50"] == pytest.approx(0.001, rel=0.5)
+    assert max(reason["observed_ratio"].values()) > 1.5
+    trace = read_trace(mon.traces.trace_path(meta["id"]))
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"aten::linear", "aten::relu"} <= names
+    assert {op["name"] for op in meta["summary"]} >= {"aten::linear", "aten::relu"}
+    assert meta["trace_file"].endswith(".pt.trace.json.gz")
+    assert value(mon, "perfmon_captures_total", model="jumpy", trigger="regression", outcome="ok") == 1
+    assert value(mon, "perfmon_regressions_total", model="jumpy") == 1
+    assert value(mon, "perfmon_regression_active", model="jumpy") == 1
+    assert value(mon, "perfmon_latency_baseline_seconds", model="jumpy", quantile="0.5") == pytest.approx(
+        0.001, rel=0.5)
+    assert value(mon, "perfmon_capture_duration_seconds_count") == 1
+
+
+def _post(url: str, body: bytes | None = None, token: str | None = TOKEN, method: str = "POST",
+          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    h = dict(headers or {})
+    if token:
+        h["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+@pytest.fixture
+def agent(make_monitor):
+    """A served monitor with a token and two models."""
+    mon = make_monitor(port=0, token=TOKEN, manual_captures_per_hour=3).start()
+    a = mon.wrap(torch.nn.Linear(8, 8), name="a")
+    mon.wrap(torch.nn.Linear(8, 8), name="b")
+    return mon, a
+
+
+def test_every_control_status_code_over_real_http(agent) -> None:
+    """202, 400, 401, 404, 405, 409, 413 and 429 are each reached by a real request."""
+    mon, a = agent
+    url = mon.url
+    x = torch.randn(2, 8)
+    assert _post(url + "/profile", b'{"model": "a"}', token=None)[0] == 401
+    assert _post(url + "/profile", b'{"model": "a"}', token="wrong-token-123")[0] == 401
+    assert _post(url + "/profile", b"{not json")[0] == 400
+    assert _post(url + "/profile", b"[1, 2]")[0] == 400
+    status, _, body = _post(url + "/profile", b'{"model": "a", "colour": "red"}')
+    assert status == 400 and "colour" in json.loads(body)["error"]
+    assert _post(url + "/profile", b'{"model": "a", "steps": 0}')[0] == 400
+    assert _post(url + "/profile", b'{"model": "a", "steps": "5"}')[0] == 400
+    assert _post(url + "/profile", b'{"model": "a", "max_seconds": 1000}')[0] == 400
+    assert _post(url + "/profile", b"{}")[0] == 400  # two models: which one?
+    status, _, body = _post(url + "/profile", b'{"model": "zzz"}')
+    assert status == 404 and "zzz" in json.loads(body)["error"]
+    assert _post(url + "/profile", b"x" * 20_000)[0] == 413
+    assert _post(url + "/profile", method="GET")[0] == 405
+    status, _, body = _post(url + "/profile", b'{"model": "a", "steps": 2}')
+    assert status == 202
+    first = json.loads(body)["id"]
+    status, _, body = _post(url + "/profile", b'{"model": "b"}')
+    assert status == 409 and json.loads(body)["running"] == first
+    wait_outcome(mon, first, drive=lambda: a(x))
+    for _ in range(2):  # the hourly cap is 3 manual captures
+        status, _, body = _post(url + "/profile", b'{"model": "a", "steps": 1}')
+        assert status == 202
+        wait_outcome(mon, json.loads(body)["id"], drive=lambda: a(x))
+    status, headers, body = _post(url + "/profile", b'{"model": "a"}')
+    assert status == 429 and int(headers["retry-after"]) > 0 and json.loads(body)["retry_after_seconds"] > 0
+
+
+def test_profiles_list_detail_and_trace_download(agent) -> None:
+    """A finished capture is listed newest first, has an op summary, and its trace downloads as gzip JSON."""
+    mon, a = agent
+    status, _, body = _post(mon.url + "/profile", b'{"model": "a", "steps": 3}')
+    cap_id = json.loads(body)["id"]
+    meta = wait_outcome(mon, cap_id, drive=lambda: a(torch.randn(2, 8)))
+    assert meta["outcome"] == "ok" and meta["steps_recorded"] == 3 and meta["trigger"] == "manual"
+    assert meta["reason"]["requested_by"].startswith("http")
+    status, _, body = _post(mon.url + "/profiles", method="GET")
+    listed = json.loads(body)["profiles"]
+    assert status == 200 and listed[0]["id"] == cap_id and "summary" not in listed[0]
+    status, _, body = _post(mon.url + f"/profiles/{cap_id}", method="GET")
+    detail = json.loads(body)
+    assert status == 200 and any(op["name"] == "aten::linear" for op in detail["summary"])
+    shapes = [op["input_shapes"] for op in detail["summary"] if op["name"] == "aten::linear"]
+    assert shapes and "[2, 8]" in shapes[0][0]
+    status, headers, body = _post(mon.url + f"/profiles/{cap_id}/trace", method="GET")
+    assert status == 200 and headers["content-type"] == "application/gzip"
+    assert meta["trace_file"] in headers["content-disposition"]
+    assert "traceEvents" in json.loads(gzip.decompress(body))
+    assert _post(mon.url + "/profiles", method="GET", token=None)[0] == 401
+
+
+def test_path_like_ids_are_404_and_touch_no_file(agent, tmp_path: Path) -> None:
+    """Ids such as ../x, %2e%2e or absolute paths get 404 and never reach the filesystem."""
+    mon, _ = agent
+    outside = tmp_path / "secret.meta.json"
+    outside.write_text('{"id": "x", "trace_file": "../../etc/passwd"}')
+    before = sorted(p.name for p in mon.traces.directory.glob("*")) if mon.traces.directory.exists() else []
+    for path in ("/profiles/../x", "/profiles/%2e%2e", "/profiles/%2e%2e%2fsecret",
+                 f"/profiles/{outside}", "/profiles/..%2F..%2Fetc%2Fpasswd/trace", "/profiles//etc/passwd/trace",
+                 "/profiles/ffffffffffffffffffffff", "/profiles/ffffffffffffffffffffff/trace"):
+        status, _, body = _post(mon.url + path, method="GET")
+        assert status == 404, (path, status, body)
+    after = sorted(p.name for p in mon.traces.directory.glob("*")) if mon.traces.directory.exists() else []
+    assert before == after
+
+
+def test_concurrent_posts_get_one_202_and_the_rest_409(agent) -> None:
+    """Eight simultaneous capture requests: exactly one is accepted."""
+    mon, _ = agent
+    barrier = threading.Barrier(8)
+    codes: list[int] = []
+
+    def post() -> None:
+        barrier.wait(timeout=10)
+        codes.append(_post(mon.url + "/profile", b'{"model": "a", "steps": 1}')[0])
+
+    threads = [threading.Thread(target=post) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(codes) == [202] + [409] * 7
+
+
+def test_control_routes_forbidden_without_token_off_loopback_or_mounted(make_monitor) -> None:
+    """No token: a mounted app or a non-loopback bind answers 403 on control routes; /metrics stays open."""
+    from perfmon.server import Router
+
+    mon = make_monitor()
+    mon.wrap(torch.nn.Linear(2, 2), name="m")
+    mounted = Router(mon, mounted=True)
+    resp = mounted.handle("POST", "/profile", {}, b"{}")
+    assert resp.status == 403 and "PERFMON_TOKEN" in json.loads(resp.body)["detail"]
+    assert mounted.handle("GET", "/metrics", {}).status == 200
+    exposed = make_monitor(host="0.0.0.0")
+    resp = Router(exposed, mounted=False).handle("GET", "/profiles", {})
+    assert resp.status == 403 and "0.0.0.0" in json.loads(resp.body)["detail"]
+    local = Router(mon, mounted=False)  # the agent's own server on 127.0.0.1: open without a token
+    assert local.handle("GET", "/profiles", {}).status == 200
+
+
+def test_retention_keeps_the_store_within_its_limits(make_monitor) -> None:
+    """With trace_max_files=2, three captures leave the two newest; oldest files are deleted."""
+    mon = make_monitor(trace_max_files=2)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    ids = []
+    for _ in range(3):
+        cap = mon.capture("m", steps=1)
+        ids.append(cap["id"])
+        wait_outcome(mon, cap["id"], drive=lambda: model(torch.randn(1, 4)))
+    listed = [p["id"] for p in mon.profiles()]
+    assert listed == ids[:0:-1]
+    files = sorted(p.name for p in mon.traces.directory.iterdir())
+    assert len([f for f in files if f.endswith(".pt.trace.json.gz")]) == 2
+    assert len([f for f in files if f.endswith(".meta.json")]) == 2
+    small = make_monitor(trace_max_bytes=1)  # no trace fits: only the newest capture is kept
+    m2 = small.wrap(torch.nn.Linear(4, 4), name="m")
+    caps = []
+    for _ in range(2):
+        caps.append(small.capture("m", steps=1)["id"])
+        wait_outcome(small, caps[-1], drive=lambda: m2(torch.randn(1, 4)))
+    assert [p["id"] for p in small.profiles()] == [caps[-1]]
+    assert len(list(small.traces.directory.iterdir())) == 2  # its metadata and its trace
+
+
+class _BrokenExport:
+    """A real profiler whose export writes half a file and then fails (a full disk)."""
+
+    def __init__(self, options: CaptureOptions, cuda: bool) -> None:
+        self._p = torch_profiler(options, cuda)
+
+    def start(self) -> None:
+        self._p.start()
+
+    def stop(self) -> None:
+        self._p.stop()
+
+    def export_chrome_trace(self, path: str) -> None:
+        Path(path).write_text('{"traceEvents": [')
+        raise OSError(28, "No space left on device")
+
+    def key_averages(self, group_by_input_shape: bool = False) -> Any:
+        return self._p.key_averages(group_by_input_shape=group_by_input_shape)
+
+
+def test_failed_export_leaves_no_partial_file_listed(make_monitor) -> None:
+    """An export that fails midway stores a 'failed' record with the error and no trace file, no temp file."""
+    mon = make_monitor(profiler_factory=_BrokenExport)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    cap = mon.capture("m", steps=1)
+    meta = wait_outcome(mon, cap["id"], drive=lambda: model(torch.randn(1, 4)))
+    assert meta["outcome"] == "failed" and "No space left" in meta["error"]
+    assert mon.traces.trace_path(cap["id"]) is None
+    names = [p.name for p in mon.traces.directory.iterdir()]
+    assert names == [f"{cap['id']}.meta.json"]
+    assert value(mon, "perfmon_captures_total", model="m", trigger="manual", outcome="failed") == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="capture_export") == 1
+
+
+def test_users_own_profiler_is_never_nested_or_wiped(make_monitor) -> None:
+    """While the user profiles, a capture is refused as busy and the user's session keeps its events."""
+    mon = make_monitor()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(torch.randn(1, 4))
+        with pytest.raises(perfmon.CaptureBusy, match="another torch profiler"):
+            mon.capture("m")
+        model(torch.randn(1, 4))
+    assert any(e.key == "aten::linear" and e.count == 2 for e in prof.key_averages())
+
+
+def test_armed_capture_expires_and_stop_aborts(make_monitor) -> None:
+    """An armed capture with no call expires as aborted; stop() aborts an armed one; the slot frees."""
+    mon = make_monitor(capture_arm_timeout_seconds=0.05).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    cap = mon.capture("m")
+    meta = wait_outcome(mon, cap["id"])
+    assert meta["outcome"] == "aborted" and "no call" in meta["error"]
+    mon2 = make_monitor().start()
+    mon2.wrap(torch.nn.Linear(4, 4), name="m")
+    cap2 = mon2.capture("m")
+    mon2.stop()
+    assert mon2.profile(cap2["id"])["outcome"] == "aborted" and mon2.captures.state == "idle"
+    assert torch.equal(model(torch.ones(1, 4)), model.unwrapped(torch.ones(1, 4)))
+
+
+def test_profiler_start_failure_fails_the_capture_not_the_call(make_monitor) -> None:
+    """If the profiler cannot start, the user's call returns normally and the capture is 'failed'."""
+
+    def broken(options: CaptureOptions, cuda: bool) -> Any:
+        raise RuntimeError("kineto unavailable")
+
+    mon = make_monitor(profiler_factory=broken)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    cap = mon.capture("m")
+    x = torch.randn(1, 4)
+    assert torch.equal(model(x), model.unwrapped(x))
+    meta = mon.profile(cap["id"])
+    assert meta["outcome"] == "failed" and "kineto unavailable" in meta["error"]
+    assert value(mon, "perfmon_internal_errors_total", stage="capture") == 1
+
+
+def test_calls_under_capture_are_not_timed(make_monitor) -> None:
+    """Calls made while the profiler runs never reach the latency histograms."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    x = torch.randn(1, 4)
+    model(x)
+    mon.flush()
+    timed_before = value(mon, "perfmon_forward_sampled_total", model="m")
+    cap = mon.capture("m", steps=4)
+    for _ in range(4):
+        model(x)
+    wait_outcome(mon, cap["id"])
+    assert value(mon, "perfmon_forward_sampled_total", model="m") == timed_before
+    assert value(mon, "perfmon_forward_calls_total", model="m") == 5
+    model(x)
+    mon.flush()
+    assert value(mon, "perfmon_forward_sampled_total", model="m") == timed_before + 1  # timing resumes
+
+
+def test_cli_profile_and_profiles_against_a_live_agent(agent, tmp_path: Path, capsys) -> None:
+    """`perfmon profile` triggers, waits, downloads the trace and prints top ops; `perfmon profiles` lists it."""
+    mon, a = agent
+    stop = threading.Event()
+
+    def drive() -> None:
+        x = torch.randn(2, 8)
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            a(x)
+            stop.wait(0.005)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    out = tmp_path / "trace.json.gz"
+    try:
+        rc = cli_main(["profile", "--url", mon.url, "--token", TOKEN, "--model", "a", "--steps", "2",
+                       "--out", str(out)])
+    finally:
+        stop.set()
+        t.join(10)
+    printed = capsys.readouterr().out
+    assert rc == 0 and "aten::linear" in printed and "trace:" in printed
+    assert "traceEvents" in json.loads(gzip.decompress(out.read_bytes()))
+    assert cli_main(["profiles", "--url", mon.url, "--token", TOKEN]) == 0
+    assert "manual" in capsys.readouterr().out
+    assert cli_main(["profiles", "--url", mon.url, "--token", "bad-token-xyz"]) == 1
+    assert "401" in capsys.readouterr().err
