@@ -259,8 +259,11 @@ class Monitor:
             st = self._states.get(r.model)
             if st is None or policy is None or not st.capturable:
                 continue
-            self.captures.auto(st, CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds),
-                               r.as_dict())
+            options = CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds,
+                                     record_shapes=policy.capture_record_shapes,
+                                     with_stack=policy.capture_with_stack,
+                                     profile_memory=policy.capture_profile_memory)
+            self.captures.auto(st, options, r.as_dict())
 
     def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
                 record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
@@ -341,6 +344,12 @@ class Monitor:
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
         now = perf_counter_ns()
+        regression: dict[str, Any] = {}
+        if self.detector is not None:
+            for model, last, base, active, n in self.detector.views():
+                regression[model] = {"active": active, "regressions": n, "baseline_seconds": base,
+                                     "last_window": None if last is None else
+                                     {"samples": last.count, "seconds": last.seconds}}
         models: dict[str, Any] = {}
         for st in self._state_list():
             first = self.metrics.first_call(st.name)
@@ -356,6 +365,7 @@ class Monitor:
                 "cold_start_seconds": first[0] if first else None,
                 "time_to_first_forward_seconds": first[1] if first else None,
                 "latency": self.windows.summary(st.name, now),
+                "regression": regression.get(st.name),
             }
         return {
             "version": __version__,
@@ -364,6 +374,8 @@ class Monitor:
             "pending_samples": self._resolver.pending,
             "internal_errors": dict(self._hub.internal.counts()),
             "models": models,
+            "capture": {"state": self.captures.state, "current": self.captures.current.id
+                        if self.captures.current else None, "suppressed": dict(self.captures.suppressed)},
         }
 
     def health(self) -> tuple[bool, dict[str, Any]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ class RegressionPolicy:
     #: The automatic capture: forward calls and seconds, whichever ends first.
     capture_steps: int = 5
     capture_max_seconds: float = 10.0
+    capture_record_shapes: bool = True
+    #: Heavy (Python stacks, allocator events): off by default for automatic captures; a warning if on.
+    capture_with_stack: bool = False
+    capture_profile_memory: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -72,6 +77,12 @@ class RegressionPolicy:
         if not self.quantiles or any(q not in QUANTILE_LEVELS for q in self.quantiles):
             raise bad("quantiles", f"must be a non-empty subset of {sorted(QUANTILE_LEVELS)}")
         object.__setattr__(self, "quantiles", tuple(self.quantiles))
+        for name in ("capture_record_shapes", "capture_with_stack", "capture_profile_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        if self.capture_with_stack or self.capture_profile_memory:
+            warnings.warn("RegressionPolicy enables with_stack/profile_memory for automatic captures: they make "
+                          "each capture several times heavier on the serving thread", stacklevel=3)
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,54 @@ def test_policy_validation(kw: dict) -> None:
     with pytest.raises(perfmon.ConfigError):
         RegressionPolicy(**kw)
     assert RegressionPolicy(window_seconds=1).window_seconds == 1
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _State:
+    """The parts of a ModelState the controller touches."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.device = "cpu"
+        self.capture = None
+        self.next_index = 10
+
+
+def test_automatic_captures_respect_cooldown_and_hourly_cap(tmp_path) -> None:
+    """Within the cooldown a second automatic capture is suppressed; past it, the hourly cap applies."""
+    from perfmon.capture import CaptureController, CaptureOptions
+    from perfmon.faults import InternalErrors
+    from perfmon.traces import TraceStore
+
+    clock = _Clock()
+    ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=InternalErrors(),
+                            cooldown_seconds=600, max_auto_per_hour=2, arm_timeout_seconds=1, clock=clock)
+    st = _State("m")
+    opts = CaptureOptions(steps=1)
+    assert ctl.auto(st, opts, {}) is not None and st.capture is ctl and st.next_index == 0
+    clock.t += 2
+    ctl.tick()  # armed with no call: expires, slot free again
+    assert ctl.state == "idle" and st.capture is None
+    assert ctl.auto(st, opts, {}) is None and ctl.suppressed["cooldown"] == 1
+    clock.t += 601
+    assert ctl.auto(st, opts, {}) is not None
+    clock.t += 2
+    ctl.tick()
+    clock.t += 601
+    assert ctl.auto(st, opts, {}) is None and ctl.suppressed["rate_limit"] == 1  # 2 in the last hour
+    clock.t += 3600
+    assert ctl.auto(st, opts, {}) is not None
+    assert ctl.auto(st, opts, {}) is None and ctl.suppressed["busy"] == 1  # one capture at a time
+
+
+def test_heavy_automatic_capture_options_warn() -> None:
+    """Enabling with_stack or profile_memory for automatic captures warns."""
+    with pytest.warns(UserWarning, match="heavier"):
+        RegressionPolicy(capture_profile_memory=True)
