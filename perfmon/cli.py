@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rps", type=_positive, default=50.0, help="target requests per second (default 50)")
     demo.add_argument("--threads", type=int, default=3, help="worker threads (default 3)")
     demo.add_argument("--sample-rate", type=float, default=None, help="fraction of steady calls timed")
+    demo.add_argument("--slow-after", type=_positive, default=None,
+                      help="simulate a 2x latency regression after this many seconds (perfmon captures it)")
 
     def control(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = {} if args.sample_rate is None else {"sample_rate": args.sample_rate}
         try:
             return run_demo(host=args.host, port=args.port, duration=args.duration, rps=args.rps,
-                            threads=max(1, args.threads), **settings)
+                            threads=max(1, args.threads), slow_after=args.slow_after, **settings)
         except ConfigError as exc:
             print(f"perfmon: {exc}", file=sys.stderr)
             return 2

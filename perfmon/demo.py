@@ -17,27 +17,52 @@ from typing import Any, TextIO
 import torch
 
 from .monitor import Monitor
+from .regression import RegressionPolicy
 
 __all__ = ["build_model", "run_demo"]
 
 
-def build_model(device: str) -> torch.nn.Module:
-    """A 2-layer Transformer encoder, d_model 128 (~1-3 ms per forward on a 2-core CPU)."""
+class Encoder(torch.nn.Module):
+    """A 2-layer Transformer encoder, d_model 128 (~1-3 ms per forward on a 2-core CPU).
+
+    ``extra_passes`` re-runs the layers that many more times: the demo's simulated regression.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.extra_passes = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.encoder(x)
+        for _ in range(self.extra_passes):
+            y = self.encoder(y)
+        return y
+
+
+def build_model(device: str) -> Encoder:
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, batch_first=True)
-    return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).to(device).eval()
+    return Encoder().to(device).eval()
 
 
 def run_demo(*, host: str | None = None, port: int | None = None, duration: float | None = None,
-             rps: float = 50.0, threads: int = 3, out: TextIO = sys.stdout,
+             rps: float = 50.0, threads: int = 3, slow_after: float | None = None, out: TextIO = sys.stdout,
              install_signals: bool = True, **settings: Any) -> int:
-    """Serve the demo until ``duration`` seconds pass, or SIGINT/SIGTERM; returns an exit code."""
+    """Serve the demo until ``duration`` seconds pass, or SIGINT/SIGTERM; returns an exit code.
+
+    ``slow_after`` seconds in, the encoder starts doing twice the work: a latency regression the
+    monitor detects and captures on its own (see /profiles).
+    """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw: dict[str, Any] = dict(settings)
     if host is not None:
         kw["host"] = host
     if port is not None:
         kw["port"] = port
+    if slow_after is not None and "regression" not in kw:
+        # Short windows so the demo shows a detection within a minute (production default: 30 s windows).
+        kw["regression"] = RegressionPolicy(window_seconds=5, baseline_windows=2, min_samples=20, consecutive=2)
     stop = threading.Event()
     if install_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,6 +84,8 @@ def run_demo(*, host: str | None = None, port: int | None = None, duration: floa
         print(f"perfmon demo: encoder on {device}, {threads} threads, ~{rps:g} requests/s", file=out)
         if url:
             print(f"  metrics: {url}/metrics\n  stats:   {url}/stats\n  health:  {url}/healthz", file=out)
+        if slow_after is not None:
+            print(f"  the encoder slows down 2x after {slow_after:g} s; watch /stats and /profiles", file=out)
         print("  Ctrl-C to stop" if duration is None else f"  running for {duration:g} s", file=out, flush=True)
 
         started = time.monotonic()
@@ -88,6 +115,9 @@ def run_demo(*, host: str | None = None, port: int | None = None, duration: floa
             if duration is not None and time.monotonic() - started >= duration:
                 break
             stop.wait(0.2)
+            if slow_after is not None and model.extra_passes == 0 and time.monotonic() - started >= slow_after:
+                model.extra_passes = 1
+                print("  encoder slowed down (simulated regression)", file=out, flush=True)
             if time.monotonic() - last_report >= 5:
                 last_report = time.monotonic()
                 _report(monitor, out)
@@ -101,7 +131,8 @@ def run_demo(*, host: str | None = None, port: int | None = None, duration: floa
 
 
 def _report(monitor: Monitor, out: TextIO) -> None:
-    enc = monitor.stats()["models"]["encoder"]
+    stats = monitor.stats()
+    enc = stats["models"]["encoder"]
     steady = enc["latency"].get("steady", {}).get("duration", {})
     cold = enc["latency"].get("cold", {}).get("duration", {})
     p50 = steady.get("p50_seconds")
@@ -113,3 +144,9 @@ def _report(monitor: Monitor, out: TextIO) -> None:
     print(f"  encoder: {enc['calls']} calls, {sum(enc['errors'].values())} errors, "
           f"steady p50 {fmt(p50)} p99 {fmt(p99)} ({steady.get('count', 0)} samples), "
           f"cold calls timed {cold.get('count', 0)}", file=out, flush=True)
+    reg = enc.get("regression") or {}
+    if reg.get("active"):
+        print(f"  encoder: latency regression active (baseline {reg.get('baseline_seconds')})", file=out, flush=True)
+    for p in monitor.profiles()[:3]:
+        print(f"  capture {p['id']}: {p['trigger']} {p['status']} {p.get('outcome') or ''} "
+              f"{p.get('trace_file') or ''}", file=out, flush=True)
