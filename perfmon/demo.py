@@ -35,7 +35,7 @@ class Encoder(torch.nn.Module):
         self.extra_passes = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.encoder(x)
+        y: torch.Tensor = self.encoder(x)
         for _ in range(self.extra_passes):
             y = self.encoder(y)
         return y
