@@ -35,12 +35,12 @@ tools:
 	fi
 
 test: $(STAMP) tools
-	$(BIN)/ruff check perfmon tests benchmarks
+	$(BIN)/ruff check perfmon tests benchmarks grafana examples
 	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check perfmon tests benchmarks
+	$(BIN)/ruff check perfmon tests benchmarks grafana examples
 	$(BIN)/mypy
 
 bench: $(STAMP)

@@ -182,6 +182,7 @@ class CaptureController:
         #: Exposed by the metrics collector.
         self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
         self.finished: dict[tuple[str, str, str], int] = {}
+        self.last_finished: dict[tuple[str, str, str], float] = {}  # unix seconds
         self.durations: list[float] = []
 
     # -- state machine --------------------------------------------------------------------
@@ -380,6 +381,7 @@ class CaptureController:
     def _record(self, cap: Capture) -> None:
         key = (cap.model, cap.trigger, cap.outcome or "failed")
         self.finished[key] = self.finished.get(key, 0) + 1
+        self.last_finished[key] = time.time()
         if cap.duration_seconds is not None:
             # Unbounded on purpose but small: captures are rate-limited (tens per hour at most).
             self.durations.append(cap.duration_seconds)

@@ -105,6 +105,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "seconds", ("model", "quantile"), "Steady-state latency percentile of the last closed window."),
     "perfmon_latency_baseline_seconds": (
         "gauge", "seconds", ("model", "quantile"), "Learned baseline of that percentile (median of healthy windows)."),
+    "perfmon_latency_threshold_seconds": (
+        "gauge", "seconds", ("model", "quantile"), "Baseline x ratio: above it a window counts as regressed."),
     "perfmon_regression_active": ("gauge", "boolean", ("model",), "1 while a latency regression is active."),
     "perfmon_regressions_total": ("counter", "regressions", ("model",), "Latency regressions detected."),
     "perfmon_captures_total": (
@@ -112,6 +114,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_captures_suppressed_total": (
         "counter", "captures", ("reason",), "Automatic captures not taken (cooldown, rate_limit, busy)."),
     "perfmon_capture_in_progress": ("gauge", "boolean", (), "1 while a capture is armed, recording or exporting."),
+    "perfmon_capture_timestamp_seconds": (
+        "gauge", "seconds", ("model", "trigger", "outcome"),
+        "Unix time the last capture of this kind ended (for dashboard annotations)."),
     "perfmon_capture_duration_seconds": (
         "histogram", "seconds", (), "Time a capture's profiler window was open."),
     "perfmon_info": (
@@ -336,6 +341,8 @@ class CaptureCollector(Collector):
         if self._detector is not None:
             window = _family("perfmon_latency_window_seconds")
             baseline = _family("perfmon_latency_baseline_seconds")
+            threshold = _family("perfmon_latency_threshold_seconds")
+            ratio = self._detector.policy.ratio
             active = _family("perfmon_regression_active")
             total = _family("perfmon_regressions_total")
             for model, last, base, is_active, n in self._detector.views():
@@ -344,14 +351,19 @@ class CaptureCollector(Collector):
                         window.add_metric([model, level], last.seconds[q])
                     if base is not None:
                         baseline.add_metric([model, level], base[q])
+                        threshold.add_metric([model, level], base[q] * ratio)
                 active.add_metric([model], 1.0 if is_active else 0.0)
                 total.add_metric([model], n)
-            yield from (window, baseline, active, total)
+            yield from (window, baseline, threshold, active, total)
         c = self._controller
         captures = _family("perfmon_captures_total")
         for (model, trigger, outcome), n in sorted(c.finished.items()):
             captures.add_metric([model, trigger, outcome], n)
         yield captures
+        stamps = _family("perfmon_capture_timestamp_seconds")
+        for (model, trigger, outcome), t in sorted(c.last_finished.items()):
+            stamps.add_metric([model, trigger, outcome], t)
+        yield stamps
         suppressed = _family("perfmon_captures_suppressed_total")
         for reason, n in c.suppressed.items():
             suppressed.add_metric([reason], n)

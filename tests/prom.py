@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -30,8 +31,11 @@ class Prometheus:
     def query(self, promql: str) -> list[dict[str, Any]]:
         """Instant query; returns the result vector (raises on a PromQL error)."""
         qs = urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=10) as r:
-            body = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=10) as r:
+                body = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"PromQL error for {promql!r}: {e.read().decode()[:500]}") from None
         assert body["status"] == "success", body
         return body["data"]["result"]  # type: ignore[no-any-return]
 
@@ -48,7 +52,8 @@ class Prometheus:
 
 
 @contextmanager
-def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s") -> Iterator[Prometheus]:
+def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s",
+                       rule_files: list[str] | None = None) -> Iterator[Prometheus]:
     """Start prometheus scraping ``targets`` (host:port); stop it afterwards."""
     binary = shutil.which("prometheus")
     if binary is None:
@@ -59,7 +64,8 @@ def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s
         "global:\n"
         f"  scrape_interval: {scrape_interval}\n"
         f"  evaluation_interval: {scrape_interval}\n"
-        "scrape_configs:\n"
+        + (f"rule_files: {json.dumps(rule_files)}\n" if rule_files else "")
+        + "scrape_configs:\n"
         "  - job_name: perfmon\n"
         "    static_configs:\n"
         f"      - targets: {json.dumps(targets)}\n"

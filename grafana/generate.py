@@ -1,0 +1,270 @@
+"""Build perfmon's Grafana dashboards: ``python grafana/generate.py`` rewrites grafana/dashboards/*.json.
+
+The JSON files are what users import or provision; this script is how they are kept consistent
+(datasource variable on every panel, unique ids, units, the same selectors everywhere).
+``tests/test_dashboards.py`` checks that the committed JSON is what this script produces and then
+evaluates every query against a real Prometheus scraping a live agent.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SCHEMA_VERSION = 39  # Grafana 11
+DS = {"type": "prometheus", "uid": "${datasource}"}
+BASE = 'job=~"$job", instance=~"$instance"'
+MODEL = BASE + ', model=~"$model"'
+GPU = BASE + ', gpu=~"$gpu"'
+RATE = "$__rate_interval"
+
+
+def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+
+
+class Board:
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self._id = 0
+        self._y = 0
+        self._x = 0
+
+    def row(self, title: str) -> None:
+        self._flush()
+        self._id += 1
+        self.panels.append({"type": "row", "id": self._id, "title": title, "collapsed": False,
+                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self._y}, "panels": []})
+        self._y += 1
+
+    def _flush(self) -> None:
+        if self._x:
+            self._x = 0
+            self._y += 8
+
+    def panel(self, title: str, exprs: list[tuple[str, str]], unit: str, *, description: str, width: int = 12,
+              kind: str = "timeseries", stack: bool = False, extra: dict[str, Any] | None = None) -> None:
+        if self._x + width > 24:
+            self._flush()
+        self._id += 1
+        refs = "ABCDEFGHIJ"
+        defaults: dict[str, Any] = {"unit": unit}
+        if kind == "timeseries":
+            defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if stack else 0,
+                                  "stacking": {"mode": "normal" if stack else "none"}, "spanNulls": False}
+        panel: dict[str, Any] = {
+            "type": kind, "id": self._id, "title": title, "description": description, "datasource": DS,
+            "gridPos": {"h": 8, "w": width, "x": self._x, "y": self._y},
+            "targets": [target(e, legend, refs[i]) for i, (e, legend) in enumerate(exprs)],
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+                        "tooltip": {"mode": "multi", "sort": "desc"}} if kind == "timeseries" else {},
+        }
+        if extra:
+            panel.update(extra)
+        self.panels.append(panel)
+        self._x += width
+        if self._x >= 24:
+            self._flush()
+
+
+def variables(gpu: bool) -> list[dict[str, Any]]:
+    def query(name: str, q: str, label: str) -> dict[str, Any]:
+        return {"name": name, "label": label, "type": "query", "datasource": DS, "query": {"query": q, "refId": name},
+                "definition": q, "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1}
+
+    out = [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {}, "refresh": 1, "hide": 0},
+        query("job", "label_values(perfmon_info, job)", "Job"),
+        query("instance", 'label_values(perfmon_info{job=~"$job"}, instance)', "Instance"),
+        query("model", 'label_values(perfmon_forward_calls_total{job=~"$job", instance=~"$instance"}, model)', "Model"),
+    ]
+    out.append(query("gpu", 'label_values(perfmon_gpu_memory_total_bytes{job=~"$job", instance=~"$instance"}, gpu)',
+                     "GPU"))
+    del gpu  # both dashboards carry all four variables, so links between them keep the selection
+    return out
+
+
+CAPTURE_ANNOTATION = {
+    "name": "perfmon captures",
+    "datasource": DS,
+    "enable": True,
+    "iconColor": "purple",
+    # The gauge holds the capture's end time: Grafana places the marker at that value.
+    "expr": f"perfmon_capture_timestamp_seconds{{{BASE}}} * 1000",
+    "useValueForTime": True,
+    "step": "60s",
+    "titleFormat": "capture: {{model}}",
+    "textFormat": "{{trigger}}, {{outcome}}",
+    "tagKeys": "trigger,outcome",
+}
+
+
+def dashboard(uid: str, title: str, description: str, board: Board, links: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "description": description, "tags": ["perfmon", "pytorch", "inference"],
+        "schemaVersion": SCHEMA_VERSION, "version": 1, "editable": True, "graphTooltip": 1,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "timezone": "browser",
+        "templating": {"list": variables(gpu=True)},
+        "annotations": {"list": [
+            {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
+             "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"},
+            CAPTURE_ANNOTATION,
+        ]},
+        "links": links,
+        "panels": board.panels,
+    }
+
+
+def overview() -> dict[str, Any]:
+    b = Board()
+    steady = f'{MODEL}, phase="steady"'
+    b.row("Traffic")
+    b.panel("Request rate", [(f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}}")],
+            "reqps", description="Calls per second, every call counted exactly.")
+    b.panel("Errors", [
+        (f"sum by (model, exception) (rate(perfmon_forward_errors_total{{{MODEL}}}[{RATE}]))", "{{model}} {{exception}}"),
+        (f"sum by (model) (rate(perfmon_forward_errors_total{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}} error ratio"),
+    ], "reqps", description="Calls that raised per second, by exception class, and the share of calls that raised.",
+        extra={"fieldConfig": {"defaults": {"unit": "reqps"}, "overrides": [
+            {"matcher": {"id": "byFrameRefID", "options": "B"},
+             "properties": [{"id": "unit", "value": "percentunit"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+    b.row("Latency")
+    b.panel("Steady-state latency (sampled) with baseline and threshold", [
+        (f"histogram_quantile(0.5, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
+         "{{model}} p50"),
+        (f"histogram_quantile(0.95, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
+         "{{model}} p95"),
+        (f"histogram_quantile(0.99, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
+         "{{model}} p99"),
+        (f'max by (model) (perfmon_latency_baseline_seconds{{{MODEL}, quantile="0.99"}})', "{{model}} p99 baseline"),
+        (f'max by (model) (perfmon_latency_threshold_seconds{{{MODEL}, quantile="0.99"}})', "{{model}} p99 trigger"),
+    ], "s", width=24, description="Device time on GPU (CUDA events), wall time on CPU, steady state only. The "
+        "baseline is learned from healthy windows; above the trigger line for consecutive windows perfmon "
+        "captures a profile (purple markers).")
+    b.panel("Cold vs steady (mean)", [
+        (f"sum by (model, phase) (rate(perfmon_forward_duration_seconds_sum{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model, phase) (rate(perfmon_forward_duration_seconds_count{{{MODEL}}}[{RATE}]))", "{{model}} {{phase}}"),
+    ], "s", description="Cold calls (first calls, first calls of a new input shape) against steady state.")
+    b.panel("Host vs device time (mean)", [
+        (f"sum by (model, device) (rate(perfmon_forward_host_duration_seconds_sum{{{steady}}}[{RATE}])) / "
+         f"sum by (model, device) (rate(perfmon_forward_host_duration_seconds_count{{{steady}}}[{RATE}]))",
+         "{{model}} {{device}} host"),
+        (f"sum by (model, device) (rate(perfmon_forward_duration_seconds_sum{{{steady}}}[{RATE}])) / "
+         f"sum by (model, device) (rate(perfmon_forward_duration_seconds_count{{{steady}}}[{RATE}]))",
+         "{{model}} {{device}} device"),
+    ], "s", description="On GPU, host time near device time means the call is launch-bound (CPU); far below, "
+        "the host only enqueues. On CPU both are the same clock.")
+    b.panel("Time to first forward and cold start", [
+        (f"max by (model) (perfmon_time_to_first_forward_seconds{{{MODEL}}})", "{{model}} time to first forward"),
+        (f"max by (model) (perfmon_cold_start_seconds{{{MODEL}}})", "{{model}} first call"),
+    ], "s", kind="stat", description="From monitor start to the end of the first call, and the first call's duration.")
+    b.panel("Regression", [
+        (f"max by (model) (perfmon_regression_active{{{MODEL}}})", "{{model}} active"),
+        (f"sum by (model) (perfmon_regressions_total{{{MODEL}}})", "{{model}} detected"),
+    ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
+    b.row("Agent")
+    b.panel("Samples dropped and internal errors", [
+        (f"sum by (model, reason) (rate(perfmon_samples_dropped_total{{{MODEL}}}[{RATE}]))", "{{model}} {{reason}}"),
+        (f"sum by (stage) (rate(perfmon_internal_errors_total{{{BASE}}}[{RATE}]))", "internal: {{stage}}"),
+    ], "ops", description="Timed samples that never reached the histograms, and faults inside the agent "
+        "(never seen by requests).")
+    b.panel("Timed share of calls", [
+        (f"sum by (model) (rate(perfmon_forward_sampled_total{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}} timed"),
+        (f"max by (model) (perfmon_sample_rate{{{MODEL}}})", "{{model}} configured"),
+    ], "percentunit", description="Effective sampling (configured rate + floor + cold calls).")
+    b.panel("Captures", [
+        (f"sum by (model, trigger, outcome) (increase(perfmon_captures_total{{{BASE}}}[1h]))",
+         "{{model}} {{trigger}} {{outcome}}"),
+        (f"sum by (reason) (increase(perfmon_captures_suppressed_total{{{BASE}}}[1h]))", "suppressed: {{reason}}"),
+        (f"max(perfmon_capture_in_progress{{{BASE}}})", "in progress"),
+    ], "short", description="Profiler captures in the last hour by trigger and outcome, automatic ones suppressed "
+        "(cooldown, rate limit, busy), and whether one is running.")
+    b.panel("Agent process", [
+        (f"rate(process_cpu_seconds_total{{{BASE}}}[{RATE}])", "{{instance}} CPU"),
+        (f"process_resident_memory_bytes{{{BASE}}} / 2^30", "{{instance}} RSS GiB"),
+    ], "short", description="CPU seconds per second and resident memory (GiB) of the serving process.")
+    return dashboard("perfmon-overview", "perfmon: serving", "Calls, errors, sampled latency (cold vs steady, "
+                     "host vs device), regressions and profiler captures per model.", b,
+                     [{"title": "perfmon: GPU and memory", "type": "link", "url": "/d/perfmon-gpu",
+                       "keepTime": True, "includeVars": True}])
+
+
+def gpu() -> dict[str, Any]:
+    b = Board()
+    b.row("torch allocator")
+    b.panel("Allocated vs reserved", [
+        (f"perfmon_torch_memory_allocated_bytes{{{BASE}}}", "{{instance}} {{device}} allocated"),
+        (f"perfmon_torch_memory_reserved_bytes{{{BASE}}}", "{{instance}} {{device}} reserved"),
+        (f"perfmon_torch_memory_peak_allocated_bytes{{{BASE}}}", "{{instance}} {{device}} peak allocated"),
+        (f"perfmon_torch_memory_peak_reserved_bytes{{{BASE}}}", "{{instance}} {{device}} peak reserved"),
+    ], "bytes", description="Allocated rising steadily is a leak; reserved above allocated is the caching "
+        "allocator's cache, not a leak.")
+    b.panel("Fragmentation", [(f"perfmon_torch_memory_fragmentation_ratio{{{BASE}}}", "{{instance}} {{device}}")],
+            "percentunit", description="Inactive split bytes over reserved bytes.")
+    b.panel("Allocation retries and OOMs", [
+        (f"increase(perfmon_torch_alloc_retries_total{{{BASE}}}[{RATE}])", "{{instance}} {{device}} retries"),
+        (f"increase(perfmon_torch_ooms_total{{{BASE}}}[{RATE}])", "{{instance}} {{device}} OOMs"),
+    ], "short", description="cudaMalloc retries after flushing the cache (memory pressure) and out-of-memory errors.")
+    b.row("GPU (NVML)")
+    b.panel("Utilization", [
+        (f"perfmon_gpu_utilization_ratio{{{GPU}}}", "GPU {{gpu}} SM"),
+        (f"perfmon_gpu_memory_utilization_ratio{{{GPU}}}", "GPU {{gpu}} memory"),
+        (f"perfmon_gpu_process_utilization_ratio{{{GPU}}}", "GPU {{gpu}} this process"),
+    ], "percentunit", description="Device-wide utilization and this serving process's own share of SM time.")
+    b.panel("Memory used / total", [
+        (f"perfmon_gpu_memory_used_bytes{{{GPU}}}", "GPU {{gpu}} used"),
+        (f"perfmon_gpu_memory_total_bytes{{{GPU}}}", "GPU {{gpu}} total"),
+        (f"perfmon_gpu_process_memory_used_bytes{{{GPU}}}", "GPU {{gpu}} this process"),
+    ], "bytes", description="All processes, and this serving process (NVML compute process list).")
+    b.panel("This process's share of GPU memory", [
+        (f"perfmon_gpu_process_memory_used_bytes{{{GPU}}} / on (job, instance, gpu, UUID) "
+         f"perfmon_gpu_memory_total_bytes{{{GPU}}}", "GPU {{gpu}}"),
+    ], "percentunit", description="Memory this process holds over the device's total.")
+    b.panel("Power vs limit", [
+        (f"perfmon_gpu_power_watts{{{GPU}}}", "GPU {{gpu}} draw"),
+        (f"perfmon_gpu_power_limit_watts{{{GPU}}}", "GPU {{gpu}} limit"),
+        (f"rate(perfmon_gpu_energy_joules_total{{{GPU}}}[{RATE}])", "GPU {{gpu}} mean (energy)"),
+    ], "watt", description="Power draw, the enforced limit, and mean power from the energy counter.")
+    b.panel("Temperature", [(f"perfmon_gpu_temperature_celsius{{{GPU}}}", "GPU {{gpu}}")], "celsius",
+            description="GPU die temperature.")
+    b.panel("SM clock", [
+        (f"perfmon_gpu_sm_clock_hertz{{{GPU}}}", "GPU {{gpu}}"),
+        (f"perfmon_gpu_sm_clock_max_hertz{{{GPU}}}", "GPU {{gpu}} max"),
+    ], "hertz", description="Current and maximum SM clock: a gap under load means throttling.")
+    b.panel("Throttle reasons", [
+        (f"max by (gpu, reason) (perfmon_gpu_clocks_event_reasons{{{GPU}}})", "GPU {{gpu}} {{reason}}"),
+    ], "short", kind="state-timeline", description="Which clock event reasons hold the clocks down (1 = active).")
+    b.panel("NVML", [
+        (f"min by (instance) (perfmon_nvml_up{{{BASE}}})", "{{instance}} up"),
+        (f"sum by (instance, call) (rate(perfmon_nvml_errors_total{{{BASE}}}[{RATE}]))", "{{instance}} {{call}} errors"),
+    ], "short", description="Whether the agent reads NVML, and failing NVML calls per second.")
+    return dashboard("perfmon-gpu", "perfmon: GPU and memory", "torch allocator memory and NVML telemetry, "
+                     "including this serving process's share of the GPU.", b,
+                     [{"title": "perfmon: serving", "type": "link", "url": "/d/perfmon-overview",
+                       "keepTime": True, "includeVars": True}])
+
+
+DASHBOARDS = {"perfmon-overview.json": overview, "perfmon-gpu.json": gpu}
+
+
+def render() -> dict[str, str]:
+    return {name: json.dumps(make(), indent=2, sort_keys=True) + "\n" for name, make in DASHBOARDS.items()}
+
+
+def main() -> int:
+    for name, text in render().items():
+        (HERE / "dashboards" / name).write_text(text)
+        print(f"wrote grafana/dashboards/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
