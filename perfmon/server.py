@@ -267,6 +267,9 @@ def make_asgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., An
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope.get("path", "/")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a prefix (Starlette's Mount keeps the full path)
+            path = path[len(root):] or "/"
         body = b""
         while True:
             msg = await receive()

@@ -1,0 +1,162 @@
+"""Deploy files parse, reference what exists, and fit together; the example server works."""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "kubernetes"
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _k8s() -> dict[str, dict[str, Any]]:
+    docs = {}
+    for p in sorted(K8S.glob("*.yaml")):
+        doc = _yaml(p)
+        if doc.get("kind") and doc["kind"] != "Kustomization":
+            docs[doc["kind"]] = doc
+    return docs
+
+
+def test_compose_parses_and_every_referenced_file_exists() -> None:
+    """docker-compose.yml: build context, Dockerfile and every mounted host path exist."""
+    compose = _yaml(DEPLOY / "docker-compose.yml")
+    services = compose["services"]
+    assert set(services) == {"app", "prometheus", "grafana"}
+    build = services["app"]["build"]
+    context = (DEPLOY / build["context"]).resolve()
+    assert (context / build["dockerfile"]).is_file() and context == ROOT
+    for name, svc in services.items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), (name, source)
+    assert "PERFMON_TOKEN" in services["app"]["environment"]
+    prom = _yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    app_port = services["app"]["environment"]["PERFMON_PORT"]
+    assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == [f"app:{app_port}"]
+    for rule_file in prom["rule_files"]:
+        assert (DEPLOY / "prometheus" / rule_file).is_file()
+
+
+def test_dockerfile_copies_what_exists_and_runs_the_example() -> None:
+    """The example Dockerfile copies existing paths and starts examples.server:app."""
+    text = (ROOT / "examples" / "Dockerfile").read_text()
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), src
+    assert "examples.server:app" in text and "USER perfmon" in text
+
+
+def test_grafana_provisioning_points_at_the_dashboards() -> None:
+    """The provisioned dashboard path is where compose mounts grafana/dashboards; the datasource is Prometheus."""
+    compose = _yaml(DEPLOY / "docker-compose.yml")
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"])
+    provider = _yaml(ROOT / "grafana" / "provisioning" / "dashboards" / "perfmon.yaml")["providers"][0]
+    assert provider["options"]["path"] == mounts["../grafana/dashboards"]
+    ds = _yaml(ROOT / "grafana" / "provisioning" / "datasources" / "perfmon.yaml")["datasources"][0]
+    assert ds["type"] == "prometheus" and ds["url"].startswith("http://prometheus:")
+
+
+def test_kubernetes_objects_fit_together() -> None:
+    """Selectors match pod labels, port names match, the token comes from the Secret, rules equal the rules file."""
+    docs = _k8s()
+    assert {"Deployment", "Service", "PodMonitor", "PrometheusRule", "NetworkPolicy", "Secret"} <= set(docs)
+    dep = docs["Deployment"]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e for e in container["env"]}
+    assert ports["perfmon"] == int(env["PERFMON_PORT"]["value"])
+    assert env["PERFMON_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == docs["Secret"]["metadata"]["name"]
+    assert docs["Service"]["spec"]["selector"].items() <= pod_labels.items()
+    assert all(p["targetPort"] in ports for p in docs["Service"]["spec"]["ports"])
+    pm = docs["PodMonitor"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert all(e["port"] in ports for e in pm["spec"]["podMetricsEndpoints"])
+    np = docs["NetworkPolicy"]
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert {p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]} <= set(ports)
+    rules = _yaml(DEPLOY / "prometheus" / "rules" / "perfmon.rules.yml")
+    assert docs["PrometheusRule"]["spec"]["groups"] == rules["groups"]
+    kustomize = _yaml(K8S / "kustomization.yaml")
+    assert all((K8S / r).is_file() for r in kustomize["resources"])
+
+
+def test_systemd_unit_is_hardened() -> None:
+    """The unit runs as a user with NoNewPrivileges, ProtectSystem and a restart policy; its env file exists."""
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(DEPLOY / "systemd" / "perfmon-example.service")
+    svc = unit["Service"]
+    assert svc["User"] == "perfmon" and svc["NoNewPrivileges"] == "yes" and svc["ProtectSystem"] == "strict"
+    assert svc["Restart"] == "on-failure"
+    env = (DEPLOY / "systemd" / "perfmon-example.env").read_text()
+    assert "PERFMON_TOKEN=" in env and "PERFMON_HOST=127.0.0.1" in env
+
+
+def test_example_server_serves_predictions_and_mounted_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The FastAPI example under uvicorn answers /predict and exposes perfmon's routes under /perfmon."""
+    import uvicorn
+
+    from .prom import free_port
+
+    monkeypatch.setenv("PERFMON_PORT", "off")
+    monkeypatch.setenv("PERFMON_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("PERFMON_PREPARE_PROFILER", "false")
+    monkeypatch.setenv("PERFMON_LOG_LEVEL", "error")
+    monkeypatch.setenv("PERFMON_TOKEN", "example-token-123")
+    monkeypatch.syspath_prepend(str(ROOT))
+    sys.modules.pop("examples.server", None)
+    server = importlib.import_module("examples.server")
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
+    thread = threading.Thread(target=uv.run)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert uv.started
+        for n in (3, 5, 5):
+            status, body = _http(base + "/predict", {"tokens": [[0.1] * server.D_MODEL] * n})
+            assert status == 200 and len(json.loads(body)["embedding"]) == server.D_MODEL
+        assert _http(base + "/predict", {"tokens": [[0.1] * 3]})[0] == 400
+        status, body = _http(base + "/perfmon/metrics")
+        assert status == 200 and b'perfmon_forward_calls_total{model="encoder"} 3.0' in body
+        assert _http(base + "/perfmon/profiles")[0] == 401  # mounted: the token is required
+        status, body = _http(base + "/perfmon/profiles", headers={"Authorization": "Bearer example-token-123"})
+        assert status == 200 and json.loads(body) == {"profiles": []}
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+    assert not server.monitor.running
+
+
+def _http(url: str, payload: Any = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    data = None if payload is None else json.dumps(payload).encode()
+    h = {"Content-Type": "application/json", **(headers or {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=h), timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
