@@ -183,7 +183,8 @@ class CaptureController:
         self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
         self.finished: dict[tuple[str, str, str], int] = {}
         self.last_finished: dict[tuple[str, str, str], float] = {}  # unix seconds
-        self.durations: list[float] = []
+        self.duration_sum = 0.0  # seconds the profiler windows were open, all captures
+        self.duration_count = 0
 
     # -- state machine --------------------------------------------------------------------
 
@@ -383,8 +384,8 @@ class CaptureController:
         self.finished[key] = self.finished.get(key, 0) + 1
         self.last_finished[key] = time.time()
         if cap.duration_seconds is not None:
-            # Unbounded on purpose but small: captures are rate-limited (tens per hour at most).
-            self.durations.append(cap.duration_seconds)
+            self.duration_sum += cap.duration_seconds
+            self.duration_count += 1
 
     # -- housekeeping (resolver thread) and shutdown --------------------------------------
 

@@ -8,12 +8,21 @@ Labelled children are bound once per (model, device, phase) and cached.
 
 from __future__ import annotations
 
+import math
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Info
+from prometheus_client.utils import floatToGoString
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -44,7 +53,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "Sampled call duration: device time from CUDA events on GPU, wall time on CPU."),
     "perfmon_forward_host_duration_seconds": (
         "histogram", "seconds", ("model", "device", "phase"),
-        "Sampled call duration as seen by the calling thread (launch time on GPU)."),
+        "Sampled call duration as seen by the calling thread, on CUDA devices (on CPU it equals the duration)."),
     "perfmon_forward_sampled_total": (
         "counter", "calls", ("model",), "Calls chosen for timing (dropped samples included)."),
     "perfmon_samples_dropped_total": (
@@ -118,14 +127,43 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "seconds", ("model", "trigger", "outcome"),
         "Unix time the last capture of this kind ended (for dashboard annotations)."),
     "perfmon_capture_duration_seconds": (
-        "histogram", "seconds", (), "Time a capture's profiler window was open."),
+        "summary", "seconds", (), "Time capture profiler windows were open (sum and count)."),
     "perfmon_info": (
         "info", "", ("version", "torch_version", "cuda"), "perfmon, torch and CUDA versions."),
 }
 
 
+class _Histogram:
+    """Bucket counts for one label set. Written by the resolver thread only; read under Metrics' lock."""
+
+    __slots__ = ("bounds", "counts", "labels", "sum")
+
+    def __init__(self, bounds: tuple[float, ...], labels: tuple[str, ...]) -> None:
+        self.bounds = bounds
+        self.labels = labels  # the ``le`` strings, formatted once
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bound's bucket (le = "less or equal").
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> tuple[list[tuple[str, float]], float]:
+        out, total = [], 0
+        for le, n in zip(self.labels, self.counts):
+            total += n
+            out.append((le, float(total)))
+        return out, self.sum
+
+
 class Metrics:
-    """Declares the metrics on ``registry`` and keeps them current."""
+    """Declares the metrics on ``registry`` and keeps the latency histograms.
+
+    The histograms are perfmon's own (bucket counts in plain lists, rendered by a collector) rather
+    than prometheus_client ``Histogram`` children: one lock per scrape instead of one per bucket, and
+    no ``_created`` series, which matters with ~100 buckets per series (see docs/design.md).
+    """
 
     def __init__(
         self,
@@ -140,13 +178,12 @@ class Metrics:
         self.registry = registry
         self._states = states
         self._started_ns = started_ns
-        self._duration = Histogram(
-            "perfmon_forward_duration_seconds", METRICS["perfmon_forward_duration_seconds"][3],
-            ("model", "device", "phase"), registry=registry, buckets=config.buckets)
-        self._host = Histogram(
-            "perfmon_forward_host_duration_seconds", METRICS["perfmon_forward_host_duration_seconds"][3],
-            ("model", "device", "phase"), registry=registry, buckets=config.host_buckets)
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._bounds = config.buckets
+        self._host_bounds = config.host_buckets
+        self._les = tuple(floatToGoString(b) for b in (*config.buckets, math.inf))
+        self._host_les = tuple(floatToGoString(b) for b in (*config.host_buckets, math.inf))
+        self._duration: dict[tuple[str, str, str], _Histogram] = {}
+        self._host: dict[tuple[str, str, str], _Histogram] = {}
         self._firsts: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
         info = Info("perfmon", METRICS["perfmon_info"][3], registry=registry)
@@ -158,11 +195,17 @@ class Metrics:
     def observe(self, sample: Sample) -> None:
         """Sink: put one resolved sample into the histograms (resolver thread)."""
         key = (sample.model, sample.device, sample.phase)
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (self._duration.labels(*key), self._host.labels(*key))
-        children[0].observe(sample.duration_seconds)
-        children[1].observe(sample.host_seconds)
+        with self._lock:
+            hist = self._duration.get(key)
+            if hist is None:
+                hist = self._duration[key] = _Histogram(self._bounds, self._les)
+            hist.observe(sample.duration_seconds)
+            # On a wall clock, host time is the same measurement: exported only where they differ (CUDA).
+            if sample.device.startswith("cuda"):
+                host = self._host.get(key)
+                if host is None:
+                    host = self._host[key] = _Histogram(self._host_bounds, self._host_les)
+                host.observe(sample.host_seconds)
         if sample.seq == 0 and sample.model not in self._firsts:
             ttff = (sample.end_ns - self._started_ns()) / 1e9
             self._firsts[sample.model] = (sample.duration_seconds, max(ttff, 0.0))
@@ -171,13 +214,19 @@ class Metrics:
         """(cold start seconds, time to first forward seconds) once the first call is resolved."""
         return self._firsts.get(model)
 
-    def forget(self, model: str) -> None:
-        """Drop a model's series (its name was released)."""
-        for key in [k for k in self._children if k[0] == model]:
-            self._duration.remove(*key)
-            self._host.remove(*key)
-            del self._children[key]
-        self._firsts.pop(model, None)
+    def histograms(self) -> Iterator[Metric]:
+        """The two latency histogram families, rendered from a consistent copy."""
+        with self._lock:
+            rows = [(name, key, h.cumulative()) for name, table in
+                    (("perfmon_forward_duration_seconds", self._duration),
+                     ("perfmon_forward_host_duration_seconds", self._host))
+                    for key, h in sorted(table.items())]
+        for name in ("perfmon_forward_duration_seconds", "perfmon_forward_host_duration_seconds"):
+            fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model", "device", "phase"])
+            for row_name, key, (buckets, total) in rows:
+                if row_name == name:
+                    fam.add_metric(list(key), buckets, total)
+            yield fam
 
 
 class _CountsCollector(Collector):
@@ -224,6 +273,7 @@ class _CountsCollector(Collector):
         for stage, n in sorted(self._internal.counts()):
             internal.add_metric([stage], n)
         yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, internal)
+        yield from self._metrics.histograms()
 
 
 #: GpuReading.values key -> metric name.
@@ -324,9 +374,6 @@ class TelemetryCollector(Collector):
             yield reasons
 
 
-_CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
 class CaptureCollector(Collector):
     """Regression detector state and capture counts at scrape time."""
 
@@ -371,12 +418,10 @@ class CaptureCollector(Collector):
         progress = _family("perfmon_capture_in_progress")
         progress.add_metric([], 0.0 if c.state == "idle" else 1.0)
         yield progress
-        durations = list(c.durations)
-        buckets = [(str(b), float(sum(1 for d in durations if d <= b))) for b in _CAPTURE_BUCKETS]
-        hist = HistogramMetricFamily("perfmon_capture_duration_seconds",
-                                     METRICS["perfmon_capture_duration_seconds"][3])
-        hist.add_metric([], [*buckets, ("+Inf", float(len(durations)))], sum(durations))
-        yield hist
+        summary = SummaryMetricFamily("perfmon_capture_duration_seconds",
+                                      METRICS["perfmon_capture_duration_seconds"][3],
+                                      count_value=c.duration_count, sum_value=c.duration_sum)
+        yield summary
 
 
 def _versions() -> dict[str, str]:

@@ -10,7 +10,7 @@ import torch
 
 import perfmon
 from perfmon.metrics import METRICS
-from perfmon.testing import FakeNvml, FakeTorchMemory
+from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,9 +34,12 @@ def test_metrics_doc_matches_declarations() -> None:
 def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, tmp_path: Path) -> None:
     """Every perfmon_* family a live monitor exposes is documented, and every documented one is exposed."""
     policy = perfmon.RegressionPolicy(window_seconds=1, min_samples=1, baseline_windows=1)
+    gpu = FakeGpu()
     mon = make_monitor(sample_rate=1.0, nvml=FakeNvml(), memory=FakeTorchMemory(), oom_snapshot=True,
-                       trace_dir=str(tmp_path), regression=policy).start()
+                       trace_dir=str(tmp_path), regression=policy, cuda=FakeCuda(gpu)).start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    mon.wrap(GpuWork(gpu, ms=1.0), name="g", device="cuda:0")(torch.ones(1))  # host time exists on CUDA only
+    gpu.finish()
     for _ in range(5):
         model(torch.ones(1, 2))
     mon.flush()
