@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from .exceptions import CaptureBusy, CaptureRateLimited
 from .faults import InternalErrors
+from .selfcost import AgentCpu
 from .traces import TraceStore, new_id, worker_name
 
 __all__ = [
@@ -156,7 +157,9 @@ class CaptureController:
         arm_timeout_seconds: float = 60.0,
         profiler_factory: ProfilerFactory = torch_profiler,
         clock: Callable[[], float] = time.monotonic,
+        cpu: AgentCpu | None = None,
     ) -> None:
+        self._cpu = cpu if cpu is not None else AgentCpu()
         self.store = store
         self._internal = internal
         self._log = log
@@ -310,7 +313,7 @@ class CaptureController:
             self._move("stop")
             self._prof = None
         aborted = self._abort
-        self._exporter = threading.Thread(target=self._export, args=(cap, prof, aborted),
+        self._exporter = threading.Thread(target=self._export_measured, args=(cap, prof, aborted),
                                           name="perfmon-capture-export", daemon=True)
         self._exporter.start()
 
@@ -337,6 +340,10 @@ class CaptureController:
         self.current = None
 
     # -- export (background) --------------------------------------------------------------
+
+    def _export_measured(self, cap: Capture, prof: Profiler, aborted: bool) -> None:
+        with self._cpu.measure("capture_export"):
+            self._export(cap, prof, aborted)
 
     def _export(self, cap: Capture, prof: Profiler, aborted: bool) -> None:
         # The outcome is published only once the files are in place: a client that sees "ok"

@@ -29,6 +29,7 @@ from .faults import InternalErrors
 from .phases import SignatureTable, signature
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
+from .selfcost import AgentCpu
 
 __all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span"]
 
@@ -49,6 +50,8 @@ class Hub:
         self.queue_size = config.queue_size
         self.pools = EventPools(backend, config.event_pool_size)
         self.internal = InternalErrors()
+        #: CPU seconds the agent's own threads spend (exported as perfmon_agent_cpu_seconds_total).
+        self.cpu = AgentCpu()
         #: False once the monitor stops: calls are still counted but no longer timed.
         self.timing = True
         #: perf_counter_ns() when the monitor started (origin of time-to-first-forward).

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Info
-from prometheus_client.utils import floatToGoString
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -37,6 +36,7 @@ from .memory import MemorySource, read_memory
 from .nvml import NvmlPoller, normalize_uuid
 from .records import DROP_REASONS, Sample
 from .regression import Detector
+from .selfcost import AgentCpu
 
 __all__ = ["METRICS", "Metrics"]
 
@@ -128,9 +128,19 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "Unix time the last capture of this kind ended (for dashboard annotations)."),
     "perfmon_capture_duration_seconds": (
         "summary", "seconds", (), "Time capture profiler windows were open (sum and count)."),
+    # -- the agent's own cost (selfcost.py) ----------------------------------------------------
+    "perfmon_agent_cpu_seconds_total": (
+        "counter", "seconds", ("thread",), "CPU time spent by perfmon's own threads, by kind."),
+    "perfmon_resolver_lag_seconds": (
+        "gauge", "seconds", (), "Age of the oldest timed sample not yet resolved (0 when none)."),
+    "perfmon_pending_records": ("gauge", "records", (), "Timed samples queued or waiting for their GPU events."),
     "perfmon_info": (
         "info", "", ("version", "torch_version", "cuda"), "perfmon, torch and CUDA versions."),
 }
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 class _Histogram:
@@ -180,8 +190,8 @@ class Metrics:
         self._started_ns = started_ns
         self._bounds = config.buckets
         self._host_bounds = config.host_buckets
-        self._les = tuple(floatToGoString(b) for b in (*config.buckets, math.inf))
-        self._host_les = tuple(floatToGoString(b) for b in (*config.host_buckets, math.inf))
+        self._les = tuple(_le(b) for b in (*config.buckets, math.inf))
+        self._host_les = tuple(_le(b) for b in (*config.host_buckets, math.inf))
         self._duration: dict[tuple[str, str, str], _Histogram] = {}
         self._host: dict[tuple[str, str, str], _Histogram] = {}
         self._firsts: dict[str, tuple[float, float]] = {}
@@ -422,6 +432,27 @@ class CaptureCollector(Collector):
                                       METRICS["perfmon_capture_duration_seconds"][3],
                                       count_value=c.duration_count, sum_value=c.duration_sum)
         yield summary
+
+
+class AgentCollector(Collector):
+    """The agent's own cost at scrape time."""
+
+    def __init__(self, *, cpu: AgentCpu, resolver: Any) -> None:
+        self._cpu = cpu
+        self._resolver = resolver
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        cpu = _family("perfmon_agent_cpu_seconds_total")
+        for thread, seconds in sorted(self._cpu.totals().items()):
+            cpu.add_metric([thread], seconds)
+        lag = _family("perfmon_resolver_lag_seconds")
+        lag.add_metric([], self._resolver.lag_seconds())
+        pending = _family("perfmon_pending_records")
+        pending.add_metric([], self._resolver.pending)
+        yield from (cpu, lag, pending)
 
 
 def _versions() -> dict[str, str]:

@@ -34,7 +34,7 @@ from .faults import count_value
 from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
 from .logs import make_logger
 from .memory import MemorySource, OomSnapshotter, TorchMemory
-from .metrics import CaptureCollector, Metrics, TelemetryCollector
+from .metrics import AgentCollector, CaptureCollector, Metrics, TelemetryCollector
 from .nvml import NvmlPoller
 from .records import STEADY, Sample
 from .regression import Detector, Regression, RegressionPolicy
@@ -88,7 +88,7 @@ class Monitor:
             log=make_logger(cfg.log_format, cfg.log_level, component="capture"),
             cooldown_seconds=policy.cooldown_seconds, max_auto_per_hour=policy.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
-            profiler_factory=profiler_factory or torch_profiler)
+            profiler_factory=profiler_factory or torch_profiler, cpu=self._hub.cpu)
         self.detector = Detector(regression) if regression is not None else None
         sinks: list[Any] = [self.metrics.observe, self.windows.add]
         if self.detector is not None:
@@ -96,10 +96,11 @@ class Monitor:
         self._resolver = Resolver(self._hub, sinks, states=self._state_list, on_tick=self._tick,
                                   log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
         self.registry.register(CaptureCollector(detector=self.detector, controller=self.captures))
+        self.registry.register(AgentCollector(cpu=self._hub.cpu, resolver=self._resolver))
         if memory is None and torch.cuda.is_available():
             memory = TorchMemory()
         self._memory = memory
-        self._nvml = (NvmlPoller(nvml, interval_seconds=cfg.nvml_interval_seconds,
+        self._nvml = (NvmlPoller(nvml, interval_seconds=cfg.nvml_interval_seconds, cpu=self._hub.cpu,
                                  log=make_logger(cfg.log_format, cfg.log_level, component="nvml"))
                       if cfg.nvml else None)
         self._oom: OomSnapshotter | None = None

@@ -27,6 +27,8 @@ from typing import Any
 
 import pynvml
 
+from .selfcost import AgentCpu
+
 __all__ = ["CLOCK_EVENT_REASONS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors", "normalize_uuid"]
 
 #: The ``reason`` label of ``perfmon_gpu_clocks_event_reasons`` -> NVML's bit (nvmlClocksEventReason*).
@@ -80,7 +82,8 @@ class NvmlPoller:
     """Polls NVML on a daemon thread; ``snapshot()`` returns the latest reading."""
 
     def __init__(self, backend: Any = None, *, interval_seconds: float = 1.0, log: Any = None,
-                 pid: Callable[[], int] = os.getpid) -> None:
+                 pid: Callable[[], int] = os.getpid, cpu: AgentCpu | None = None) -> None:
+        self._cpu = cpu if cpu is not None else AgentCpu()
         self.nvml = backend if backend is not None else pynvml
         self.interval = interval_seconds
         self._log = log
@@ -128,7 +131,8 @@ class NvmlPoller:
     def _run(self) -> None:
         delay = self.interval
         while not self._stop.wait(delay):
-            ok = self.poll()
+            with self._cpu.measure("nvml"):
+                ok = self.poll()
             if ok:
                 self._failures = 0
                 delay = self.interval

@@ -164,6 +164,20 @@ class Resolver:
         """Samples waiting: queued plus in flight on a device."""
         return len(self._pending) + len(self.hub.queue)
 
+    def lag_seconds(self, now_ns: int | None = None) -> float:
+        """Age of the oldest record not yet resolved (0 when none): how far behind the resolver runs."""
+        oldest = None
+        try:
+            if self._pending:
+                oldest = self._pending[0].end_ns
+            elif self.hub.queue:
+                oldest = self.hub.queue[0].end_ns
+        except IndexError:  # emptied by the resolver meanwhile
+            oldest = None
+        if oldest is None:
+            return 0.0
+        return max(0.0, ((perf_counter_ns() if now_ns is None else now_ns) - oldest) / 1e9)
+
     # -- the thread -------------------------------------------------------------------------
 
     def start(self, interval_seconds: float) -> None:
@@ -175,9 +189,11 @@ class Resolver:
         self._thread.start()
 
     def _run(self, interval: float) -> None:
+        cpu = self.hub.cpu
         while not self._stop.wait(interval):
             try:
-                self.step()
+                with cpu.measure("resolver"):
+                    self.step()
             except Exception as exc:  # a sink or housekeeping bug must not kill the thread
                 self.hub.internal.report("resolver", exc)
 

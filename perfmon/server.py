@@ -240,7 +240,8 @@ def make_wsgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., It
             length = 0
         # Read at most one byte past the limit: a huge body is refused without being read.
         body = environ["wsgi.input"].read(min(length, MAX_BODY_BYTES + 1)) if length > 0 else b""
-        resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers, body)
+        with monitor._hub.cpu.measure("http"):
+            resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers, body)
         hdrs = [("Content-Type", resp.content_type), *resp.headers]
         if not any(k == "Content-Length" for k, _ in hdrs):
             hdrs.append(("Content-Length", str(len(resp.body))))

@@ -90,3 +90,30 @@ def test_logs_are_json_lines_off_a_tty_and_readable_on_one() -> None:
     quiet = io.StringIO()
     make_logger("json", "error", component="m", stream=quiet).info("started")
     assert quiet.getvalue() == ""
+
+
+def test_agent_self_cost_is_exported(make_monitor) -> None:
+    """The resolver's CPU time, the pending records and the resolver lag are exported."""
+    import time
+
+    from perfmon.testing import FakeCuda, FakeGpu, GpuWork
+
+    gpu = FakeGpu()
+    mon = make_monitor(cuda=FakeCuda(gpu), sample_rate=1.0, resolve_interval_seconds=0.01, port=0).start()
+    model = mon.wrap(GpuWork(gpu, ms=1.0), name="m", device="cuda:0")
+    for _ in range(3):
+        model(torch.ones(1))  # the GPU never finishes: these stay pending
+    deadline = time.monotonic() + 5
+    while (value(mon, "perfmon_agent_cpu_seconds_total", thread="resolver") or 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert value(mon, "perfmon_agent_cpu_seconds_total", thread="resolver") > 0
+    assert value(mon, "perfmon_pending_records") == 3
+    time.sleep(0.05)
+    assert value(mon, "perfmon_resolver_lag_seconds") >= 0.05
+    gpu.finish()
+    mon.flush()
+    assert value(mon, "perfmon_pending_records") == 0 and value(mon, "perfmon_resolver_lag_seconds") == 0
+    import urllib.request
+
+    urllib.request.urlopen(mon.url + "/metrics", timeout=5).read()
+    assert value(mon, "perfmon_agent_cpu_seconds_total", thread="http") > 0
