@@ -4,14 +4,17 @@ Pure logic with the clock passed in, so it is tested on synthetic streams withou
 resolver feeds it steady-state samples (``add``) and calls ``tick`` with the current time; a tick
 that closes a regressed window returns a ``Regression`` for the capture controller.
 
-Per model, time is cut into windows of ``window_seconds``. A window with at least ``min_samples``
-samples is evaluated: while the baseline has fewer than ``baseline_windows`` healthy windows it is
+Per model, time is cut into windows of at least ``window_seconds``; a window with fewer than
+``min_samples`` samples is extended (up to ``MAX_WINDOW_FACTOR`` times) until it has them, so a quiet
+model is judged on longer windows instead of never. A window with at least ``min_samples`` samples is
+evaluated: while the baseline has fewer than ``baseline_windows`` healthy windows it is
 learning (every window counts as healthy); after that the baseline is the median of the last
 ``baseline_windows`` healthy windows' percentiles, and a window whose chosen percentiles exceed
 ``baseline x ratio`` is regressed. ``consecutive`` regressed windows in a row make the regression
 active (one ``Regression`` is returned); the first healthy window ends it. Regressed windows never
 enter the baseline, so a slow period cannot teach the detector that slow is normal. A window with
-too few samples breaks a streak (consecutive means consecutive) without ending an active regression.
+too few samples breaks a streak (consecutive means consecutive) without ending an active regression,
+and a percentile is judged only in windows that can resolve it (p99 from 100 samples, p95 from 20).
 """
 
 from __future__ import annotations
@@ -34,17 +37,21 @@ __all__ = ["QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "Win
 QUANTILE_LEVELS = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 
 _RESERVOIR = 20_000  # samples kept per window; beyond it, uniform reservoir sampling
+#: A window waiting for min_samples closes anyway after this many window_seconds (as too small).
+MAX_WINDOW_FACTOR = 6
 
 
 @dataclass(frozen=True, kw_only=True)
 class RegressionPolicy:
     """When a steady-state latency regression fires an automatic capture. Units in the names."""
 
-    window_seconds: float = 30.0
+    # Defaults sized for default sampling (1% + one call a second): at 200 calls/s a 10 s window holds
+    # ~30 samples, and a 2x step is caught within ~30 s (benchmarks/detection.py).
+    window_seconds: float = 10.0
     ratio: float = 1.5
-    min_samples: int = 30
+    min_samples: int = 20
     consecutive: int = 2
-    baseline_windows: int = 4
+    baseline_windows: int = 6
     cooldown_seconds: float = 600.0
     max_captures_per_hour: int = 4
     #: A window regresses when any of these percentiles exceeds its baseline x ratio.
@@ -137,6 +144,7 @@ class Detector:
     def __init__(self, policy: RegressionPolicy, *, seed: int | None = None) -> None:
         self.policy = policy
         self.window_ns = int(policy.window_seconds * 1e9)
+        self.max_window_ns = self.window_ns * MAX_WINDOW_FACTOR
         self._tracks: dict[str, _Track] = {}
         self._random = random.Random(seed)
 
@@ -163,19 +171,16 @@ class Detector:
         return fired
 
     def _advance(self, model: str, track: _Track, now_ns: int) -> list[Regression]:
-        fired: list[Regression] = []
-        if now_ns - track.start_ns < self.window_ns:
-            return fired
-        end = track.start_ns + self.window_ns
-        result = self._close(model, track, end)
-        if result is not None:
-            fired.append(result)
-        # Windows with no sample at all between then and now are empty (they break a streak).
-        skipped = (now_ns - end) // self.window_ns
-        if skipped:
-            track.streak.clear()
-        track.start_ns = end + skipped * self.window_ns
-        return fired
+        age = now_ns - track.start_ns
+        if age < self.window_ns:
+            return []
+        # A window lasts at least window_seconds and, at low traffic, until it holds min_samples
+        # (at most MAX_WINDOW_FACTOR windows): a quiet model still gets judged, on longer windows.
+        if track.seen < self.policy.min_samples and age < self.max_window_ns:
+            return []
+        result = self._close(model, track, now_ns)
+        track.start_ns = now_ns
+        return [] if result is None else [result]
 
     def _close(self, model: str, track: _Track, end_ns: int) -> Regression | None:
         values, seen = track.values, track.seen
@@ -191,7 +196,13 @@ class Detector:
         if baseline is None:
             self._learn(track, stats)
             return None
-        exceeded = tuple(q for q in p.quantiles if stats.seconds[q] > baseline[q] * p.ratio)
+        # A percentile is only judged when the window can resolve it: p99 needs 100 samples (below that
+        # it is just the maximum, and one slow call would look like a regression).
+        judged = [q for q in p.quantiles if seen >= _min_count(QUANTILE_LEVELS[q])]
+        if not judged:
+            track.streak.clear()
+            return None
+        exceeded = tuple(q for q in judged if stats.seconds[q] > baseline[q] * p.ratio)
         if not exceeded:
             track.streak.clear()
             track.active = False
@@ -226,6 +237,11 @@ class Detector:
         track = self._tracks.get(model)
         if track is not None:
             track.values, track.seen = [], 0
+
+
+def _min_count(level: float) -> int:
+    """Samples a window needs for its ``level`` quantile to be more than its maximum."""
+    return math.ceil(1.0 / (1.0 - level) - 1e-9)
 
 
 def _names(policy: RegressionPolicy) -> tuple[str, ...]:

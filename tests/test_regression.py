@@ -60,7 +60,8 @@ def test_needs_min_samples_and_a_learned_baseline() -> None:
     """Too few samples per window, or a baseline still learning, never fire."""
     det = Detector(POLICY, seed=0)
     rng = random.Random(0)
-    assert feed(det, "m", 30, 10, lognormal(0.010), 0, rng) == []  # 10/window < min_samples
+    # 2 samples/s: even a window stretched to its maximum (6 x 1 s) holds 12 < min_samples
+    assert feed(det, "m", 60, 2, lognormal(0.010), 0, rng) == []
     assert det.baseline("m") is None
     det2 = Detector(POLICY, seed=0)
     assert feed(det2, "m", 3, 100, lognormal(0.010), 0, rng) == []  # 3 windows < baseline_windows
@@ -156,3 +157,25 @@ def test_heavy_automatic_capture_options_warn() -> None:
     """Enabling with_stack or profile_memory for automatic captures warns."""
     with pytest.warns(UserWarning, match="heavier"):
         RegressionPolicy(capture_profile_memory=True)
+
+
+def test_quiet_models_are_judged_on_longer_windows() -> None:
+    """At 10 samples/s with min_samples 20 a window stretches to ~2 s and a step still fires."""
+    det = Detector(POLICY, seed=5)
+    rng = random.Random(5)
+    assert feed(det, "m", 12, 10, lognormal(0.010), 0, rng) == []
+    assert det.baseline("m") is not None
+    fired = feed(det, "m", 10, 10, lognormal(0.030), 12, rng)
+    assert len(fired) == 1 and all(w.count >= 20 for w in fired[0].windows)
+
+
+def test_p99_is_judged_only_with_enough_samples() -> None:
+    """With fewer than 100 samples per window a p99-only policy never fires (p99 would be the max)."""
+    policy = RegressionPolicy(window_seconds=1, min_samples=20, baseline_windows=2, quantiles=("p99",))
+    det = Detector(policy, seed=6)
+    rng = random.Random(6)
+    feed(det, "m", 5, 50, lognormal(0.010), 0, rng)
+    assert feed(det, "m", 5, 50, lognormal(0.030), 5, rng) == []
+    det2 = Detector(policy, seed=6)
+    feed(det2, "m", 5, 200, lognormal(0.010), 0, rng)
+    assert len(feed(det2, "m", 5, 200, lognormal(0.030), 5, rng)) == 1
