@@ -22,7 +22,6 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
-from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -467,13 +466,16 @@ def _versions() -> dict[str, str]:
 
 
 def _register_process_collectors(registry: CollectorRegistry) -> None:
-    """Process RSS/CPU/fds, Python GC and platform info, unless the registry already has them."""
+    """Process RSS/CPU/fds and platform info, unless the registry already has them.
+
+    Not the GC collector: its nine series per scrape tell little about inference latency and the
+    scrape budget (~30 KB for one model and one GPU) is better spent on buckets.
+    """
     from prometheus_client import REGISTRY
 
     if registry is REGISTRY:
         return  # prometheus_client registered its defaults there on import
     for make in (lambda: ProcessCollector(registry=registry),
-                 lambda: GCCollector(registry=registry),
                  lambda: PlatformCollector(registry=registry)):
         try:
             make()

@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmark scripts: quiet monitors and markdown tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+import perfmon
+
+
+def machine() -> str:
+    """One line describing where the numbers come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import os
+
+    return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, torch {torch.__version__}, "
+            f"perfmon {perfmon.__version__}")
+
+
+def monitor(**kw: Any) -> perfmon.Monitor:
+    """A monitor that logs only errors, has its own registry and no HTTP unless asked."""
+    kw.setdefault("port", None)
+    kw.setdefault("log_level", "error")
+    kw.setdefault("registry", CollectorRegistry())
+    kw.setdefault("prepare_profiler", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # high sample rates are the point of some benchmarks
+        return perfmon.Monitor(**kw)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A markdown table; ``align`` is one character per column, l or r."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def dump(path: str | None, data: Any) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
