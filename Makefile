@@ -43,8 +43,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check perfmon tests benchmarks grafana examples
 	$(BIN)/mypy
 
+# Every benchmark in a few minutes; tables to the terminal, JSON to benchmarks/results, plots to docs/.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/pip install --quiet -e ".[bench]"
+	mkdir -p benchmarks/results
+	cd benchmarks && ../$(BIN)/python overhead.py --json results/overhead.json
+	cd benchmarks && ../$(BIN)/python accuracy.py --json results/accuracy.json
+	cd benchmarks && ../$(BIN)/python detection.py --json results/detection.json
+	cd benchmarks && ../$(BIN)/python scrape.py --json results/scrape.json
+	cd benchmarks && ../$(BIN)/python background.py --json results/background.json
+	cd benchmarks && ../$(BIN)/python throughput.py --json results/throughput.json
+	cd benchmarks && ../$(BIN)/python memory.py --json results/memory.json
+	$(BIN)/python benchmarks/plots.py benchmarks/results docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

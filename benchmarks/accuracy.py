@@ -16,11 +16,10 @@ import sys
 import time
 
 import torch
+from common import dump, machine, monitor, table
 
 from perfmon.testing import histogram_quantile
 from perfmon.windows import quantile
-
-from common import dump, machine, monitor, table
 
 
 class Bimodal(torch.nn.Module):
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                "hist_p50": histogram_quantile(0.5, b), "hist_p99": histogram_quantile(0.99, b)}
         data[name] = row
 
-        def err(k: str, q: str) -> str:
+        def err(k: str, q: str, row: dict[str, float] = row) -> str:
             return f"{(row[f'{k}_{q}'] / row[f'truth_{q}'] - 1) * 100:+.1f}%"
 
         rows.append([name, f"{row['truth_p50'] * 1e3:.3f}", f"{row['stats_p50'] * 1e3:.3f} ({err('stats', 'p50')})",

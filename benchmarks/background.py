@@ -16,7 +16,6 @@ import time
 import urllib.request
 
 import torch
-
 from common import dump, machine, monitor, table
 
 

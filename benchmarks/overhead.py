@@ -22,13 +22,40 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import dump, machine, monitor
 from prometheus_client import CollectorRegistry, Histogram
 
 import perfmon
 
 
-def mlp_1ms() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+def mlp_100us() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))
+
+
+def encoder_ms() -> torch.nn.Module:
+    layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+
+
+class AlwaysProfiled:
+    """torch.profiler on for every call: started before and stopped after each timed round."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.prof: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        return self.model(*args)
+
+    def begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU])
+        self.prof.start()
+
+    def end(self) -> None:
+        self.prof.stop()
+        self.prof = None
 
 
 def hook_pair(model: torch.nn.Module) -> torch.nn.Module:
@@ -65,27 +92,24 @@ def build(make: Callable[[], torch.nn.Module]) -> tuple[dict[str, Callable[..., 
     monitors: list[perfmon.Monitor] = []
 
     def monitored(rate: float, sigs: bool) -> Callable[..., Any]:
-        mon = perfmon.Monitor(port=None, sample_rate=rate, track_signatures=sigs, sample_floor_seconds=1e6,
-                              log_level="error", queue_size=1_000_000, registry=CollectorRegistry())
+        mon = monitor(sample_rate=rate, track_signatures=sigs, sample_floor_seconds=1e6, queue_size=1_000_000,
+                      regression=None)
         # Not started: no resolver thread waking up mid-measurement. flush() between rounds does its
         # work outside the timed region; its cost is the background benchmark's business.
         monitors.append(mon)
         return mon.wrap(make(), name="m")  # type: ignore[no-any-return]
 
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the 100% sample-rate warning is the point here
-        variants = {
-            "bare": make(),
-            "perfmon unsampled, signatures off": monitored(1e-9, False),
-            "perfmon unsampled (signatures on)": monitored(1e-9, True),
-            "perfmon 1% sampling": monitored(0.01, True),
-            "perfmon 5% sampling": monitored(0.05, True),
-            "perfmon 100% sampling": monitored(1.0, True),
-            "pre-hook + hook pair, every call": hook_pair(make()),
-            "naive perf_counter + Histogram.observe": naive_histogram(make()),
-        }
+    variants = {
+        "bare": make(),
+        "perfmon unsampled, signatures off": monitored(1e-9, False),
+        "perfmon unsampled (signatures on)": monitored(1e-9, True),
+        "perfmon 1% sampling": monitored(0.01, True),
+        "perfmon 5% sampling": monitored(0.05, True),
+        "perfmon 100% sampling": monitored(1.0, True),
+        "pre-hook + hook pair, every call": hook_pair(make()),
+        "naive perf_counter + Histogram.observe": naive_histogram(make()),
+        "torch.profiler always on": AlwaysProfiled(make()),
+    }
     return variants, monitors
 
 
@@ -95,19 +119,27 @@ def measure(name: str, make: Callable[[], torch.nn.Module], x: torch.Tensor, rou
     per_call: dict[str, list[float]] = {k: [] for k in variants}
     with torch.inference_mode():
         for fn in variants.values():  # warm-up: cold calls, allocator, signatures
+            if isinstance(fn, AlwaysProfiled):
+                fn.begin()
             for _ in range(50):
                 fn(x)
+            if isinstance(fn, AlwaysProfiled):
+                fn.end()
         order = list(variants)
         for _ in range(rounds):
             random.shuffle(order)
             for key in order:
                 fn = variants[key]
+                if isinstance(fn, AlwaysProfiled):
+                    fn.begin()  # outside the timed region: only the per-call cost is measured
                 gc.disable()
                 t0 = time.perf_counter_ns()
                 for _ in range(calls):
                     fn(x)
                 elapsed = time.perf_counter_ns() - t0
                 gc.enable()
+                if isinstance(fn, AlwaysProfiled):
+                    fn.end()
                 per_call[key].append(elapsed / calls)
             for mon in monitors:
                 mon.flush()  # outside the timed region: the resolver's work is not the request's
@@ -133,14 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a steadier baseline on a 2-core machine
-    print(f"perfmon {perfmon.__version__}, torch {torch.__version__}, Python {sys.version.split()[0]}, "
-          f"torch threads {torch.get_num_threads()}")
-    measure("nn.Linear(64, 64), batch 8", lambda: torch.nn.Linear(64, 64), torch.randn(8, 64),
-            args.rounds, args.calls)
-    measure("MLP 256-1024-256, batch 64 (~1 ms model)", mlp_1ms, torch.randn(64, 256),
-            max(5, args.rounds // 3), max(50, args.calls // 20))
+    print(f"{machine()}, torch threads {torch.get_num_threads()}")
+    warm = AlwaysProfiled(torch.nn.Linear(2, 2))  # the first profiler start in a process takes ~1 s
+    warm.begin()
+    warm.end()
+    results = {
+        "linear": measure("nn.Linear(64, 64), batch 8", lambda: torch.nn.Linear(64, 64), torch.randn(8, 64),
+                          args.rounds, args.calls),
+        "mlp": measure("MLP 128-256-128, batch 32 (~100 µs)", mlp_100us, torch.randn(32, 128),
+                       max(10, args.rounds // 2), max(200, args.calls // 5)),
+        "encoder": measure("Transformer encoder, 2 layers d=128, batch 4 x 32 tokens (~1-5 ms)", encoder_ms,
+                           torch.randn(4, 32, 128), max(8, args.rounds // 3), max(20, args.calls // 50)),
+    }
+    dump(args.json, {k: [dict(zip(("variant", "per_call_ns", "added_ns", "p25_ns", "p75_ns"), r)) for r in v]
+                     for k, v in results.items()})
     return 0
 
 

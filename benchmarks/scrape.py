@@ -14,11 +14,10 @@ import sys
 import time
 
 import torch
+from common import dump, machine, monitor, table
 from prometheus_client import generate_latest
 
 from perfmon.testing import FakeNvml, FakeTorchMemory
-
-from common import dump, machine, monitor, table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,13 +30,16 @@ def build_model() -> torch.nn.Module:
     return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).to(DEVICE).eval()
 
 
+# PERFMON_ENABLED=false serves the bare model (benchmarks/throughput.py compares the two).
+ENABLED = os.environ.get("PERFMON_ENABLED", "true").lower() not in ("0", "false", "no", "off")
 monitor = perfmon.Monitor()
-model = monitor.wrap(build_model(), name=os.environ.get("MODEL_NAME", "encoder"))
+model = monitor.wrap(build_model(), name=os.environ.get("MODEL_NAME", "encoder")) if ENABLED else build_model()
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    monitor.start()
+    if ENABLED:
+        monitor.start()
     try:
         yield
     finally:
