@@ -17,7 +17,7 @@ import functools
 import itertools
 import threading
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 from .clocks import CudaBackend, EventPair, EventPools
 from .config import Config
 from .faults import InternalErrors
-from .phases import SignatureTable, signature
+from .phases import Signature, SignatureTable, batch_of, signature
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
 from .selfcost import AgentCpu
@@ -68,14 +68,25 @@ class ModelState:
     """
 
     __slots__ = (
-        "_error_lock", "_error_names", "_resolve_device", "calls", "capturable", "capture", "cuda_index",
-        "device", "drops", "errors", "hub", "last_sample_ns", "name", "next_index", "sampled", "sampler", "sig_warm",
-        "sigs", "table", "warmup",
+        "_error_lock", "_error_names", "_items_lock", "_resolve_device", "calls", "capturable", "capture",
+        "cuda_index", "device", "drops", "errors", "hub", "items_fn", "items_on", "items_padded", "items_q",
+        "items_total", "last_sample_ns", "name", "next_index", "padded_total", "sampled", "sampler", "sigs", "table",
+        "warmup",
     )
 
-    def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True) -> None:
+    def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True,
+                 items: Any = None) -> None:
         cfg = hub.config
         self.name = name
+        #: None: the batch dimension (counted through signatures); a callable: (args, kwargs) -> int or
+        #: (effective, padded); False: not counted.
+        self.items_fn: Callable[..., Any] | None = items if callable(items) else None
+        self.items_on = items is not False and (self.items_fn is not None or cfg.track_signatures)
+        self.items_padded = False
+        self.items_q: collections.deque[Any] | None = collections.deque() if self.items_fn is not None else None
+        self._items_lock = threading.Lock()
+        self.items_total = 0
+        self.padded_total = 0
         #: False for track() blocks: a capture profiles calls of a wrapped model or function.
         self.capturable = capturable
         self.hub = hub
@@ -90,9 +101,9 @@ class ModelState:
         # 0 until warm-up ends: every warm-up call takes the (cold, timed) slow path.
         self.next_index = 0 if cfg.warmup_calls else self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
-        self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls)
-        self.sigs: dict[Hashable, int] | None = self.table.seen if cfg.track_signatures else None
-        self.sig_warm = cfg.signature_warmup_calls
+        self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls,
+                                    count_items=self.items_on and self.items_fn is None)
+        self.sigs: dict[Hashable, Signature] | None = self.table.seen if cfg.track_signatures else None
         self._resolve_device = resolve_device
         self.device = "cpu"
         self.cuda_index = -1
@@ -121,16 +132,75 @@ class ModelState:
 
     # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----
 
-    def new_signature(self, index: int, key: Hashable) -> Token | Any | None:
-        """A signature not yet seen ``signature_warmup_calls`` times: the call is cold and timed."""
+    def new_signature(self, index: int, key: Hashable, args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any]) -> Token | Any | None:
+        """A signature new or still warming up: count it; the call is cold (and timed) while it warms."""
         table = self.table
-        table.observe(key, table.seen.get(key))
+        cold = table.observe(key, args, kwargs)
         if table.churning and self.sigs is not None:
+            if self.items_fn is None and self.items_on:
+                self.items_q = collections.deque()  # items are counted per call from now on
             self.sigs = None
             self.hub.internal.report("signatures", _Churn(self.name, table.capacity))
         if index < self.warmup:
             return self.due(index)
-        return self.begin(index, True)
+        if cold:
+            return self.begin(index, True)
+        return self.due(index) if index >= self.next_index else None
+
+    # -- items ---------------------------------------------------------------------------------
+
+    def count_items(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+        """Run the user's ``items`` callable; queue (effective, padded); never raises (faults are counted)."""
+        try:
+            value = self.items_fn(args, kwargs)  # type: ignore[misc]
+            if isinstance(value, tuple):
+                effective, padded = value
+            else:
+                effective, padded = value, None
+            for v in (effective, padded):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(f"items callable returned {value!r}: expected int >= 0 or (effective, padded)")
+            if padded is not None and effective > padded:
+                raise ValueError(f"items callable returned {value!r}: effective items exceed padded items")
+        except Exception as exc:
+            self.hub.internal.report("items", exc)
+            return None
+        if padded is not None:
+            self.items_padded = True
+        self.items_q.append((effective, padded))  # type: ignore[union-attr]
+        return int(effective)
+
+    def drain_items(self) -> None:
+        """Fold queued per-call items into the totals (resolver housekeeping and scrapes)."""
+        q = self.items_q
+        if q is None:
+            return
+        effective = padded = 0
+        while q:
+            try:
+                v = q.popleft()
+            except IndexError:
+                break
+            if isinstance(v, tuple):
+                effective += v[0]
+                padded += v[1] if v[1] is not None else 0
+            elif v is not None:
+                effective += v
+        with self._items_lock:
+            self.items_total += effective
+            self.padded_total += padded
+
+    def items_counts(self) -> tuple[int | None, int | None]:
+        """(items, padded items) so far, exact; None where not counted."""
+        self.drain_items()
+        if not self.items_on:
+            return None, None
+        with self._items_lock:
+            items, padded = self.items_total, self.padded_total
+        if self.items_fn is None:
+            return items + self.table.items(), None
+        return items, (padded if self.items_padded else None)
 
     def due(self, index: int) -> Token | Any | None:
         """Call ``index`` reached ``next_index``: a warm-up call (cold) or a steady-state sample."""
@@ -174,7 +244,7 @@ class ModelState:
             raise
         return (cold, pair, stream)
 
-    def finish(self, token: Token, index: int, start_ns: int, end_ns: int) -> None:
+    def finish(self, token: Token, index: int, start_ns: int, end_ns: int, items: int | None = None) -> None:
         """Close a timed call and hand it to the resolver; never raises."""
         cold, pair, stream = token
         hub = self.hub
@@ -187,7 +257,7 @@ class ModelState:
                 if pair is not None:
                     hub.pools.release(pair)
                 return
-            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device))
+            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items))
             self.last_sample_ns = end_ns
         except Exception as exc:
             if pair is not None:
@@ -245,36 +315,39 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     A closure rather than a method: the state, the target and the constants are closure cells, read
     without an attribute lookup (a proxy class that defines ``__getattr__`` pays extra for every
     ``self.x``). On an unsampled call it does: one ``next()``, one comparison and, with signature
-    tracking, the signature's dict lookup. Everything else is on the rare paths.
+    tracking, the signature's dict lookup and one ``next()`` on its counter (which is also how items
+    are counted). Everything else is on the rare paths.
     """
     calls = st.calls
-    sig_warm = st.sig_warm
     report = st.hub.internal.report
     tensor = _Tensor
     general_signature = signature
     clock = perf_counter_ns
+    items_fn = st.items_fn
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        items = None
         try:
             n = next(calls)
             sigs = st.sigs
+            token: Token | Any | None
             if sigs is not None:
                 if len(args) == 1 and not kwargs and type(a := args[0]) is tensor:
                     key: Hashable = (a.shape, a.dtype)
                 else:
                     key = general_signature(args, kwargs)
-                # Stored counts start at 1: a missing key reads 0, "not seen enough".
-                token: Token | Any | None
-                if sigs.get(key, 0) < sig_warm:
-                    token = st.new_signature(n, key)
-                elif n >= st.next_index:
-                    token = st.due(n)
+                entry = sigs.get(key)
+                if entry is None or entry.warm_left:
+                    token = st.new_signature(n, key, args, kwargs)
                 else:
-                    token = None
-            elif n >= st.next_index:
-                token = st.due(n)
+                    next(entry.calls)
+                    token = st.due(n) if n >= st.next_index else None
             else:
-                token = None
+                if st.items_q is not None and items_fn is None:
+                    st.items_q.append(batch_of(args, kwargs))  # signatures churned: count items directly
+                token = st.due(n) if n >= st.next_index else None
+            if items_fn is not None:
+                items = st.count_items(args, kwargs)
         except Exception as exc:
             report("instrument", exc)
             token = None
@@ -290,6 +363,11 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             except BaseException as exc:
                 st.error(exc)
                 raise
+        if items is None:
+            try:
+                items = batch_of(args, kwargs)  # sampled calls only: the batch-size histogram
+            except Exception:
+                items = None
         t0 = clock()
         try:
             out = fn(*args, **kwargs)
@@ -297,7 +375,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             st.abort(token)
             st.error(exc)
             raise
-        st.finish(token, n, t0, clock())
+        st.finish(token, n, t0, clock(), items)
         return out
 
     return __call__

@@ -53,6 +53,13 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_forward_host_duration_seconds": (
         "histogram", "seconds", ("model", "device", "phase"),
         "Sampled call duration as seen by the calling thread, on CUDA devices (on CPU it equals the duration)."),
+    "perfmon_forward_items_total": (
+        "counter", "items", ("model",),
+        "Items processed (batch dimension by default, or the model's items callable), every call, exact."),
+    "perfmon_forward_padded_items_total": (
+        "counter", "items", ("model",), "Items including padding, when the items callable reports both."),
+    "perfmon_forward_batch_size": (
+        "histogram", "items", ("model",), "Items per call (batch size by default), sampled calls."),
     "perfmon_forward_sampled_total": (
         "counter", "calls", ("model",), "Calls chosen for timing (dropped samples included)."),
     "perfmon_samples_dropped_total": (
@@ -138,6 +145,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
 }
 
 
+#: Batch-size buckets: powers of two up to 4096.
+BATCH_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(13))
+
+
 def _le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) else repr(float(bound))
 
@@ -193,6 +204,8 @@ class Metrics:
         self._host_les = tuple(_le(b) for b in (*config.host_buckets, math.inf))
         self._duration: dict[tuple[str, str, str], _Histogram] = {}
         self._host: dict[tuple[str, str, str], _Histogram] = {}
+        self._batch: dict[str, _Histogram] = {}
+        self._batch_les = tuple(_le(b) for b in (*BATCH_BUCKETS, math.inf))
         self._firsts: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
         info = Info("perfmon", METRICS["perfmon_info"][3], registry=registry)
@@ -215,6 +228,11 @@ class Metrics:
                 if host is None:
                     host = self._host[key] = _Histogram(self._host_bounds, self._host_les)
                 host.observe(sample.host_seconds)
+            if sample.items is not None:
+                batch = self._batch.get(sample.model)
+                if batch is None:
+                    batch = self._batch[sample.model] = _Histogram(BATCH_BUCKETS, self._batch_les)
+                batch.observe(float(sample.items))
         if sample.seq == 0 and sample.model not in self._firsts:
             ttff = (sample.end_ns - self._started_ns()) / 1e9
             self._firsts[sample.model] = (sample.duration_seconds, max(ttff, 0.0))
@@ -230,12 +248,18 @@ class Metrics:
                     (("perfmon_forward_duration_seconds", self._duration),
                      ("perfmon_forward_host_duration_seconds", self._host))
                     for key, h in sorted(table.items())]
+            batches = [(model, h.cumulative()) for model, h in sorted(self._batch.items())]
         for name in ("perfmon_forward_duration_seconds", "perfmon_forward_host_duration_seconds"):
             fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model", "device", "phase"])
             for row_name, key, (buckets, total) in rows:
                 if row_name == name:
                     fam.add_metric(list(key), buckets, total)
             yield fam
+        fam = HistogramMetricFamily("perfmon_forward_batch_size", METRICS["perfmon_forward_batch_size"][3],
+                                    labels=["model"])
+        for model, (buckets, total) in batches:
+            fam.add_metric([model], buckets, total)
+        yield fam
 
 
 class _CountsCollector(Collector):
@@ -264,8 +288,15 @@ class _CountsCollector(Collector):
         ttff = fam(GaugeMetricFamily, "perfmon_time_to_first_forward_seconds")
         rate = fam(GaugeMetricFamily, "perfmon_sample_rate")
         sigs = fam(GaugeMetricFamily, "perfmon_input_signatures")
+        items_fam = fam(CounterMetricFamily, "perfmon_forward_items_total")
+        padded_fam = fam(CounterMetricFamily, "perfmon_forward_padded_items_total")
         for st in list(self._states()):
             m = st.name
+            items, padded = st.items_counts()
+            if items is not None:
+                items_fam.add_metric([m], items)
+            if padded is not None:
+                padded_fam.add_metric([m], padded)
             calls.add_metric([m], count_value(st.calls))
             sampled.add_metric([m], count_value(st.sampled))
             for exc, n in sorted(st.error_counts().items()):
@@ -281,7 +312,7 @@ class _CountsCollector(Collector):
         internal = fam(CounterMetricFamily, "perfmon_internal_errors_total")
         for stage, n in sorted(self._internal.counts()):
             internal.add_metric([stage], n)
-        yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, internal)
+        yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, items_fam, padded_fam, internal)
         yield from self._metrics.histograms()
 
 

@@ -189,32 +189,42 @@ class Monitor:
 
     # -- instrumenting ------------------------------------------------------------------------
 
-    def wrap(self, model: Any, *, name: str | None = None, device: str = "auto") -> Any:
+    def wrap(self, model: Any, *, name: str | None = None, device: str = "auto", items: Any = None) -> Any:
         """Monitor ``model``'s calls; returns a proxy usable exactly like it.
 
         ``name`` is the ``model`` label (default: the class name). ``device`` is "auto" (follow the
-        model's parameters) or a fixed label such as "cuda:0" or "cpu".
+        model's parameters) or a fixed label such as "cuda:0" or "cpu". ``items`` says what a call
+        processes: None (default) counts the first dimension of the first tensor argument (through the
+        signature table, at no extra cost; needs ``track_signatures``), a callable
+        ``(args, kwargs) -> int | (effective, padded)`` counts in your units (e.g. tokens from an
+        attention mask, padding excluded), False counts nothing.
         """
+        _check_items(items)
         if isinstance(model, Probe) or type(model) in (MonitoredModule, MonitoredFunction):
             raise WrapError("this object is already monitored")
         if not callable(model):
             raise WrapError(f"cannot monitor {type(model).__name__!r}: it is not callable")
         if not isinstance(model, torch.nn.Module):
-            return self.instrument(model, name=name, device=device)
+            return self.instrument(model, name=name, device=device, items=items)
         label = name if name is not None else type(model).__name__
         resolve = _fixed(device) if device != "auto" else _module_device(model)
-        return MonitoredModule.create(model, self._new_state(label, resolve))
+        return MonitoredModule.create(model, self._new_state(label, resolve, items=items))
 
     @overload
-    def instrument(self, fn: F, *, name: str | None = None, device: str = "auto") -> F: ...
+    def instrument(self, fn: F, *, name: str | None = None, device: str = "auto", items: Any = None) -> F: ...
 
     @overload
-    def instrument(self, fn: None = None, *, name: str | None = None,
-                   device: str = "auto") -> Callable[[F], F]: ...
+    def instrument(self, fn: None = None, *, name: str | None = None, device: str = "auto",
+                   items: Any = None) -> Callable[[F], F]: ...
 
     def instrument(self, fn: Callable[..., Any] | None = None, *, name: str | None = None,
-                   device: str = "auto") -> Any:
-        """Monitor a plain callable; use as ``monitor.instrument(fn)`` or ``@monitor.instrument(name=...)``."""
+                   device: str = "auto", items: Any = None) -> Any:
+        """Monitor a plain callable; use as ``monitor.instrument(fn)`` or ``@monitor.instrument(name=...)``.
+
+        ``items`` as for ``wrap``.
+        """
+        _check_items(items)
+
         def decorate(f: Callable[..., Any]) -> Any:
             if isinstance(f, Probe):
                 raise WrapError("this callable is already monitored")
@@ -222,7 +232,7 @@ class Monitor:
                 raise WrapError(f"cannot monitor {type(f).__name__!r}: it is not callable")
             label = name if name is not None else getattr(f, "__qualname__", None) or f"callable{next(self._anon)}"
             resolve = _fixed(device) if device != "auto" else _current_cuda_device
-            return MonitoredFunction.create(f, self._new_state(label, resolve))
+            return MonitoredFunction.create(f, self._new_state(label, resolve, items=items))
 
         return decorate if fn is None else decorate(fn)
 
@@ -235,7 +245,7 @@ class Monitor:
             if state is None:
                 resolve = _fixed(device) if device != "auto" else _current_cuda_device
                 try:
-                    state = self._new_state(name, resolve, capturable=False)
+                    state = self._new_state(name, resolve, capturable=False, items=False)
                 except ConfigError:
                     state = self._states[name]  # created by a racing thread
         return Span(state)
@@ -317,7 +327,8 @@ class Monitor:
         """One capture's metadata and op summary, or None."""
         return self.captures.view(capture_id) or self.traces.get(capture_id)
 
-    def _new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True) -> ModelState:
+    def _new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True,
+                   items: Any = None) -> ModelState:
         if not isinstance(name, str) or not name or len(name) > 128:
             raise ConfigError(f"model name {name!r}: expected a non-empty string of at most 128 characters")
         with self._names_lock:
@@ -326,7 +337,7 @@ class Monitor:
             if len(self._states) >= self.config.max_models:
                 raise ConfigError(f"at most max_models={self.config.max_models} models per monitor "
                                   "(each name is a label value on every forward metric)")
-            state = ModelState(name, self._hub, resolve, capturable=capturable)
+            state = ModelState(name, self._hub, resolve, capturable=capturable, items=items)
             self._states[name] = state
         return state
 
@@ -362,6 +373,7 @@ class Monitor:
                 "dropped": {r: n for r, c in st.drops.items() if (n := count_value(c))},
                 "sample_rate": st.sampler.rate,
                 "input_signatures": st.table.distinct,
+                **_items_stats(st),
                 "signature_tracking": st.sigs is not None,
                 "cold_start_seconds": first[0] if first else None,
                 "time_to_first_forward_seconds": first[1] if first else None,
@@ -396,6 +408,20 @@ class Monitor:
 
     def models(self) -> Iterator[str]:
         return iter(list(self._states))
+
+
+def _items_stats(st: ModelState) -> dict[str, Any]:
+    items, padded = st.items_counts()
+    out: dict[str, Any] = {"items": items}
+    if padded is not None:
+        out["padded_items"] = padded
+        out["padding_ratio"] = (1 - items / padded) if padded else 0.0  # type: ignore[operator]
+    return out
+
+
+def _check_items(items: Any) -> None:
+    if items is not None and items is not False and not callable(items):
+        raise ConfigError(f"items={items!r}: expected None (batch dimension), a callable or False")
 
 
 def _fixed(label: str) -> Callable[[], str]:

@@ -14,12 +14,18 @@ alone decides.
 
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
+import time
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["SignatureTable", "signature"]
+from .faults import count_value
+
+__all__ = ["Signature", "SignatureTable", "batch_of", "signature"]
 
 _Tensor = torch.Tensor
 
@@ -51,31 +57,86 @@ def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     return key
 
 
-class SignatureTable:
-    """Signatures seen by one model, with how many of their first calls were cold (capped)."""
+def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """Default items of a call: the first dimension of its first tensor argument (1 for a scalar tensor)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _Tensor):
+            return int(value.shape[0]) if value.dim() else 1
+    return None
 
-    def __init__(self, capacity: int, warm_calls: int) -> None:
+
+class Signature:
+    """One input signature: its calls (exact), the items each call carries, and cold calls still due."""
+
+    __slots__ = ("calls", "evicted_ns", "items", "warm_left")
+
+    def __init__(self, items: int | None, warm_left: int) -> None:
+        self.calls = itertools.count()
+        self.items = items  # per call (the batch dimension), None when unknown or counted elsewhere
+        self.warm_left = warm_left
+        self.evicted_ns = 0
+
+
+class SignatureTable:
+    """Signatures seen by one model: which calls are cold, and exact item counts per signature.
+
+    The hot path reads ``seen`` directly: a hit with ``warm_left == 0`` costs one ``next()`` on the
+    signature's counter. Items are ``calls x items-per-call`` summed at scrape time, so counting them
+    adds nothing to the request path. Evicted signatures are kept aside for a second before their
+    totals are folded in, so a call racing the eviction is still counted.
+    """
+
+    def __init__(self, capacity: int, warm_calls: int, *, count_items: bool = True) -> None:
         self.capacity = capacity
         self.warm_calls = warm_calls
-        #: Read directly by the hot path: key -> number of calls seen, up to warm_calls.
-        self.seen: dict[Hashable, int] = {}
+        self.count_items = count_items
+        self.seen: dict[Hashable, Signature] = {}
+        self.evicted: collections.deque[Signature] = collections.deque()
+        self.retired_items = 0
         self.evictions = 0
         self.distinct = 0
+        self._lock = threading.Lock()
 
-    def observe(self, key: Hashable, count: int | None) -> bool:
-        """Record one more call of ``key`` (seen ``count`` times so far); True if it is cold."""
+    def observe(self, key: Hashable, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        """Count one call of ``key`` on the slow path (new, or still warming up); True if it is cold."""
         seen = self.seen
-        if count is None:
-            self.distinct += 1
-            if len(seen) >= self.capacity:
-                try:
-                    del seen[next(iter(seen))]
-                    self.evictions += 1
-                except (StopIteration, KeyError, RuntimeError):
-                    pass  # another thread evicted it first
-            count = 0
-        seen[key] = count + 1
-        return count < self.warm_calls
+        entry = seen.get(key)
+        if entry is None:
+            with self._lock:
+                entry = seen.get(key)
+                if entry is None:
+                    self.distinct += 1
+                    if len(seen) >= self.capacity:
+                        try:
+                            old = seen.pop(next(iter(seen)))
+                            old.evicted_ns = time.monotonic_ns()
+                            self.evicted.append(old)
+                            self.evictions += 1
+                        except (StopIteration, KeyError, RuntimeError):
+                            pass
+                    items = batch_of(args, kwargs) if self.count_items else None
+                    entry = seen[key] = Signature(items, self.warm_calls)
+        next(entry.calls)
+        if entry.warm_left > 0:
+            entry.warm_left -= 1
+            return True
+        return False
+
+    def items(self, now_ns: int | None = None) -> int:
+        """Items of every call counted through signatures (live, recently evicted and retired)."""
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        with self._lock:
+            # Fold signatures evicted over a second ago: no call can still be incrementing them.
+            while self.evicted and now - self.evicted[0].evicted_ns > 1_000_000_000:
+                old = self.evicted.popleft()
+                if old.items is not None:
+                    self.retired_items += old.items * count_value(old.calls)
+            entries = [*self.seen.values(), *self.evicted]
+            total = self.retired_items
+        for e in entries:
+            if e.items is not None:
+                total += e.items * count_value(e.calls)
+        return total
 
     @property
     def churning(self) -> bool:

@@ -36,6 +36,7 @@ class Pending(NamedTuple):
     end_ns: int  # perf_counter_ns() just after the call returned
     events: EventPair | None  # CUDA start/end events recorded around the call, else None
     device: str  # the device label at the time of the call ("cpu", "cuda:0")
+    items: int | None = None  # items (batch size by default) the call carried, when known
 
 
 class Sample(NamedTuple):
@@ -48,3 +49,4 @@ class Sample(NamedTuple):
     duration_seconds: float  # device time on CUDA (events), wall time otherwise
     host_seconds: float  # time the calling thread spent inside the call
     end_ns: int  # perf_counter_ns() when the call returned (a monotonic clock)
+    items: int | None = None  # items (batch size by default) the call carried, when known

@@ -105,7 +105,7 @@ class Resolver:
             finally:
                 self.hub.pools.release(pair)
         return Sample(p.probe.name, p.device, COLD if p.cold else STEADY, p.seq, duration, host_seconds,
-                      p.end_ns)
+                      p.end_ns, p.items)
 
     def _release(self, p: Pending) -> None:
         if p.events is not None:
@@ -132,6 +132,7 @@ class Resolver:
                 # The sampling floor: a model with no timed call for floor_seconds gets its next call timed.
                 if st.sampler.floor_due(st.last_sample_ns, now_ns):
                     st.next_index = 0
+                st.drain_items()
                 if refresh:
                     st.refresh_device()
                     self._note_drops(st)

@@ -39,6 +39,7 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
                        trace_dir=str(tmp_path), regression=policy, cuda=FakeCuda(gpu)).start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
     mon.wrap(GpuWork(gpu, ms=1.0), name="g", device="cuda:0")(torch.ones(1))  # host time exists on CUDA only
+    mon.instrument(lambda x: x, name="tok", items=lambda args, kwargs: (3, 4))(1)  # padded items
     gpu.finish()
     for _ in range(5):
         model(torch.ones(1, 2))
