@@ -23,7 +23,10 @@ RATE = "$__rate_interval"
 
 
 def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
-    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+    out = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+    if "_bucket" in expr and "histogram_quantile" not in expr:
+        out["format"] = "heatmap"
+    return out
 
 
 class Board:
@@ -135,6 +138,21 @@ def overview() -> dict[str, Any]:
         extra={"fieldConfig": {"defaults": {"unit": "reqps"}, "overrides": [
             {"matcher": {"id": "byFrameRefID", "options": "B"},
              "properties": [{"id": "unit", "value": "percentunit"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+    b.panel("Items per second", [
+        (f"sum by (model) (rate(perfmon_forward_items_total{{{MODEL}}}[{RATE}]))", "{{model}} items"),
+        (f"sum by (model) (rate(perfmon_forward_padded_items_total{{{MODEL}}}[{RATE}]))", "{{model}} incl. padding"),
+    ], "short", description="Items processed per second in the model's own units (batch dimension by default, "
+        "or effective tokens from an items callable), and including padding where reported.")
+    b.panel("Padding ratio", [
+        (f"1 - sum by (model) (rate(perfmon_forward_items_total{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model) (rate(perfmon_forward_padded_items_total{{{MODEL}}}[{RATE}]))", "{{model}}"),
+    ], "percentunit", description="Share of processed items that were padding: a high ratio makes batching look "
+        "faster than it is.")
+    b.panel("Batch size (sampled calls)", [
+        (f"sum by (le) (rate(perfmon_forward_batch_size_bucket{{{MODEL}}}[{RATE}]))", "{{le}}"),
+    ], "short", kind="heatmap", width=24, description="Distribution of items per call over time.",
+        extra={"options": {"calculate": False, "yAxis": {"unit": "short"}, "cellGap": 1,
+                           "color": {"mode": "scheme", "scheme": "Oranges"}}})
     b.row("Latency")
     b.panel("Steady-state latency (sampled) with baseline and threshold", [
         (f"histogram_quantile(0.5, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",

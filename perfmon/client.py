@@ -72,6 +72,11 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     target.write_bytes(trace)
     print(f"trace: {target} ({len(trace)} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
     _print_ops(meta.get("summary") or [], stdout)
+    compute = meta.get("compute") or {}
+    if compute.get("achieved_flops_per_second"):
+        mfu = f", MFU {compute['mfu_ratio']:.1%}" if compute.get("mfu_ratio") is not None else ""
+        print(f"\nwindow: {compute['achieved_flops_per_second'] / 1e9:.2f} GFLOP/s achieved{mfu} "
+              f"(peak: {compute.get('peak_source')})", file=stdout)
     return 0
 
 
@@ -80,11 +85,14 @@ def _print_ops(ops: list[dict[str, Any]], stdout: TextIO) -> None:
         return
     device = any(op.get("self_device_time_total_seconds") for op in ops)
     key = "self_device_time_total_seconds" if device else "self_cpu_time_total_seconds"
-    print(f"\n{'op':<40} {'calls':>7} {'self ' + ('device' if device else 'CPU') + ' ms':>14} {'total CPU ms':>13}",
-          file=stdout)
+    print(f"\n{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
+          f"{'GFLOP':>8} {'GFLOP/s':>8}  bound", file=stdout)
     for op in ops[:15]:
-        print(f"{op['name'][:40]:<40} {op['calls']:>7} {op[key] * 1e3:>14.3f} "
-              f"{op['cpu_time_total_seconds'] * 1e3:>13.3f}", file=stdout)
+        rate = op.get("achieved_flops_per_second")
+        cpu_ms = op["cpu_time_total_seconds"] * 1e3
+        print(f"{op['name'][:34]:<34} {op['calls']:>6} {op[key] * 1e3:>13.3f} {cpu_ms:>12.3f} "
+              f"{(op.get('flops') or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
+              f"{op.get('bound') or '-'}", file=stdout)
 
 
 def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO = sys.stdout) -> int:

@@ -113,6 +113,9 @@ class Config:
     #: Initialise the profiler (~1 s, once per process) in start(), before traffic, so the first
     #: capture does not stall a request. Only when captures are possible.
     prepare_profiler: bool = True
+    #: Override the device peaks used by the capture roofline (FLOP/s and memory bytes/s); both or neither.
+    peak_flops: float | None = None
+    peak_bandwidth: float | None = None
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
     #: application's own structlog configuration).
     log_format: str = "auto"
@@ -175,6 +178,12 @@ class Config:
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")
+        for name in ("peak_flops", "peak_bandwidth"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                raise bad(name, "must be a positive number (or None)")
+        if (self.peak_flops is None) != (self.peak_bandwidth is None):
+            raise ConfigError("peak_flops and peak_bandwidth: set both or neither")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
             raise ConfigError("token: expected a string of at least 8 characters (or None)")
         for name in ("signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
@@ -250,6 +259,8 @@ def _parse(var: str, raw: str, default: Any) -> Any:
             return None if text.lower() in ("", "none", "off") else int(text)
         if var == "PERFMON_TOKEN":
             return text or None
+        if var in ("PERFMON_PEAK_FLOPS", "PERFMON_PEAK_BANDWIDTH"):
+            return float(text) if text else None
         if isinstance(default, int):
             return int(text)
         if isinstance(default, float):

@@ -39,6 +39,7 @@ from .nvml import NvmlPoller
 from .records import STEADY, Sample
 from .regression import Detector, Regression, RegressionPolicy
 from .resolver import Resolver
+from .roofline import Peaks, peaks_for
 from .server import AgentServer, make_asgi_app, make_wsgi_app
 from .traces import TraceStore
 from .windows import Windows
@@ -88,7 +89,7 @@ class Monitor:
             log=make_logger(cfg.log_format, cfg.log_level, component="capture"),
             cooldown_seconds=policy.cooldown_seconds, max_auto_per_hour=policy.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
-            profiler_factory=profiler_factory or torch_profiler, cpu=self._hub.cpu)
+            profiler_factory=profiler_factory or torch_profiler, cpu=self._hub.cpu, peaks=self._peaks)
         self.detector = Detector(regression) if regression is not None else None
         sinks: list[Any] = [self.metrics.observe, self.windows.add]
         if self.detector is not None:
@@ -299,6 +300,17 @@ class Monitor:
         cap = self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]})
         return cap.public()
 
+    def _peaks(self, device: str) -> Peaks | None:
+        """Peaks for a capture's roofline: the settings', else the GPU table's by device name."""
+        cfg = self.config
+        name = None
+        if device.startswith("cuda") and torch.cuda.is_available():
+            try:
+                name = torch.cuda.get_device_name(int(device.partition(":")[2] or 0))
+            except Exception:
+                name = None
+        return peaks_for(name, peak_flops=cfg.peak_flops, peak_bandwidth=cfg.peak_bandwidth)
+
     def _pick_model(self, model: str | None) -> ModelState:
         capturable = {n: s for n, s in self._states.items() if s.capturable}
         if model is None:
@@ -373,7 +385,7 @@ class Monitor:
                 "dropped": {r: n for r, c in st.drops.items() if (n := count_value(c))},
                 "sample_rate": st.sampler.rate,
                 "input_signatures": st.table.distinct,
-                **_items_stats(st),
+                **_items_stats(st, (now - self._hub.started_ns) / 1e9),
                 "signature_tracking": st.sigs is not None,
                 "cold_start_seconds": first[0] if first else None,
                 "time_to_first_forward_seconds": first[1] if first else None,
@@ -410,9 +422,10 @@ class Monitor:
         return iter(list(self._states))
 
 
-def _items_stats(st: ModelState) -> dict[str, Any]:
+def _items_stats(st: ModelState, uptime_seconds: float) -> dict[str, Any]:
     items, padded = st.items_counts()
-    out: dict[str, Any] = {"items": items}
+    out: dict[str, Any] = {"items": items, "items_per_second_since_start":
+                           items / uptime_seconds if items is not None and uptime_seconds > 0 else None}
     if padded is not None:
         out["padded_items"] = padded
         out["padding_ratio"] = (1 - items / padded) if padded else 0.0  # type: ignore[operator]

@@ -97,6 +97,7 @@ def test_every_metric_a_dashboard_or_rule_names_is_registered() -> None:
     used = {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for n in names}
     # and the dashboards cover the serving, GPU and capture metrics the issue lists
     for required in ("perfmon_forward_calls_total", "perfmon_forward_errors_total", "perfmon_samples_dropped_total",
+                     "perfmon_forward_items_total", "perfmon_forward_padded_items_total", "perfmon_forward_batch_size",
                      "perfmon_internal_errors_total", "perfmon_torch_memory_fragmentation_ratio",
                      "perfmon_gpu_process_memory_used_bytes", "perfmon_gpu_clocks_event_reasons",
                      "perfmon_captures_suppressed_total", "perfmon_capture_in_progress",
@@ -137,6 +138,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     enc = mon.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)),
                    name="encoder")
     on_gpu = mon.wrap(GpuWork(gpu, ms=2.0), name="gpu_model", device="cuda:0")
+    tokenize = mon.instrument(lambda n: n, name="tokenize", items=lambda args, kwargs: (args[0], 16))
     mon._hub.internal.report("test", RuntimeError("one internal fault, so its panel has a series"))
     stop = threading.Event()
 
@@ -148,6 +150,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
             batch = 1 + (i // 200) % 64  # a new input shape every 200 calls: cold calls keep coming
             enc(torch.randn(batch, 32))
             on_gpu(torch.zeros(1))
+            tokenize(1 + i % 16)
             gpu.finish()
             if i % 50 == 0:
                 try:
@@ -166,7 +169,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
         instance = mon.url.removeprefix("http://")
         with running_prometheus(tmp_path, [instance], rule_files=[str(rules)]) as prom:
             values = {"$__rate_interval": "10s", "$job": "perfmon", "$instance": instance,
-                      "$model": "encoder|gpu_model", "$gpu": "0|1"}
+                      "$model": "encoder|gpu_model|tokenize", "$gpu": "0|1"}
             queries = [(f"{p.name}: {title}", _substitute(e, values)) for p in DASHBOARDS
                        for title, e in _targets(_load(p))]
             queries += [(f"rule {name}", expr) for name, expr in _rule_exprs() if ":" in name]

@@ -1,0 +1,79 @@
+"""What bounds a capture: FLOPs against the analytic count, and roofline verdicts."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from perfmon.roofline import peaks_for
+
+
+def _capture(mon, model, x, steps: int = 3) -> dict:
+    cap = mon.capture("m", steps=steps)
+    with torch.inference_mode():
+        for _ in range(steps):
+            model(x)
+    deadline = time.monotonic() + 30
+    while mon.profile(cap["id"]).get("outcome") is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    meta = mon.profile(cap["id"])
+    assert meta["outcome"] == "ok", meta
+    return meta
+
+
+def test_linear_flops_match_the_analytic_count(make_monitor) -> None:
+    """A capture of an MLP reports FLOPs within 5% of 2*M*K*N per Linear layer, per step."""
+    mon = make_monitor()
+    batch, dims = 64, (256, 512, 128)
+    model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.ReLU(),
+                                         torch.nn.Linear(dims[1], dims[2])), name="m")
+    meta = _capture(mon, model, torch.randn(batch, dims[0]), steps=3)
+    analytic = 3 * sum(2 * batch * k * n for k, n in itertools.pairwise(dims))
+    assert meta["compute"]["flops"] == pytest.approx(analytic, rel=0.05)
+    addmm = [op for op in meta["summary"] if op["name"] == "aten::addmm"]
+    assert addmm and all(op["flops"] > 0 and op["achieved_flops_per_second"] > 0 for op in addmm)
+    assert meta["compute"]["achieved_flops_per_second"] > 0
+    # on CPU there is no peak to judge against, and perfmon says so rather than invent one
+    assert meta["compute"]["peak_source"] == "unknown peak" and "mfu_ratio" not in meta["compute"]
+    assert {op["bound"] for op in meta["summary"]} <= {"unknown peak", "launch-bound"}
+
+
+class Elementwise(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x * 2.0 + 1.0)
+
+
+def test_elementwise_ops_are_memory_bound_and_big_matmuls_compute_bound(make_monitor) -> None:
+    """With peaks given (1 TFLOP/s, 100 GB/s), elementwise ops are memory-bound and a big matmul compute-bound."""
+    mon = make_monitor(peak_flops=1e12, peak_bandwidth=1e11)
+    model = mon.wrap(Elementwise(), name="m")
+    meta = _capture(mon, model, torch.randn(1024, 1024), steps=2)
+    verdicts = {op["name"]: op["bound"] for op in meta["summary"]}
+    for op in ("aten::mul", "aten::add", "aten::sigmoid"):
+        assert verdicts[op] == "memory-bound", (op, verdicts)
+    mul = next(op for op in meta["summary"] if op["name"] == "aten::mul")
+    assert mul["arithmetic_intensity"] == pytest.approx(0.25)  # one FLOP per 4-byte float read
+    assert meta["compute"]["peak_source"].startswith("settings")
+
+    mon2 = make_monitor(peak_flops=1e12, peak_bandwidth=1e11)
+    mm = mon2.wrap(torch.nn.Linear(1024, 1024, bias=False), name="m")
+    meta2 = _capture(mon2, mm, torch.randn(1024, 1024), steps=1)
+    big = next(op for op in meta2["summary"] if op["name"] in ("aten::mm", "aten::matmul", "aten::addmm")
+               and op["flops"])
+    assert big["bound"] == "compute-bound" and big["arithmetic_intensity"] > 10
+
+
+def test_peak_table_matches_gpu_names_and_settings_win() -> None:
+    """Device names map to the most specific table entry; settings override; unknown devices get None."""
+    assert peaks_for("NVIDIA H100 PCIe").bandwidth == 2.0e12
+    assert peaks_for("NVIDIA H100 80GB HBM3").bandwidth == 3.35e12
+    assert peaks_for("Tesla T4").flops_16bit == 65e12
+    assert peaks_for("NVIDIA A100-SXM4-80GB").source.startswith("table: A100-SXM4-80GB")
+    assert peaks_for("Some CPU") is None and peaks_for(None) is None
+    custom = peaks_for("NVIDIA H100 PCIe", peak_flops=1e15, peak_bandwidth=1e12)
+    assert custom.flops_32bit == 1e15 and custom.source.startswith("settings")
+    assert peaks_for("NVIDIA H100 PCIe").flops(["c10::BFloat16"]) == 756e12
+    assert peaks_for("NVIDIA H100 PCIe").flops(["float"]) == 51e12
