@@ -91,18 +91,19 @@ def build(make: Callable[[], torch.nn.Module]) -> tuple[dict[str, Callable[..., 
     torch.manual_seed(0)
     monitors: list[perfmon.Monitor] = []
 
-    def monitored(rate: float, sigs: bool) -> Callable[..., Any]:
+    def monitored(rate: float, sigs: bool, items: Any = None) -> Callable[..., Any]:
         mon = monitor(sample_rate=rate, track_signatures=sigs, sample_floor_seconds=1e6, queue_size=1_000_000,
                       regression=None)
         # Not started: no resolver thread waking up mid-measurement. flush() between rounds does its
         # work outside the timed region; its cost is the background benchmark's business.
         monitors.append(mon)
-        return mon.wrap(make(), name="m")  # type: ignore[no-any-return]
+        return mon.wrap(make(), name="m", items=items)  # type: ignore[no-any-return]
 
     variants = {
         "bare": make(),
         "perfmon unsampled, signatures off": monitored(1e-9, False),
         "perfmon unsampled (signatures on)": monitored(1e-9, True),
+        "perfmon unsampled, signatures on, items off": monitored(1e-9, True, items=False),
         "perfmon 1% sampling": monitored(0.01, True),
         "perfmon 5% sampling": monitored(0.05, True),
         "perfmon 100% sampling": monitored(1.0, True),
