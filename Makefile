@@ -22,16 +22,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/perfmon demo $(DEMO_ARGS)
 
-# promtool (Debian's prometheus package) lints /metrics in the tests; install it when we can.
+# The tests need promtool and prometheus (Debian's prometheus package) and, for the status page, a
+# headless browser (Debian's chromium and chromium-driver). Install them when we can; say what will be
+# skipped when we cannot.
+TOOLS_PKGS := prometheus chromium chromium-driver
 tools:
-	@if command -v promtool >/dev/null 2>&1; then \
-		echo "tools: promtool found at $$(command -v promtool)"; \
+	@missing=""; \
+	command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	if [ -z "$$missing" ]; then \
+		echo "tools: prometheus, promtool, chromium and chromedriver found"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "tools: installing Debian's prometheus package for promtool"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
-			|| echo "tools: could not install prometheus; the promtool tests will be SKIPPED"; \
+		echo "tools: installing Debian packages:$$missing"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+			|| echo "tools: could not install$$missing; tests needing them will be SKIPPED (see pytest's summary)"; \
 	else \
-		echo "tools: promtool missing and apt-get unavailable (not root?); the promtool tests will be SKIPPED"; \
+		echo "tools: missing$$missing and apt-get unavailable (not root?); tests needing them will be SKIPPED"; \
 	fi
 
 test: $(STAMP) tools

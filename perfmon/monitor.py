@@ -31,9 +31,10 @@ from .clocks import CudaBackend, NoCuda, TorchCuda
 from .config import Config
 from .exceptions import ConfigError, WrapError
 from .faults import count_value
+from .history import History
 from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
 from .logs import make_logger
-from .memory import MemorySource, OomSnapshotter, TorchMemory
+from .memory import MemorySource, OomSnapshotter, TorchMemory, read_memory
 from .metrics import AgentCollector, CaptureCollector, Metrics, TelemetryCollector
 from .nvml import NvmlPoller
 from .records import STEADY, Sample
@@ -82,6 +83,7 @@ class Monitor:
         self.metrics = Metrics(self.registry, cfg, states=self._state_list, internal=self._hub.internal,
                                started_ns=lambda: self._hub.started_ns)
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
+        self.history = History()
         self.traces = TraceStore(cfg.trace_dir, max_files=cfg.trace_max_files, max_bytes=cfg.trace_max_bytes)
         policy = regression or RegressionPolicy()
         self.captures = CaptureController(
@@ -259,10 +261,37 @@ class Monitor:
             self._fire(self.detector.add(sample.model, sample.duration_seconds, sample.end_ns))
 
     def _tick(self, now_ns: int) -> None:
-        """Housekeeping (resolver thread): close due windows, expire stale armed captures."""
+        """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history."""
         if self.detector is not None:
             self._fire(self.detector.tick(now_ns))
         self.captures.tick()
+        if self.history.due(now_ns):
+            self.history.record(
+                now_ns,
+                [(st.name, count_value(st.calls), sum(st.error_counts().values()), st.items_counts()[0])
+                 for st in self._state_list()],
+                lambda model, since: self.windows.since(model, STEADY, since),
+                self.devices())
+
+    def devices(self) -> dict[str, Any]:
+        """This moment's device telemetry: torch allocator per CUDA device and NVML per GPU (fail soft)."""
+        out: dict[str, Any] = {"torch": [], "gpus": [], "nvml_up": None}
+        if self._memory is not None:
+            try:
+                out["torch"] = [{"device": f"cuda:{m.device}", "uuid": m.uuid, "allocated_bytes": m.allocated_bytes,
+                                 "reserved_bytes": m.reserved_bytes, "peak_allocated_bytes": m.peak_allocated_bytes,
+                                 "peak_reserved_bytes": m.peak_reserved_bytes,
+                                 "fragmentation_ratio": m.fragmentation_ratio, "ooms": m.ooms}
+                                for m in read_memory(self._memory)]
+            except Exception as exc:
+                self._hub.internal.report("memory", exc)
+        if self._nvml is not None:
+            snap = self._nvml.snapshot()
+            out["nvml_up"] = snap.up
+            out["gpus"] = [{"gpu": g.index, "uuid": g.uuid, **g.values,
+                            "throttle_reasons": sorted(r for r, on in g.clock_event_reasons.items()
+                                                       if on and r != "gpu_idle")} for g in snap.gpus]
+        return out
 
     def _fire(self, regressions: list[Regression]) -> None:
         policy = self.regression
@@ -368,6 +397,7 @@ class Monitor:
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
         now = perf_counter_ns()
+        self.history.touch(now)
         regression: dict[str, Any] = {}
         if self.detector is not None:
             for model, last, base, active, n in self.detector.views():
@@ -390,6 +420,7 @@ class Monitor:
                 "cold_start_seconds": first[0] if first else None,
                 "time_to_first_forward_seconds": first[1] if first else None,
                 "latency": self.windows.summary(st.name, now),
+                "capturable": st.capturable,
                 "regression": regression.get(st.name),
             }
         return {
@@ -401,6 +432,9 @@ class Monitor:
             "models": models,
             "capture": {"state": self.captures.state, "current": self.captures.current.id
                         if self.captures.current else None, "suppressed": dict(self.captures.suppressed)},
+            "devices": self.devices(),
+            "series": self.history.series(),
+            "control": {"token_required": self.config.token is not None},
         }
 
     def health(self) -> tuple[bool, dict[str, Any]]:

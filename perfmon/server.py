@@ -9,6 +9,7 @@ same routes in their own server instead.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import hmac
 import json
@@ -17,6 +18,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -73,6 +75,7 @@ class Router:
         self.monitor = monitor
         self.mounted = mounted
         self.open_routes: dict[str, Callable[[Mapping[str, str]], Response]] = {
+            "/": self._page,
             "/metrics": self._metrics,
             "/healthz": self._healthz,
             "/stats": self._stats,
@@ -131,6 +134,13 @@ class Router:
             body = gzip.compress(body, compresslevel=1)
             extra.append(("Content-Encoding", "gzip"))
         return Response(200, body, content_type, extra)
+
+    def _page(self, headers: Mapping[str, str]) -> Response:
+        """The status page: static, self-contained (no CDN), holds no secret; it reads /stats and /profiles."""
+        return Response(200, _status_page(), "text/html; charset=utf-8",
+                        [("Cache-Control", "no-cache"), ("X-Content-Type-Options", "nosniff"),
+                         ("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
+                                                     "style-src 'unsafe-inline'; img-src 'self' blob: data:")])
 
     def _healthz(self, headers: Mapping[str, str]) -> Response:
         healthy, detail = self.monitor.health()
@@ -204,6 +214,11 @@ class Router:
                                        "outcome": meta.get("outcome")})
         return Response(200, path.read_bytes(), "application/gzip",
                         [("Content-Disposition", f'attachment; filename="{path.name}"')])
+
+
+@functools.cache
+def _status_page() -> bytes:
+    return resources.files("perfmon").joinpath("static/index.html").read_bytes()
 
 
 def _not_allowed(method: str, allow: str) -> Response:

@@ -60,6 +60,13 @@ class Windows:
                 ring = self._rings[key] = collections.deque(maxlen=self.max_samples)
             ring.append((sample.end_ns, sample.duration_seconds, sample.host_seconds))
 
+    def since(self, model: str, phase: str, since_ns: int) -> list[float]:
+        """Durations (s) of ``model``'s ``phase`` samples that ended after ``since_ns``."""
+        with self._lock:
+            ring = self._rings.get((model, phase))
+            items = list(ring) if ring is not None else []
+        return [d for end, d, _ in items if end > since_ns]
+
     def summary(self, model: str, now_ns: int | None = None) -> dict[str, dict[str, Any]]:
         """Per phase: device (or wall) and host duration summaries over the window."""
         cutoff = (perf_counter_ns() if now_ns is None else now_ns) - self.window_ns

@@ -1,0 +1,167 @@
+"""The status page at `/`, in a real headless Chromium (Debian's chromium + chromium-driver)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / ".artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+XSS_NAME = '<img id="xss" src=x onerror="document.title=\'pwned\'">'
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or DRIVER is None,
+    reason="chromium/chromedriver not installed: `make test` installs Debian's chromium and chromium-driver "
+           "(as root with apt-get); this test is skipped only where that install is impossible")
+
+
+@pytest.fixture
+def browser(tmp_path: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM  # type: ignore[assignment]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--window-size=1400,1800", f"--user-data-dir={tmp_path / 'chrome'}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll until ``predicate()`` is truthy; the page re-renders every 3 s, so stale elements are retried."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (StaleElementReferenceException, NoSuchElementException):
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _finished_row_text(browser, By) -> str | None:
+    for row in browser.find_elements(By.CSS_SELECTOR, "tr.capture"):
+        text = row.text
+        if " ok " in f" {text} ":
+            return text
+    return None
+
+
+@pytest.fixture
+def live_agent(make_monitor):
+    """An agent with a CPU model, a fake-GPU model, a hostile model name, fake NVML and allocator, under load."""
+
+    def start(**kw):
+        gpu = FakeGpu()
+        mon = make_monitor(port=0, sample_rate=0.5, cuda=FakeCuda(gpu), nvml=FakeNvml(), memory=FakeTorchMemory(),
+                           resolve_interval_seconds=0.05, **kw).start()
+        mon.history.interval_ns = 500_000_000  # a point every 0.5 s so the charts fill quickly
+        enc = mon.wrap(torch.nn.Linear(16, 16), name="encoder")
+        gpu_model = mon.wrap(GpuWork(gpu, ms=3.0), name="gpu_model", device="cuda:0")
+        hostile = mon.instrument(lambda x: x, name=XSS_NAME)
+        stop = threading.Event()
+
+        def drive() -> None:
+            deadline = time.monotonic() + 120
+            while not stop.is_set() and time.monotonic() < deadline:
+                enc(torch.randn(4, 16))
+                gpu_model(torch.zeros(1))
+                gpu.finish()
+                hostile(1)
+                stop.wait(0.005)
+
+        t = threading.Thread(target=drive, daemon=True)
+        t.start()
+        started.append((stop, t))
+        return mon
+
+    started: list = []
+    yield start
+    for stop, t in started:
+        stop.set()
+        t.join(10)
+
+
+def test_status_page_shows_live_data_takes_a_capture_and_escapes_names(browser, live_agent) -> None:
+    """Charts draw with data, GPU rows show, a capture taken from the page appears with its ops, names stay text."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    mon = live_agent()
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
+    # the latency chart of the encoder draws lines from real points
+    _wait(lambda: browser.find_elements(By.CSS_SELECTOR, '[data-model="encoder"] polyline[data-series="p50_seconds"]'),
+          what="latency chart")
+    card_text = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '[data-model="encoder"]').text, what="card")
+    assert "calls/s" in card_text and "cold start" in card_text and ("ms" in card_text or "µs" in card_text)
+    devices = _wait(lambda: browser.find_element(By.ID, "devices").text, what="devices")
+    assert "cuda:0" in devices and "GiB" in devices and "sw_power_cap" in devices  # fake GPU 1 is power capped
+    # hostile model names are shown as text, never parsed as HTML
+    assert not browser.find_elements(By.ID, "xss") and browser.title == "perfmon"
+    assert XSS_NAME in _wait(lambda: browser.find_element(By.ID, "models").text, what="models")
+    # take a capture from the page
+    _wait(lambda: Select(browser.find_element(By.ID, "cap-model")).select_by_value("encoder") or True, what="select")
+    browser.find_element(By.ID, "cap-now").click()
+    _wait(lambda: "armed" in browser.find_element(By.ID, "cap-msg").text, what="capture armed message")
+    row = _wait(lambda: _finished_row_text(browser, By), what="finished capture in the list")
+    assert "encoder" in row and "manual" in row and "KiB" in row
+
+    def open_ops() -> bool:
+        browser.find_element(By.XPATH, "//tr[contains(@class,'capture')]//button[text()='top ops']").click()
+        return True
+
+    _wait(open_ops, what="top ops button")
+    _wait(lambda: "aten::linear" in browser.find_element(By.ID, "captures").text, what="op summary")
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "status-page.png"))
+    assert (ARTIFACTS / "status-page.png").stat().st_size > 10_000
+
+
+def test_status_page_with_a_token_asks_for_it_and_keeps_it_in_memory(browser, live_agent) -> None:
+    """With a token set, the page asks for it, then lists and takes captures; the page itself holds no secret."""
+    from selenium.webdriver.common.by import By
+
+    token = "page-token-123456"
+    mon = live_agent(token=token)
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
+    assert token not in browser.page_source
+    assert browser.find_element(By.ID, "token-box").is_displayed()
+    assert "token" in browser.find_element(By.ID, "cap-msg").text
+    browser.find_element(By.ID, "token").send_keys(token)
+    browser.find_element(By.ID, "cap-now").click()
+    _wait(lambda: _finished_row_text(browser, By), what="finished capture with the token")
+    stored = browser.execute_script("return [localStorage.length, sessionStorage.length, document.cookie]")
+    assert stored == [0, 0, ""]
+
+
+def test_page_says_no_gpu_on_a_cpu_only_agent(browser, make_monitor) -> None:
+    """Without GPU telemetry the memory section says so instead of showing empty tables."""
+    from selenium.webdriver.common.by import By
+
+    mon = make_monitor(port=0, nvml=FakeNvml(library_missing=True)).start()
+    mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.ones(1, 2))
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_elements(By.ID, "no-gpu"), what="no-GPU message")
+    assert "No GPU" in browser.find_element(By.ID, "no-gpu").text
