@@ -164,7 +164,7 @@ def measure(name: str, make: Callable[[], torch.nn.Module], x: torch.Tensor, rou
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

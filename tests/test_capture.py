@@ -224,6 +224,33 @@ def test_control_routes_forbidden_without_token_off_loopback_or_mounted(make_mon
     assert local.handle("GET", "/profiles", {}).status == 200
 
 
+def test_403_over_real_http_when_mounted_without_a_token(make_monitor) -> None:
+    """A real request to the control routes of an app mounted in another server, with no token, gets 403."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    import perfmon
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    mon = make_monitor()
+    mon.wrap(torch.nn.Linear(2, 2), name="m")
+    httpd = make_server("127.0.0.1", 0, perfmon.make_wsgi_app(mon), handler_class=Quiet)
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}"
+        status, _, body = _post(url + "/profile", b'{"model": "m"}', token=None)
+        assert status == 403 and "PERFMON_TOKEN" in json.loads(body)["detail"]
+        assert _post(url + "/profiles", method="GET", token=None)[0] == 403
+        assert _post(url + "/metrics", method="GET", token=None)[0] == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        t.join(10)
+
+
 def test_retention_keeps_the_store_within_its_limits(make_monitor) -> None:
     """With trace_max_files=2, three captures leave the two newest; oldest files are deleted."""
     mon = make_monitor(trace_max_files=2)

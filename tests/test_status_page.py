@@ -79,6 +79,7 @@ def live_agent(make_monitor):
         enc = mon.wrap(torch.nn.Linear(16, 16), name="encoder")
         gpu_model = mon.wrap(GpuWork(gpu, ms=3.0), name="gpu_model", device="cuda:0")
         hostile = mon.instrument(lambda x: x, name=XSS_NAME)
+        tokens = mon.instrument(lambda n: n, name="tokenizer", items=lambda args, kwargs: (args[0], 16))
         stop = threading.Event()
 
         def drive() -> None:
@@ -88,6 +89,7 @@ def live_agent(make_monitor):
                 gpu_model(torch.zeros(1))
                 gpu.finish()
                 hostile(1)
+                tokens(12)
                 stop.wait(0.005)
 
         t = threading.Thread(target=drive, daemon=True)
@@ -115,6 +117,9 @@ def test_status_page_shows_live_data_takes_a_capture_and_escapes_names(browser, 
           what="latency chart")
     card_text = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '[data-model="encoder"]').text, what="card")
     assert "calls/s" in card_text and "cold start" in card_text and ("ms" in card_text or "µs" in card_text)
+    assert "items/s" in card_text
+    tok = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '[data-model="tokenizer"]').text, what="tokenizer")
+    assert "effective / padded items" in tok and "padding 25.0 %" in tok
     devices = _wait(lambda: browser.find_element(By.ID, "devices").text, what="devices")
     assert "cuda:0" in devices and "GiB" in devices and "sw_power_cap" in devices  # fake GPU 1 is power capped
     # hostile model names are shown as text, never parsed as HTML
