@@ -195,6 +195,21 @@ class CaptureController:
         self.duration_sum = 0.0  # seconds the profiler windows were open, all captures
         self.duration_count = 0
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: no capture is in flight here (the parent's profiler is the parent's)."""
+        self._lock = threading.Lock()
+        self.state = IDLE
+        self.current = None
+        self._state_ref = None
+        self._prof = None
+        self._thread_id = None
+        self._exporter = None
+        self._abort = False
+        self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
+        self.finished = {}
+        self.last_finished = {}
+        self.duration_sum, self.duration_count = 0.0, 0
+
     # -- state machine --------------------------------------------------------------------
 
     def _move(self, event: str) -> None:

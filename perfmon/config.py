@@ -61,6 +61,8 @@ class Config:
     host: str = "127.0.0.1"
     #: HTTP port; 0 picks a free one; None serves nothing (mount ``wsgi_app``/``asgi_app`` yourself).
     port: int | None = DEFAULT_PORT
+    #: Multi-process servers: bind the first free port of port .. port + port_range - 1 (one per worker).
+    port_range: int = 1
     #: Fraction of steady-state calls timed, in (0, 1]. Cold calls are always timed.
     sample_rate: float = 0.01
     #: A model with traffic gets at least one timed call per this many seconds.
@@ -147,7 +149,7 @@ class Config:
             return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
 
         _types: dict[str, type | tuple[type, ...]] = {
-            "host": str, "sample_rate": (int, float), "sample_floor_seconds": (int, float),
+            "host": str, "port_range": int, "sample_rate": (int, float), "sample_floor_seconds": (int, float),
             "warmup_calls": int, "track_signatures": bool, "signature_warmup_calls": int,
             "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
             "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),
@@ -186,7 +188,7 @@ class Config:
             raise ConfigError("peak_flops and peak_bandwidth: set both or neither")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
             raise ConfigError("token: expected a string of at least 8 characters (or None)")
-        for name in ("signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
+        for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
                      "max_exception_labels", "max_models", "signature_warmup_calls", "trace_max_files",
                      "trace_max_bytes", "manual_captures_per_hour"):
             if getattr(self, name) < 1:

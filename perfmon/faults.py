@@ -35,6 +35,13 @@ class InternalErrors:
         self._notes: collections.deque[tuple[str, BaseException]] = collections.deque(maxlen=64)
         self._logged: set[tuple[str, str]] = set()
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's faults are the parent's; a lock held at fork() is replaced."""
+        self._counts = {}
+        self._lock = threading.Lock()
+        self._notes = collections.deque(maxlen=64)
+        self._logged = set()
+
     def report(self, stage: str, exc: BaseException) -> None:
         """Count one fault of ``stage``; never raises."""
         try:

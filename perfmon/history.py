@@ -31,6 +31,12 @@ class History:
         self._points = points
         self._lock = threading.Lock()
 
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._last, self._models = {}, {}
+        self._devices.clear()
+        self._active_until = self._next_ns = 0
+
     def touch(self, now_ns: int) -> None:
         """Someone is looking: record for the next ``active_seconds``."""
         self._active_until = now_ns + self.active_ns

@@ -59,6 +59,14 @@ class Hub:
         #: Called on the request thread with a CUDA OutOfMemoryError (the allocator snapshot).
         self.on_oom: Callable[[BaseException], object] | None = None
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: fresh queue, event pools (CUDA state does not survive fork), fault counts."""
+        self.queue = collections.deque()
+        self.pools = EventPools(self.backend, self.config.event_pool_size)
+        self.internal.reset_after_fork()  # reset in place: collectors hold references to these
+        self.cpu.reset_after_fork()
+        self.started_ns = perf_counter_ns()
+
 
 class ModelState:
     """Everything perfmon knows about one monitored model (or function, or span name).
@@ -112,6 +120,31 @@ class ModelState:
         self.refresh_device()
 
     # -- background side ---------------------------------------------------------------------
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: fresh counters and locks. The parent's calls are the parent's to report;
+        a child that inherited them would count them again in every worker."""
+        cfg = self.hub.config
+        self.calls = itertools.count()
+        self.sampled = itertools.count()
+        self.drops = {reason: itertools.count() for reason in DROP_REASONS}
+        self.errors = {}
+        self._error_names = {}
+        self._error_lock = threading.Lock()
+        self._items_lock = threading.Lock()
+        self.items_total = self.padded_total = 0
+        if self.items_q is not None:
+            self.items_q = collections.deque()
+        tracking = self.sigs is not None or self.table.churning
+        self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls,
+                                    count_items=self.items_on and self.items_fn is None)
+        self.sigs = self.table.seen if (tracking and cfg.track_signatures) else None
+        if self.sigs is not None and self.items_fn is None and self.items_q is not None:
+            self.items_q = None  # counted through signatures again
+        self.next_index = self.sampler.first_index(0)
+        self.last_sample_ns = perf_counter_ns()
+        self.capture = None
+        self.cuda_index = -1 if self.cuda_index < 0 else self.cuda_index
 
     def refresh_device(self) -> None:
         """Re-read the model's device (it may have moved with ``.to()``)."""
@@ -318,8 +351,6 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     tracking, the signature's dict lookup and one ``next()`` on its counter (which is also how items
     are counted). Everything else is on the rare paths.
     """
-    calls = st.calls
-    report = st.hub.internal.report
     tensor = _Tensor
     general_signature = signature
     clock = perf_counter_ns
@@ -328,7 +359,8 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         items = None
         try:
-            n = next(calls)
+            # st.calls, not a captured counter: after fork() the child gets fresh counters (reset_after_fork).
+            n = next(st.calls)
             sigs = st.sigs
             token: Token | Any | None
             if sigs is not None:
@@ -349,7 +381,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             if items_fn is not None:
                 items = st.count_items(args, kwargs)
         except Exception as exc:
-            report("instrument", exc)
+            st.hub.internal.report("instrument", exc)
             token = None
         if token is None:
             try:

@@ -141,7 +141,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "seconds", (), "Age of the oldest timed sample not yet resolved (0 when none)."),
     "perfmon_pending_records": ("gauge", "records", (), "Timed samples queued or waiting for their GPU events."),
     "perfmon_info": (
-        "info", "", ("version", "torch_version", "cuda"), "perfmon, torch and CUDA versions."),
+        "info", "", ("version", "torch_version", "cuda", "port"),
+        "perfmon, torch and CUDA versions, and this process's agent port (empty when it serves none)."),
 }
 
 
@@ -208,11 +209,19 @@ class Metrics:
         self._batch_les = tuple(_le(b) for b in (*BATCH_BUCKETS, math.inf))
         self._firsts: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
-        info = Info("perfmon", METRICS["perfmon_info"][3], registry=registry)
-        info.info(_versions())
+        self._info = Info("perfmon", METRICS["perfmon_info"][3], registry=registry)
+        self.set_port(None)
         registry.register(_CountsCollector(self, states, internal))
         if process_collectors:
             _register_process_collectors(registry)
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._duration, self._host, self._batch, self._firsts = {}, {}, {}, {}
+
+    def set_port(self, port: int | None) -> None:
+        """The agent's HTTP port in perfmon_info (each worker of a multi-process server has its own)."""
+        self._info.info({**_versions(), "port": "" if port is None else str(port)})
 
     def observe(self, sample: Sample) -> None:
         """Sink: put one resolved sample into the histograms (resolver thread)."""

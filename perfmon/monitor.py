@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from time import perf_counter_ns
 from typing import Any, TypeVar, overload
@@ -121,6 +123,7 @@ class Monitor:
         self._lifecycle = threading.Lock()
         self._running = False
         self._anon = itertools.count(1)
+        _LIVE.add(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -140,7 +143,8 @@ class Monitor:
                 except Exception as exc:
                     self._hub.internal.report("capture", exc)
             if cfg.port is not None:
-                self._server = AgentServer(make_wsgi_app(self, mounted=False), cfg.host, cfg.port)
+                self._server = AgentServer(make_wsgi_app(self, mounted=False), cfg.host, cfg.port, cfg.port_range)
+                self.metrics.set_port(self._server.port)
             self._resolver.start(cfg.resolve_interval_seconds)
             if self._nvml is not None:
                 self._nvml.start()
@@ -173,6 +177,37 @@ class Monitor:
             if self._oom is not None:
                 self._oom.join(timeout)
         self._log.info("stopped", calls=sum(count_value(s.calls) for s in self._state_list()))
+
+    def _after_fork_in_child(self) -> None:
+        """A fresh agent in a forked child (gunicorn --preload, multiprocessing 'fork').
+
+        The parent's threads do not exist here and any lock one of them held is held forever, so
+        every lock, queue, pool and counter is replaced; the parent's calls are the parent's to report.
+        The inherited listening socket is closed (the parent keeps serving on it) and, if the parent
+        was running, the child starts its own threads and binds its own port (see ``port_range``).
+        """
+        was_running = self._running
+        self._lifecycle = threading.Lock()
+        self._names_lock = threading.Lock()
+        self._running = False
+        if self._server is not None:
+            self._server.abandon()
+            self._server = None
+        self._hub.reset_after_fork()
+        for st in self._state_list():
+            st.reset_after_fork()
+        for part in (self.metrics, self.windows, self.history, self.captures, self._resolver):
+            part.reset_after_fork()
+        if self.detector is not None:
+            self.detector.reset_after_fork()
+        if self._nvml is not None:
+            self._nvml.reset_after_fork()
+        self.metrics.set_port(None)
+        if was_running:
+            try:
+                self.start()
+            except Exception as exc:  # e.g. no free port in the range: count it, keep counting calls
+                self._hub.internal.report("fork", exc)
 
     def __enter__(self) -> Monitor:
         return self.start()
@@ -454,6 +489,31 @@ class Monitor:
 
     def models(self) -> Iterator[str]:
         return iter(list(self._states))
+
+
+_LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def _reinit_after_fork() -> None:
+    for monitor in list(_LIVE):
+        try:
+            monitor._after_fork_in_child()
+        except Exception:  # pragma: no cover - never break the child process
+            pass
+
+
+def _stop_at_exit() -> None:
+    """Interpreter exit: stop running monitors (bounded joins, no capture left on, ports closed)."""
+    for monitor in list(_LIVE):
+        try:
+            monitor.stop()
+        except Exception:  # pragma: no cover
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
+atexit.register(_stop_at_exit)
 
 
 def _items_stats(st: ModelState, uptime_seconds: float) -> dict[str, Any]:

@@ -99,6 +99,17 @@ class NvmlPoller:
         self._logged_down = False
         self._snapshot = NvmlSnapshot(False, [], {})
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: NVML handles do not survive fork; re-initialise on the next start."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        self._initialized = False
+        self._errors = {}
+        self._last_seen_us = {}
+        self._failures = 0
+        self._snapshot = NvmlSnapshot(False, [], {})
+
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -148,6 +148,9 @@ class Detector:
         self._tracks: dict[str, _Track] = {}
         self._random = random.Random(seed)
 
+    def reset_after_fork(self) -> None:
+        self._tracks = {}
+
     def add(self, model: str, seconds: float, t_ns: int) -> list[Regression]:
         """One steady-state sample of ``model`` that ended at ``t_ns``; returns what closing windows fired."""
         track = self._tracks.get(model)

@@ -52,6 +52,14 @@ class Resolver:
         self._last_refresh_ns = 0
         self._dropped_seen: dict[tuple[str, str], int] = {}
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread does not exist here; start from an empty slate."""
+        self._pending = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        self._dropped_seen = {}
+
     # -- one step -------------------------------------------------------------------------
 
     def step(self, now_ns: int | None = None) -> int:

@@ -25,6 +25,10 @@ class AgentCpu:
         self._seconds = dict.fromkeys(THREADS, 0.0)
         self._lock = threading.Lock()
 
+    def reset_after_fork(self) -> None:
+        self._seconds = dict.fromkeys(THREADS, 0.0)
+        self._lock = threading.Lock()
+
     def add(self, thread: str, seconds: float) -> None:
         with self._lock:
             self._seconds[thread] = self._seconds.get(thread, 0.0) + seconds

@@ -312,7 +312,8 @@ class _Handler(WSGIRequestHandler):
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
-    allow_reuse_address = True
+    # Not SO_REUSEADDR: on Linux it would let two workers bind the same port; each must get its own.
+    allow_reuse_address = False
 
 
 class _ThreadingServer6(_ThreadingServer):
@@ -320,11 +321,26 @@ class _ThreadingServer6(_ThreadingServer):
 
 
 class AgentServer:
-    """The agent's own HTTP server on a daemon thread."""
+    """The agent's own HTTP server on a daemon thread.
 
-    def __init__(self, app: Callable[..., Any], host: str, port: int) -> None:
+    With ``port_range`` > 1 it binds the first free port of ``port .. port + port_range - 1``: each
+    worker of a multi-process server (gunicorn, uvicorn --workers, a fork after loading the model)
+    gets its own port, reported in ``perfmon_info{port}``, and a scrape config listing the range
+    reaches every worker exactly once.
+    """
+
+    def __init__(self, app: Callable[..., Any], host: str, port: int, port_range: int = 1) -> None:
         server_class: type[_ThreadingServer] = _ThreadingServer6 if ":" in host else _ThreadingServer
-        self._httpd = make_server(host, port, app, server_class=server_class, handler_class=_Handler)
+        candidates = [port] if port == 0 else list(range(port, port + port_range))
+        last_error: OSError | None = None
+        for candidate in candidates:
+            try:
+                self._httpd = make_server(host, candidate, app, server_class=server_class, handler_class=_Handler)
+                break
+            except OSError as exc:  # taken: by another worker, or something else
+                last_error = exc
+        else:
+            raise OSError(f"no free port in {port}..{port + port_range - 1} on {host}: {last_error}")
         self.host = host
         self.port = int(self._httpd.server_port)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
@@ -342,3 +358,10 @@ class AgentServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout_seconds)
+
+    def abandon(self) -> None:
+        """In a forked child: close the inherited listening socket (the parent keeps serving on it)."""
+        try:
+            self._httpd.socket.close()
+        except OSError:
+            pass

@@ -51,6 +51,10 @@ class Windows:
         self._rings: dict[tuple[str, str], collections.deque[tuple[int, float, float]]] = {}
         self._lock = threading.Lock()
 
+    def reset_after_fork(self) -> None:
+        self._rings = {}
+        self._lock = threading.Lock()
+
     def add(self, sample: Sample) -> None:
         """Sink for resolved samples."""
         key = (sample.model, sample.phase)

@@ -1,0 +1,142 @@
+"""Fork safety and multi-worker ports: a monitor started before fork() works in the children."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import perfmon
+
+CALLS = {0: 11, 1: 17, 2: 23}
+
+
+def _free_range(n: int) -> int:
+    """A base port with ``n`` consecutive free ports after it (on 127.0.0.1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _scrape_calls(port: int, model: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(f'perfmon_forward_calls_total{{model="{model}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no calls series on port {port}")
+
+
+def _info_port(port: int) -> str:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    line = next(x for x in body.splitlines() if x.startswith("perfmon_info{"))
+    return line.split('port="')[1].split('"')[0]
+
+
+def _monitor(**kw) -> perfmon.Monitor:
+    kw.setdefault("log_level", "error")
+    kw.setdefault("regression", None)
+    kw.setdefault("prepare_profiler", False)
+    kw.setdefault("registry", CollectorRegistry())
+    return perfmon.Monitor(**kw)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_raw_fork_child_gets_fresh_counts_its_own_port_and_threads(tmp_path) -> None:
+    """After os.fork() the child counts only its own calls, serves on the next port, and the parent is unharmed."""
+    base = _free_range(3)
+    mon = _monitor(port=base, port_range=3, sample_rate=1.0, trace_dir=str(tmp_path)).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    for _ in range(5):
+        model(torch.ones(1, 4))
+    assert mon.url.endswith(f":{base}")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            for _ in range(7):
+                model(torch.ones(2, 4))
+            ok = mon.flush(timeout=5)
+            port = int(mon.url.rsplit(":", 1)[1])
+            result = {"flushed": ok, "port": port, "calls": _scrape_calls(port, "m"),
+                      "info_port": _info_port(port), "items": mon.stats()["models"]["m"]["items"],
+                      "threads": sorted(t.name for t in __import__("threading").enumerate())}
+            os.write(w, json.dumps(result).encode())
+            mon.stop()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child = json.loads(f.read() or "{}")
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, child
+    assert child["port"] == base + 1 and child["info_port"] == str(base + 1)
+    assert child["calls"] == 7 and child["items"] == 14 and child["flushed"]
+    assert "perfmon-resolver" in child["threads"] and "perfmon-http" in child["threads"]
+    # the parent still serves and still has only its own calls
+    assert _scrape_calls(base, "m") == 5 and _info_port(base) == str(base)
+    model(torch.ones(1, 4))
+    assert _scrape_calls(base, "m") == 6
+    mon.stop()
+
+
+def _worker(index: int, base: int, span: int, ready, done, preload: perfmon.Monitor | None, trace_dir: str) -> None:
+    mon = preload if preload is not None else _monitor(port=base, port_range=span, trace_dir=trace_dir).start()
+    model = mon._wrapped if preload is not None else mon.wrap(torch.nn.Linear(4, 4), name="m")
+    for _ in range(CALLS[index]):
+        model(torch.ones(1, 4))
+    ready.put(int(mon.url.rsplit(":", 1)[1]))
+    done.wait(30)  # stay up until the parent has scraped every worker
+    mon.stop()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_three_workers_each_reachable_once_and_nothing_double_counted(method: str, tmp_path) -> None:
+    """Three worker processes take distinct ports of the range; their counts sum to the calls made."""
+    ctx = mp.get_context(method)
+    base = _free_range(5)
+    preload = None
+    if method == "fork":  # gunicorn --preload: the monitor starts, and the model runs, before fork
+        preload = _monitor(port=base, port_range=5, trace_dir=str(tmp_path)).start()
+        preload._wrapped = preload.wrap(torch.nn.Linear(4, 4), name="m")  # type: ignore[attr-defined]
+        for _ in range(3):
+            preload._wrapped(torch.ones(1, 4))  # type: ignore[attr-defined]
+    ready, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(i, base, 5, ready, done, preload, str(tmp_path))) for i in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        ports = sorted(ready.get(timeout=120) for _ in procs)
+        assert len(set(ports)) == 3 and all(base <= p < base + 5 for p in ports)
+        total = sum(_scrape_calls(p, "m") for p in ports)
+        assert total == sum(CALLS.values())
+        if preload is not None:
+            assert base not in ports and _scrape_calls(base, "m") == 3  # the parent keeps its own port and calls
+    finally:
+        done.set()
+        for p in procs:
+            p.join(60)
+        if preload is not None:
+            preload.stop()
+    assert all(p.exitcode == 0 for p in procs)
