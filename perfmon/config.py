@@ -63,6 +63,8 @@ class Config:
     port: int | None = DEFAULT_PORT
     #: Multi-process servers: bind the first free port of port .. port + port_range - 1 (one per worker).
     port_range: int = 1
+    #: An HTTP connection to the agent lasts at most this long (slow or stuck clients are cut off).
+    http_connection_timeout_seconds: float = 30.0
     #: Fraction of steady-state calls timed, in (0, 1]. Cold calls are always timed.
     sample_rate: float = 0.01
     #: A model with traffic gets at least one timed call per this many seconds.
@@ -149,7 +151,7 @@ class Config:
             return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
 
         _types: dict[str, type | tuple[type, ...]] = {
-            "host": str, "port_range": int, "sample_rate": (int, float), "sample_floor_seconds": (int, float),
+            "host": str, "port_range": int, "http_connection_timeout_seconds": (int, float), "sample_rate": (int, float), "sample_floor_seconds": (int, float),
             "warmup_calls": int, "track_signatures": bool, "signature_warmup_calls": int,
             "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
             "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),
@@ -176,7 +178,7 @@ class Config:
             raise bad("sample_rate", "must be in (0, 1]")
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
-                    "capture_arm_timeout_seconds")
+                    "capture_arm_timeout_seconds", "http_connection_timeout_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")

@@ -143,7 +143,8 @@ class Monitor:
                 except Exception as exc:
                     self._hub.internal.report("capture", exc)
             if cfg.port is not None:
-                self._server = AgentServer(make_wsgi_app(self, mounted=False), cfg.host, cfg.port, cfg.port_range)
+                self._server = AgentServer(make_wsgi_app(self, mounted=False), cfg.host, cfg.port, cfg.port_range,
+                                           cfg.http_connection_timeout_seconds)
                 self.metrics.set_port(self._server.port)
             self._resolver.start(cfg.resolve_interval_seconds)
             if self._nvml is not None:

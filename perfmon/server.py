@@ -16,6 +16,7 @@ import json
 import math
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -25,6 +26,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.exposition import choose_encoder
 
+from ._version import __version__
 from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ class Router:
         self.mounted = mounted
         self.open_routes: dict[str, Callable[[Mapping[str, str]], Response]] = {
             "/": self._page,
+            "/openapi.json": self._openapi,
             "/metrics": self._metrics,
             "/healthz": self._healthz,
             "/stats": self._stats,
@@ -141,6 +144,9 @@ class Router:
                         [("Cache-Control", "no-cache"), ("X-Content-Type-Options", "nosniff"),
                          ("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
                                                      "style-src 'unsafe-inline'; img-src 'self' blob: data:")])
+
+    def _openapi(self, headers: Mapping[str, str]) -> Response:
+        return Response.json(200, openapi_document())
 
     def _healthz(self, headers: Mapping[str, str]) -> Response:
         healthy, detail = self.monitor.health()
@@ -214,6 +220,59 @@ class Router:
                                        "outcome": meta.get("outcome")})
         return Response(200, path.read_bytes(), "application/gzip",
                         [("Content-Disposition", f'attachment; filename="{path.name}"')])
+
+
+def openapi_document() -> dict[str, Any]:
+    """The control API as OpenAPI 3.1 (served at /openapi.json; the fuzz tests are driven from it)."""
+    error = {"$ref": "#/components/schemas/Error"}
+
+    def errors(*codes: int) -> dict[str, Any]:
+        return {str(c): {"description": _REASONS[c], "content": {_JSON: {"schema": error}}} for c in codes}
+
+    capture_id = {"name": "id", "in": "path", "required": True,
+                  "schema": {"type": "string", "pattern": "^[0-9a-f]{22}$"}}
+    auth: list[dict[str, list[str]]] = [{"bearer": []}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "perfmon agent", "version": __version__,
+                 "description": "Metrics, stats and the profiler capture API of an in-process perfmon agent."},
+        "paths": {
+            "/metrics": {"get": {"summary": "Prometheus metrics (text, or OpenMetrics by Accept)",
+                                 "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}}}},
+            "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "OK"},
+                                                                       **errors(503)}}},
+            "/stats": {"get": {"summary": "Counts, exact percentiles, devices, short time series (JSON)",
+                               "responses": {"200": {"description": "OK", "content": {_JSON: {}}}}}},
+            "/profile": {"post": {
+                "summary": "Arm a profiler capture of a model's next calls", "security": auth,
+                "requestBody": {"required": False, "content": {_JSON: {"schema": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"model": {"type": "string"}, "steps": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 100},
+                                   "max_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 60},
+                                   "record_shapes": {"type": "boolean"}, "with_stack": {"type": "boolean"},
+                                   "profile_memory": {"type": "boolean"}}}}}},
+                "responses": {"202": {"description": "Armed", "content": {_JSON: {}}},
+                              **errors(400, 401, 403, 404, 409, 413, 429)}}},
+            "/profiles": {"get": {"summary": "Captures, newest first", "security": auth,
+                                  "responses": {"200": {"description": "OK", "content": {_JSON: {}}},
+                                                **errors(401, 403)}}},
+            "/profiles/{id}": {"get": {"summary": "A capture's metadata and op summary", "security": auth,
+                                       "parameters": [capture_id],
+                                       "responses": {"200": {"description": "OK", "content": {_JSON: {}}},
+                                                     **errors(401, 403, 404)}}},
+            "/profiles/{id}/trace": {"get": {
+                "summary": "The capture's Chrome trace (gzip; Perfetto, TensorBoard)", "security": auth,
+                "parameters": [capture_id],
+                "responses": {"200": {"description": "OK", "content": {"application/gzip": {}}},
+                              **errors(401, 403, 404)}}},
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Error": {"type": "object", "required": ["error"],
+                                  "properties": {"error": {"type": "string"}, "detail": {"type": "string"}}}},
+        },
+    }
 
 
 @functools.cache
@@ -306,14 +365,74 @@ def make_asgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., An
 
 
 class _Handler(WSGIRequestHandler):
+    # A socket read that waits longer than this fails; the server's reaper bounds the whole connection.
+    timeout = 5
+
     def log_message(self, format: str, *args: Any) -> None:
         """No access log: scrapes every few seconds would flood the server's stderr."""
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (TimeoutError, ConnectionError):
+            pass  # a client that stalled or vanished: nothing to answer, nothing to log
+
+
+#: Connections served at once; more are answered 503 and closed (a scrape takes milliseconds).
+MAX_CONNECTIONS = 64
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+         b'{"error": "too many connections"}\n')
+
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, bounded in number and in lifetime.
+
+    Slow or stuck clients (slowloris: headers trickling in forever) would otherwise hold a thread each
+    for as long as they like. Each connection gets ``connection_timeout`` seconds in all; the serve
+    loop's ``service_actions`` (every poll interval) shuts down older ones, which unblocks their
+    thread. Beyond ``MAX_CONNECTIONS`` at once, a new connection is answered 503 at once.
+    """
+
     daemon_threads = True
     # Not SO_REUSEADDR: on Linux it would let two workers bind the same port; each must get its own.
     allow_reuse_address = False
+    # The listen backlog: 50 scrapers at once must not wait on the kernel's accept queue.
+    request_queue_size = 128
+    connection_timeout = 30.0
+
+    def server_activate(self) -> None:
+        self._conns: dict[Any, float] = {}
+        self._conns_lock = threading.Lock()
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conns_lock:
+            busy = len(self._conns) >= MAX_CONNECTIONS
+            if not busy:
+                self._conns[request] = time.monotonic()
+        if busy:
+            try:
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            self._conns.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._conns_lock:
+            expired = [r for r, t0 in self._conns.items() if now - t0 > self.connection_timeout]
+        for request in expired:
+            try:
+                request.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; its thread ends
+            except OSError:
+                pass
 
 
 class _ThreadingServer6(_ThreadingServer):
@@ -329,13 +448,17 @@ class AgentServer:
     reaches every worker exactly once.
     """
 
-    def __init__(self, app: Callable[..., Any], host: str, port: int, port_range: int = 1) -> None:
-        server_class: type[_ThreadingServer] = _ThreadingServer6 if ":" in host else _ThreadingServer
+    def __init__(self, app: Callable[..., Any], host: str, port: int, port_range: int = 1,
+                 connection_timeout: float = 30.0) -> None:
+        base: type[_ThreadingServer] = _ThreadingServer6 if ":" in host else _ThreadingServer
+        server_class: type[_ThreadingServer] = type(base.__name__, (base,), {"connection_timeout": connection_timeout})
+        self._httpd: _ThreadingServer
         candidates = [port] if port == 0 else list(range(port, port + port_range))
         last_error: OSError | None = None
         for candidate in candidates:
             try:
-                self._httpd = make_server(host, candidate, app, server_class=server_class, handler_class=_Handler)
+                self._httpd = make_server(  # type: ignore[assignment]
+                    host, candidate, app, server_class=server_class, handler_class=_Handler)
                 break
             except OSError as exc:  # taken: by another worker, or something else
                 last_error = exc
