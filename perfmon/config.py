@@ -151,7 +151,8 @@ class Config:
             return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
 
         _types: dict[str, type | tuple[type, ...]] = {
-            "host": str, "port_range": int, "http_connection_timeout_seconds": (int, float), "sample_rate": (int, float), "sample_floor_seconds": (int, float),
+            "host": str, "port_range": int, "http_connection_timeout_seconds": (int, float),
+            "sample_rate": (int, float), "sample_floor_seconds": (int, float),
             "warmup_calls": int, "track_signatures": bool, "signature_warmup_calls": int,
             "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
             "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),

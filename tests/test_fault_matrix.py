@@ -1,0 +1,164 @@
+"""The fault matrix: each failure is counted, the request succeeds or fails with its own error, nothing grows."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from perfmon.faults import InternalErrors
+from perfmon.regression import Detector, RegressionPolicy
+
+from .conftest import value
+
+
+def _wait_outcome(mon, cap_id: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        meta = mon.profile(cap_id)
+        if meta and meta.get("outcome"):
+            return meta
+        time.sleep(0.02)
+    raise AssertionError(mon.profile(cap_id))
+
+
+class Sometimes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("bad input")
+        return x * 2
+
+
+def test_model_raising_mid_capture_is_counted_and_the_capture_completes(make_monitor) -> None:
+    """A call that raises inside a capture re-raises to the caller, is counted, and still counts as a step."""
+    mon = make_monitor()
+    model = mon.wrap(Sometimes(), name="m")
+    cap = mon.capture("m", steps=3)
+    model(torch.ones(1))
+    model.fail = True
+    with pytest.raises(ValueError, match="bad input"):
+        model(torch.ones(1))
+    model.fail = False
+    assert torch.equal(model(torch.ones(1)), torch.full((1,), 2.0))
+    meta = _wait_outcome(mon, cap["id"])
+    assert meta["outcome"] == "ok" and meta["steps_recorded"] == 3
+    assert value(mon, "perfmon_forward_errors_total", model="m", exception="ValueError") == 1
+
+
+def test_housekeeping_fault_keeps_the_resolver_alive(make_monitor) -> None:
+    """If the resolver's housekeeping raises every tick, it is counted and samples still resolve."""
+    mon = make_monitor(sample_rate=1.0, resolve_interval_seconds=0.01)
+
+    def broken_tick(now_ns: int) -> None:
+        raise RuntimeError("housekeeping bug")
+
+    mon._resolver._on_tick = broken_tick
+    mon.start()
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    model(torch.ones(1, 2))
+    deadline = time.monotonic() + 5
+    while value(mon, "perfmon_forward_duration_seconds_count", model="m", device="cpu", phase="cold") is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert value(mon, "perfmon_forward_duration_seconds_count", model="m", device="cpu", phase="cold") == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="housekeeping") >= 1
+    assert mon.health()[0]
+
+
+def test_unwritable_trace_dir_fails_the_capture_cleanly(make_monitor, tmp_path: Path) -> None:
+    """A trace directory that cannot be created: the capture is 'failed' with the error; calls are untouched."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    mon = make_monitor(trace_dir=str(blocker / "traces"))
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    cap = mon.capture("m", steps=1)
+    out = model(torch.ones(1, 2))
+    assert out.shape == (1, 2)
+    deadline = time.monotonic() + 30
+    while mon.captures.state != "idle" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mon.captures.state == "idle"
+    assert value(mon, "perfmon_captures_total", model="m", trigger="manual", outcome="failed") == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="capture_export") == 1
+    assert mon.profile(cap["id"]) is None  # nothing could be stored, nothing is listed
+    model(torch.ones(1, 2))  # and the agent goes on
+
+
+def test_metrics_scraped_while_stop_runs(make_monitor) -> None:
+    """Scrapes racing stop(): stop returns within its bound; collect never raises; HTTP errors are clean refusals."""
+    mon = make_monitor(port=0, sample_rate=1.0).start()
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    for _ in range(20):
+        model(torch.ones(1, 2))
+    url = mon.url
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                generate_latest(mon.registry)
+            except BaseException as exc:  # any exception from collect is a bug
+                errors.append(exc)
+            try:
+                urllib.request.urlopen(url + "/metrics", timeout=2).read()
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+
+    threads = [threading.Thread(target=scrape) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    mon.stop()
+    took = time.monotonic() - t0
+    time.sleep(0.1)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not errors and took < mon.config.stop_timeout_seconds + 3
+    assert value(mon, "perfmon_forward_calls_total", model="m") == 20
+
+
+def test_clock_jumps_do_not_crash_or_fire_the_detector() -> None:
+    """Timestamps that jump backwards and far forwards neither raise nor fire."""
+    det = Detector(RegressionPolicy(window_seconds=1, min_samples=5, baseline_windows=2), seed=1)
+    s = 1_000_000_000
+    t = 100 * s
+    fired = []
+    for i in range(500):
+        t += s // 50
+        if i in (100, 300):
+            t -= 30 * s  # the clock steps back
+        if i == 400:
+            t += 3600 * s  # and far forward
+        fired += det.add("m", 0.01, t)
+        fired += det.tick(t)
+    assert fired == []
+
+
+def test_fault_bookkeeping_is_bounded() -> None:
+    """Ten thousand faults of distinct kinds: counts stay exact, the log queue and the logged set stay bounded."""
+    faults = InternalErrors()
+    for i in range(10_000):
+        faults.report("stage", type(f"E{i}", (Exception,), {})())
+
+    class Sink:
+        lines = 0
+
+        def error(self, *args, **kw) -> None:
+            Sink.lines += 1
+
+    faults.log_new(Sink())
+    assert dict(faults.counts()) == {"stage": 10_000}
+    assert len(faults._notes) == 0 and Sink.lines <= 64 and len(faults._logged) <= 1024
