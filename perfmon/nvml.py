@@ -142,8 +142,13 @@ class NvmlPoller:
     def _run(self) -> None:
         delay = self.interval
         while not self._stop.wait(delay):
-            with self._cpu.measure("nvml"):
-                ok = self.poll()
+            try:
+                with self._cpu.measure("nvml"):
+                    ok = self.poll()
+            except Exception:  # a bug or an odd driver answer must not end telemetry for good
+                self._count("poll")
+                self._set(NvmlSnapshot(False, [], dict(self._errors)))
+                ok = False
             if ok:
                 self._failures = 0
                 delay = self.interval

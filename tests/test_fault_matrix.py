@@ -162,3 +162,36 @@ def test_fault_bookkeeping_is_bounded() -> None:
     faults.log_new(Sink())
     assert dict(faults.counts()) == {"stage": 10_000}
     assert len(faults._notes) == 0 and Sink.lines <= 64 and len(faults._logged) <= 1024
+
+
+def test_nvml_poller_survives_an_unexpected_exception(make_monitor) -> None:
+    """An exception that is not an NVMLError inside a poll is counted; the poller keeps running and recovers."""
+    from perfmon.testing import FakeNvml
+
+    nvml = FakeNvml()
+    mon = make_monitor(nvml=nvml, nvml_interval_seconds=0.02).start()
+    real = nvml.nvmlDeviceGetCount
+    nvml.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(ZeroDivisionError("odd"))  # type: ignore[method-assign]
+    mon._nvml.poll = lambda: 1 / 0  # type: ignore[method-assign]
+    deadline = time.monotonic() + 5
+    while (value(mon, "perfmon_nvml_errors_total", call="poll") or 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert value(mon, "perfmon_nvml_errors_total", call="poll") >= 1 and mon._nvml.alive
+    nvml.nvmlDeviceGetCount = real  # type: ignore[method-assign]
+
+
+def test_interpreter_exit_without_stop_is_prompt(tmp_path: Path) -> None:
+    """A process that starts a monitor and exits without stop() exits promptly and cleanly (atexit stops it)."""
+    import subprocess
+    import sys
+
+    script = ("import perfmon, torch, sys\n"
+              "m = perfmon.Monitor(port=0, log_level='error', prepare_profiler=False, trace_dir=sys.argv[1]).start()\n"
+              "f = m.wrap(torch.nn.Linear(2, 2), name='m')\n"
+              "[f(torch.ones(1, 2)) for _ in range(100)]\n"
+              "print(m.url, flush=True)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("http://127.0.0.1:") and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30
