@@ -357,7 +357,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     items_fn = st.items_fn
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        items = None
+        items = entry = None
         try:
             # st.calls, not a captured counter: after fork() the child gets fresh counters (reset_after_fork).
             n = next(st.calls)
@@ -395,11 +395,14 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             except BaseException as exc:
                 st.error(exc)
                 raise
-        if items is None:
-            try:
-                items = batch_of(args, kwargs)  # sampled calls only: the batch-size histogram
-            except Exception:
-                items = None
+        if items is None:  # sampled calls only: the batch-size histogram
+            if entry is not None:
+                items = entry.items  # known from the signature: no need to look at the tensors again
+            else:
+                try:
+                    items = batch_of(args, kwargs)
+                except Exception:
+                    items = None
         t0 = clock()
         try:
             out = fn(*args, **kwargs)

@@ -69,3 +69,32 @@ def promtool() -> str:
 
 def promtool_check(text: bytes) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, timeout=60)
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition",
+               between: Callable[[], Any] | None = None) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned), failing after ``timeout`` seconds.
+
+    ``between`` runs between polls (e.g. a model call that lets an armed capture start); without it the
+    poll waits 10 ms. Every wait in the tests is bounded this way, never a bare sleep.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        if between is not None:
+            between()
+        else:
+            time.sleep(0.01)
+
+
+def wait_capture(monitor: perfmon.Monitor, capture_id: str, *, drive: Callable[[], Any] | None = None,
+                 timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until a capture has an outcome (calling ``drive`` between polls); returns its metadata."""
+    return wait_until(lambda: (m := monitor.profile(capture_id)) is not None and m.get("outcome") and m,  # type: ignore[return-value]
+                      timeout=timeout, what=f"capture {capture_id}", between=drive)

@@ -18,7 +18,7 @@ import perfmon
 from perfmon.capture import CaptureOptions, torch_profiler
 from perfmon.cli import main as cli_main
 
-from .conftest import value
+from .conftest import value, wait_capture
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -40,17 +40,7 @@ class Jumpy(torch.nn.Module):
 
 
 def wait_outcome(mon: perfmon.Monitor, cap_id: str, drive=None, timeout: float = 30.0) -> dict[str, Any]:
-    """Poll a capture until it has an outcome, calling ``drive()`` in between (bounded by ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        meta = mon.profile(cap_id)
-        if meta is not None and meta.get("outcome"):
-            return meta
-        if drive is not None:
-            drive()
-        else:
-            time.sleep(0.02)
-    raise AssertionError(f"capture {cap_id} unfinished: {mon.profile(cap_id)}")
+    return wait_capture(mon, cap_id, drive=drive, timeout=timeout)
 
 
 def read_trace(path: Path) -> dict[str, Any]:

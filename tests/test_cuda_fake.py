@@ -11,7 +11,7 @@ import torch
 from perfmon.clocks import EventPair, elapsed_seconds
 from perfmon.testing import FakeCuda, FakeEvent, FakeGpu, GpuWork
 
-from .conftest import hist_count, value
+from .conftest import hist_count, value, wait_until
 
 
 def test_fake_event_semantics_match_torch() -> None:
@@ -174,9 +174,7 @@ def test_resolver_thread_resolves_without_flush(make_monitor) -> None:
     model = mon.wrap(GpuWork(gpu, ms=3.0), name="m", device="cuda:0")
     model(torch.ones(1))
     gpu.finish()
-    deadline = time.monotonic() + 5
-    while hist_count(mon, "m", "cold", device="cuda:0") == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: hist_count(mon, "m", "cold", device="cuda:0"), timeout=5, what="the resolver thread")
     assert hist_count(mon, "m", "cold", device="cuda:0") == 1
     assert value(mon, "perfmon_cold_start_seconds", model="m") == pytest.approx(0.003)
 

@@ -7,7 +7,6 @@ import importlib
 import json
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -117,6 +116,7 @@ def test_example_server_serves_predictions_and_mounted_metrics(monkeypatch: pyte
     """The FastAPI example under uvicorn answers /predict and exposes perfmon's routes under /perfmon."""
     import uvicorn
 
+    from .conftest import wait_until
     from .prom import free_port
 
     monkeypatch.setenv("PERFMON_PORT", "off")
@@ -133,10 +133,7 @@ def test_example_server_serves_predictions_and_mounted_metrics(monkeypatch: pyte
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while not uv.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert uv.started
+        wait_until(lambda: uv.started, what="uvicorn to start")
         for n in (3, 5, 5):
             status, body = _http(base + "/predict", {"tokens": [[0.1] * server.D_MODEL] * n})
             assert status == 200 and len(json.loads(body)["embedding"]) == server.D_MODEL

@@ -12,6 +12,8 @@ import perfmon
 from perfmon.metrics import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
+from .conftest import wait_capture
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,9 +49,7 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     mon.detector.tick(time.perf_counter_ns() + 3_000_000_000)  # close the window: a baseline exists
     cap = mon.capture("m", steps=1)
     model(torch.ones(1, 2))
-    deadline = time.monotonic() + 30
-    while mon.profile(cap["id"]).get("outcome") is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_capture(mon, cap["id"])
     try:
         model(torch.ones(1, 3))
     except RuntimeError:

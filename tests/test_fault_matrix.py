@@ -15,17 +15,11 @@ from prometheus_client import generate_latest
 from perfmon.faults import InternalErrors
 from perfmon.regression import Detector, RegressionPolicy
 
-from .conftest import value
+from .conftest import value, wait_capture, wait_until
 
 
 def _wait_outcome(mon, cap_id: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        meta = mon.profile(cap_id)
-        if meta and meta.get("outcome"):
-            return meta
-        time.sleep(0.02)
-    raise AssertionError(mon.profile(cap_id))
+    return wait_capture(mon, cap_id, timeout=timeout)
 
 
 class Sometimes(torch.nn.Module):
@@ -66,10 +60,8 @@ def test_housekeeping_fault_keeps_the_resolver_alive(make_monitor) -> None:
     mon.start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
     model(torch.ones(1, 2))
-    deadline = time.monotonic() + 5
-    while value(mon, "perfmon_forward_duration_seconds_count", model="m", device="cpu", phase="cold") is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: value(mon, "perfmon_forward_duration_seconds_count", model="m", device="cpu", phase="cold"),
+               timeout=5, what="the sample resolved")
     assert value(mon, "perfmon_forward_duration_seconds_count", model="m", device="cpu", phase="cold") == 1
     assert value(mon, "perfmon_internal_errors_total", stage="housekeeping") >= 1
     assert mon.health()[0]
@@ -84,9 +76,7 @@ def test_unwritable_trace_dir_fails_the_capture_cleanly(make_monitor, tmp_path: 
     cap = mon.capture("m", steps=1)
     out = model(torch.ones(1, 2))
     assert out.shape == (1, 2)
-    deadline = time.monotonic() + 30
-    while mon.captures.state != "idle" and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: mon.captures.state == "idle", what="the capture slot freed")
     assert mon.captures.state == "idle"
     assert value(mon, "perfmon_captures_total", model="m", trigger="manual", outcome="failed") == 1
     assert value(mon, "perfmon_internal_errors_total", stage="capture_export") == 1
@@ -173,9 +163,7 @@ def test_nvml_poller_survives_an_unexpected_exception(make_monitor) -> None:
     real = nvml.nvmlDeviceGetCount
     nvml.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(ZeroDivisionError("odd"))  # type: ignore[method-assign]
     mon._nvml.poll = lambda: 1 / 0  # type: ignore[method-assign]
-    deadline = time.monotonic() + 5
-    while (value(mon, "perfmon_nvml_errors_total", call="poll") or 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: value(mon, "perfmon_nvml_errors_total", call="poll"), timeout=5, what="a counted poll fault")
     assert value(mon, "perfmon_nvml_errors_total", call="poll") >= 1 and mon._nvml.alive
     nvml.nvmlDeviceGetCount = real  # type: ignore[method-assign]
 

@@ -10,7 +10,7 @@ import torch
 from perfmon.logs import make_logger
 from perfmon.testing import FakeCuda, FakeGpu, GpuWork
 
-from .conftest import value
+from .conftest import value, wait_until
 
 
 def test_backend_failure_never_reaches_the_request(make_monitor) -> None:
@@ -103,9 +103,8 @@ def test_agent_self_cost_is_exported(make_monitor) -> None:
     model = mon.wrap(GpuWork(gpu, ms=1.0), name="m", device="cuda:0")
     for _ in range(3):
         model(torch.ones(1))  # the GPU never finishes: these stay pending
-    deadline = time.monotonic() + 5
-    while (value(mon, "perfmon_agent_cpu_seconds_total", thread="resolver") or 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: value(mon, "perfmon_agent_cpu_seconds_total", thread="resolver"), timeout=5,
+               what="resolver CPU time")
     assert value(mon, "perfmon_agent_cpu_seconds_total", thread="resolver") > 0
     assert value(mon, "perfmon_pending_records") == 3
     time.sleep(0.05)

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from perfmon.server import Router
 
+from .conftest import wait_until
+
 TOKEN = "fuzz-token-1234567"
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -177,20 +179,14 @@ def test_stuck_connections_are_cut_and_excess_connections_refused(make_monitor) 
     port2 = int(mon2.url.rsplit(":", 1)[1])
     held = [socket.create_connection(("127.0.0.1", port2), timeout=10) for _ in range(MAX_CONNECTIONS)]
     try:
-        deadline = time.monotonic() + 10
-        while len(mon2._server._httpd._conns) < MAX_CONNECTIONS and time.monotonic() < deadline:
-            time.sleep(0.02)  # wait until the server has accepted all of them
-        answer = b""
-        while b"503" not in answer and time.monotonic() < deadline:
-            extra = socket.create_connection(("127.0.0.1", port2), timeout=10)
-            extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-            answer = extra.recv(200)
-            extra.close()
+        wait_until(lambda: len(mon2._server._httpd._conns) >= MAX_CONNECTIONS, timeout=10,
+                   what="the server to accept every held connection")
+        extra = socket.create_connection(("127.0.0.1", port2), timeout=10)
+        extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        answer = extra.recv(200)
+        extra.close()
         assert b"503" in answer and b"too many connections" in answer
     finally:
         for h in held:
             h.close()
-    deadline = time.monotonic() + 10
-    while _get(mon2.url + "/healthz") != 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _get(mon2.url + "/healthz") == 200
+    wait_until(lambda: _get(mon2.url + "/healthz") == 200, timeout=10, what="healthz after the flood")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
 
 from perfmon.roofline import peaks_for
+
+from .conftest import wait_capture
 
 
 def _capture(mon, model, x, steps: int = 3) -> dict:
@@ -16,10 +17,7 @@ def _capture(mon, model, x, steps: int = 3) -> dict:
     with torch.inference_mode():
         for _ in range(steps):
             model(x)
-    deadline = time.monotonic() + 30
-    while mon.profile(cap["id"]).get("outcome") is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    meta = mon.profile(cap["id"])
+    meta = wait_capture(mon, cap["id"])
     assert meta["outcome"] == "ok", meta
     return meta
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import urllib.request
 
 import torch
 
-from .conftest import value
+from .conftest import value, wait_capture
 
 
 def test_short_soak_loses_nothing_and_stays_bounded(make_monitor, tmp_path) -> None:
@@ -38,9 +37,7 @@ def test_short_soak_loses_nothing_and_stays_bounded(make_monitor, tmp_path) -> N
             for _ in range(20_000):
                 model(x)
             made += 20_000
-            deadline = time.monotonic() + 30
-            while mon.profile(cap["id"]).get("outcome") is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_capture(mon, cap["id"])
     finally:
         stop.set()
         t.join(10)

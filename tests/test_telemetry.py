@@ -15,7 +15,7 @@ import torch
 from perfmon.nvml import NvmlPoller
 from perfmon.testing import FakeNvml, FakeTorchMemory
 
-from .conftest import promtool_check, value
+from .conftest import promtool_check, value, wait_until
 
 GIB = 2**30
 
@@ -125,9 +125,7 @@ def test_poller_backs_off_while_failing_and_stops_with_the_monitor(make_monitor)
     """The poller thread polls on its interval, backs off on failure, and is joined by stop()."""
     nvml = FakeNvml()
     mon = make_monitor(nvml=nvml, nvml_interval_seconds=0.02).start()
-    deadline = time.monotonic() + 5
-    while nvml.calls.get("nvmlDeviceGetCount", 0) < 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: nvml.calls.get("nvmlDeviceGetCount", 0) >= 5, timeout=5, what="five polls")
     assert nvml.calls["nvmlDeviceGetCount"] >= 5
     nvml.failing.add("nvmlDeviceGetCount")
     time.sleep(0.5)  # a window in which an un-backed-off poller would fail ~25 times
