@@ -121,8 +121,9 @@ def _request(url: str, *, token: str | None, method: str = "GET", payload: Any =
 
 def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
                 max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
-                stdout: TextIO = sys.stdout) -> int:
+                stdout: TextIO | None = None) -> int:
     """Trigger a capture, wait for it, download its trace and print the top ops."""
+    stdout = stdout if stdout is not None else sys.stdout  # looked up per call: tests and tools swap it
     base = url.rstrip("/")
     payload = {k: v for k, v in (("model", model), ("steps", steps), ("max_seconds", max_seconds)) if v is not None}
     _, _, body = _request(f"{base}/profile", token=token, method="POST", payload=payload)
@@ -173,8 +174,9 @@ def _print_ops(ops: list[dict[str, Any]], stdout: TextIO) -> None:
               f"{op.get('bound') or '-'}", file=stdout)
 
 
-def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO = sys.stdout) -> int:
+def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO | None = None) -> int:
     """Print the agent's captures, newest first."""
+    stdout = stdout if stdout is not None else sys.stdout
     _, _, body = _request(f"{url.rstrip('/')}/profiles", token=token, timeout=timeout)
     profiles = json.loads(body)["profiles"]
     if not profiles:
