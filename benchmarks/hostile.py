@@ -20,7 +20,6 @@ import urllib.error
 import urllib.request
 
 import torch
-
 from common import machine, monitor, table
 
 

@@ -167,20 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--models", default="linear,mlp,encoder", help="which of linear,mlp,encoder to run")
     args = parser.parse_args(argv)
+    wanted = set(args.models.split(","))
     torch.set_num_threads(1)  # a steadier baseline on a 2-core machine
     print(f"{machine()}, torch threads {torch.get_num_threads()}")
     warm = AlwaysProfiled(torch.nn.Linear(2, 2))  # the first profiler start in a process takes ~1 s
     warm.begin()
     warm.end()
-    results = {
-        "linear": measure("nn.Linear(64, 64), batch 8", lambda: torch.nn.Linear(64, 64), torch.randn(8, 64),
-                          args.rounds, args.calls),
-        "mlp": measure("MLP 128-256-128, batch 32 (~100 µs)", mlp_100us, torch.randn(32, 128),
-                       max(10, args.rounds // 2), max(200, args.calls // 5)),
-        "encoder": measure("Transformer encoder, 2 layers d=128, batch 4 x 32 tokens (~1-5 ms)", encoder_ms,
-                           torch.randn(4, 32, 128), max(8, args.rounds // 3), max(20, args.calls // 50)),
+    plans = {
+        "linear": lambda: measure("nn.Linear(64, 64), batch 8", lambda: torch.nn.Linear(64, 64), torch.randn(8, 64),
+                                  args.rounds, args.calls),
+        "mlp": lambda: measure("MLP 128-256-128, batch 32 (~100 µs)", mlp_100us, torch.randn(32, 128),
+                               max(10, args.rounds // 2), max(200, args.calls // 5)),
+        "encoder": lambda: measure("Transformer encoder, 2 layers d=128, batch 4 x 32 tokens (~1-5 ms)", encoder_ms,
+                                   torch.randn(4, 32, 128), max(8, args.rounds // 3), max(20, args.calls // 50)),
     }
+    results = {name: run() for name, run in plans.items() if name in wanted}
     dump(args.json, {k: [dict(zip(("variant", "per_call_ns", "added_ns", "p25_ns", "p75_ns"), r)) for r in v]
                      for k, v in results.items()})
     return 0
