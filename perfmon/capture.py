@@ -175,6 +175,14 @@ class CaptureController:
         self.arm_timeout = arm_timeout_seconds
         self._make_profiler = profiler_factory
         self._clock = clock
+        self._auto: collections.deque[float] = collections.deque()
+        self._manual: collections.deque[float] = collections.deque()
+        self._last_auto: float | None = None
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        """The capture slot and its counts, fresh (at construction, and in a forked child: the
+        parent's capture and profiler are the parent's)."""
         self._lock = threading.Lock()
         self.state = IDLE
         self.current: Capture | None = None
@@ -184,9 +192,6 @@ class CaptureController:
         self._armed_t = 0.0
         self._start_t = 0.0
         self._abort = False
-        self._auto: collections.deque[float] = collections.deque()
-        self._manual: collections.deque[float] = collections.deque()
-        self._last_auto: float | None = None
         self._exporter: threading.Thread | None = None
         #: Exposed by the metrics collector.
         self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
@@ -194,21 +199,6 @@ class CaptureController:
         self.last_finished: dict[tuple[str, str, str], float] = {}  # unix seconds
         self.duration_sum = 0.0  # seconds the profiler windows were open, all captures
         self.duration_count = 0
-
-    def reset_after_fork(self) -> None:
-        """In a forked child: no capture is in flight here (the parent's profiler is the parent's)."""
-        self._lock = threading.Lock()
-        self.state = IDLE
-        self.current = None
-        self._state_ref = None
-        self._prof = None
-        self._thread_id = None
-        self._exporter = None
-        self._abort = False
-        self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
-        self.finished = {}
-        self.last_finished = {}
-        self.duration_sum, self.duration_count = 0.0, 0
 
     # -- state machine --------------------------------------------------------------------
 

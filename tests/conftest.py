@@ -98,3 +98,20 @@ def wait_capture(monitor: perfmon.Monitor, capture_id: str, *, drive: Callable[[
     """Wait until a capture has an outcome (calling ``drive`` between polls); returns its metadata."""
     return wait_until(lambda: (m := monitor.profile(capture_id)) is not None and m.get("outcome") and m,  # type: ignore[return-value]
                       timeout=timeout, what=f"capture {capture_id}", between=drive)
+
+
+def http(url: str, body: bytes | None = None, *, method: str | None = None, headers: dict[str, str] | None = None,
+         token: str | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """One real HTTP request: (status, lower-cased headers, body); HTTP errors are returned, not raised."""
+    import urllib.error
+    import urllib.request
+
+    h = dict(headers or {})
+    if token:
+        h["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()

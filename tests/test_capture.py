@@ -6,8 +6,6 @@ import gzip
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import perfmon
 from perfmon.capture import CaptureOptions, torch_profiler
 from perfmon.cli import main as cli_main
 
-from .conftest import value, wait_capture
+from .conftest import http, value, wait_capture
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -88,15 +86,7 @@ def test_latency_jump_triggers_exactly_one_capture_with_a_valid_trace(make_monit
 
 def _post(url: str, body: bytes | None = None, token: str | None = TOKEN, method: str = "POST",
           headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    h = dict(headers or {})
-    if token:
-        h["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=body, method=method, headers=h)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+    return http(url, body, method=method, headers=headers, token=token)
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ import importlib
 import json
 import sys
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +148,8 @@ def test_example_server_serves_predictions_and_mounted_metrics(monkeypatch: pyte
 
 
 def _http(url: str, payload: Any = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    from .conftest import http
+
     data = None if payload is None else json.dumps(payload).encode()
-    h = {"Content-Type": "application/json", **(headers or {})}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=h), timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    status, _, body = http(url, data, headers={"Content-Type": "application/json", **(headers or {})}, timeout=30)
+    return status, body

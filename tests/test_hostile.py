@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from perfmon.server import Router
 
-from .conftest import wait_until
+from .conftest import http, wait_until
 
 TOKEN = "fuzz-token-1234567"
 JSON_VALUES = st.recursive(
@@ -84,12 +84,7 @@ def _fuzz_monitor(make_monitor) -> Any:
 
 
 def _get(url: str, headers: dict[str, str] | None = None, timeout: float = 10) -> int:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    return http(url, headers=headers, timeout=timeout)[0]
 
 
 def test_agent_stays_responsive_under_slowloris_floods_and_bad_tokens(make_monitor) -> None:

@@ -14,16 +14,11 @@ import torch
 
 import perfmon
 
-from .conftest import promtool_check
+from .conftest import http, promtool_check
 
 
 def _get(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+    return http(url, method=method, headers=headers)
 
 
 @pytest.fixture
