@@ -53,7 +53,10 @@ def attack(url: str, seconds: float) -> None:
             except urllib.error.HTTPError:
                 pass
 
-    ts = [threading.Thread(target=scrapes), threading.Thread(target=tokens)]
+    import os
+
+    parts = os.environ.get("HOSTILE_PARTS", "scrapes,tokens").split(",")
+    ts = [threading.Thread(target={"scrapes": scrapes, "tokens": tokens}[p]) for p in parts]
     for t in ts:
         t.start()
     for t in ts:
@@ -76,9 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.attack:
         attack(args.attack, args.seconds)
+        return 0
+    if args.serve:  # a decoy agent in its own process: the same flood, none of it in the model's process
+        decoy = monitor(port=0, token="hostile-bench-token")
+        decoy.start()
+        print(decoy.url, flush=True)
+        sys.stdin.read()
         return 0
     print(machine() + "\n")
     torch.set_num_threads(1)
@@ -87,18 +97,33 @@ def main(argv: list[str] | None = None) -> int:
     model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)),
                      name="m")
     quiet = rate(model, args.seconds)
+
+    def flooded_rate(url: str) -> float:
+        attacker = subprocess.Popen([sys.executable, __file__, "--attack", url, "--seconds", str(args.seconds)])
+        time.sleep(0.5)
+        r = rate(model, args.seconds - 1)
+        attacker.wait(args.seconds + 60)
+        return r
+
+    # Control: the same flood against a decoy agent in another process. The model's process does no
+    # agent work, so what the model loses there is the attacker's (and the decoy's) CPU on shared cores.
+    decoy = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    decoy_url = decoy.stdout.readline().strip()  # type: ignore[union-attr]
+    elsewhere = flooded_rate(decoy_url)
+    decoy.stdin.close()  # type: ignore[union-attr]
+    decoy.wait(30)
     cpu0 = mon._hub.cpu.totals()
-    attacker = subprocess.Popen([sys.executable, __file__, "--attack", mon.url, "--seconds", str(args.seconds)])
-    time.sleep(0.5)
-    flooded = rate(model, args.seconds - 1)
-    attacker.wait(args.seconds + 60)
+    here = flooded_rate(mon.url)
     cpu1 = mon._hub.cpu.totals()
     health = urllib.request.urlopen(mon.url + "/healthz", timeout=5).status
     mon.stop()
     agent = {k: cpu1[k] - cpu0[k] for k in cpu1}
-    print(table(["phase", "model calls/s", "agent CPU s (http)"],
-                [["quiet", f"{quiet:.0f}", "-"], ["flooded", f"{flooded:.0f}", f"{agent['http']:.2f}"],
-                 ["flooded / quiet", f"{flooded / quiet:.3f}", ""]]))
+    print(table(["phase", "model calls/s", "vs quiet", "agent CPU s (http)"],
+                [["quiet", f"{quiet:.0f}", "1.000", "-"],
+                 ["flood against another process (control)", f"{elsewhere:.0f}", f"{elsewhere / quiet:.3f}", "-"],
+                 ["flood against this process's agent", f"{here:.0f}", f"{here / quiet:.3f}", f"{agent['http']:.2f}"],
+                 ["this process's agent vs control", "", f"{here / elsewhere:.3f}", ""]]))
     print(f"\n/healthz after the flood: {health}")
     return 0
 

@@ -43,7 +43,7 @@ from .records import STEADY, Sample
 from .regression import Detector, Regression, RegressionPolicy
 from .resolver import Resolver
 from .roofline import Peaks, peaks_for
-from .server import AgentServer, make_asgi_app, make_wsgi_app
+from .server import AgentServer, AuthThrottle, make_asgi_app, make_wsgi_app
 from .traces import TraceStore
 from .windows import Windows
 
@@ -143,8 +143,9 @@ class Monitor:
                 except Exception as exc:
                     self._hub.internal.report("capture", exc)
             if cfg.port is not None:
-                self._server = AgentServer(make_wsgi_app(self, mounted=False), cfg.host, cfg.port, cfg.port_range,
-                                           cfg.http_connection_timeout_seconds)
+                throttle = AuthThrottle()
+                self._server = AgentServer(make_wsgi_app(self, mounted=False, throttle=throttle), cfg.host, cfg.port,
+                                           cfg.port_range, cfg.http_connection_timeout_seconds, throttle)
                 self.metrics.set_port(self._server.port)
             self._resolver.start(cfg.resolve_interval_seconds)
             if self._nvml is not None:

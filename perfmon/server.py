@@ -9,6 +9,7 @@ same routes in their own server instead.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import gzip
 import hmac
@@ -32,7 +33,7 @@ from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["AgentServer", "Response", "Router", "make_asgi_app", "make_wsgi_app"]
+__all__ = ["AgentServer", "AuthThrottle", "Response", "Router", "make_asgi_app", "make_wsgi_app"]
 
 _JSON = "application/json"
 
@@ -249,6 +250,48 @@ class Router:
                         [("Content-Disposition", f'attachment; filename="{path.name}"')])
 
 
+class AuthThrottle:
+    """Refuse, at accept time, addresses that keep sending bad credentials.
+
+    A client over ``limit`` failed authentications within one second is refused for ``block_seconds``
+    before a thread is started or a byte is parsed: handling requests costs GIL time in the serving
+    process, and a token-guessing loop would otherwise take it from the model. Scrapes and health
+    checks from a blocked address still go through (the request line is peeked, not parsed).
+    """
+
+    def __init__(self, limit: int = 20, block_seconds: float = 1.0) -> None:
+        self.limit = limit
+        self.block = block_seconds
+        self._failures: dict[str, collections.deque[float]] = {}
+        self._blocked: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._failures) > 4096 and address not in self._failures:
+                self._failures.clear()  # bounded: many distinct addresses just reset the window
+            q = self._failures.setdefault(address, collections.deque())
+            q.append(now)
+            while q and now - q[0] > 1.0:
+                q.popleft()
+            if len(q) > self.limit:
+                self._blocked[address] = now + self.block
+                q.clear()
+
+    def blocked(self, address: str) -> bool:
+        until = self._blocked.get(address)
+        if until is None:
+            return False
+        if time.monotonic() >= until:
+            with self._lock:
+                self._blocked.pop(address, None)
+            return False
+        self.refused += 1
+        return True
+
+
 class _Flight:
     """One in-progress render that concurrent scrapes wait for."""
 
@@ -344,7 +387,8 @@ def _typename(typ: type | tuple[type, ...]) -> str:
     return names.get(typ.__name__, typ.__name__)
 
 
-def make_wsgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., Iterable[bytes]]:
+def make_wsgi_app(monitor: Monitor, *, mounted: bool = True,
+                  throttle: AuthThrottle | None = None) -> Callable[..., Iterable[bytes]]:
     """A WSGI app serving the monitor's routes (mount it under any prefix)."""
     router = Router(monitor, mounted=mounted)
 
@@ -359,6 +403,8 @@ def make_wsgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., It
         body = environ["wsgi.input"].read(min(length, MAX_BODY_BYTES + 1)) if length > 0 else b""
         with monitor._hub.cpu.measure("http"):
             resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers, body)
+            if resp.status == 401 and throttle is not None:
+                throttle.failed(str(environ.get("REMOTE_ADDR", "")))
         hdrs = [("Content-Type", resp.content_type), *resp.headers]
         if not any(k == "Content-Length" for k, _ in hdrs):
             hdrs.append(("Content-Length", str(len(resp.body))))
@@ -423,6 +469,8 @@ class _Handler(WSGIRequestHandler):
 
 #: Connections served at once; more are answered 503 and closed (a scrape takes milliseconds).
 MAX_CONNECTIONS = 64
+_THROTTLED = (b"HTTP/1.0 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+              b"Connection: close\r\n\r\n" b'{"error": "too many failed authentications from this address"}\n')
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
          b'{"error": "too many connections"}\n')
 
@@ -448,19 +496,29 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         self._conns_lock = threading.Lock()
         super().server_activate()
 
+    throttle: AuthThrottle | None = None
+
     def process_request(self, request: Any, client_address: Any) -> None:
+        throttle = self.throttle
+        if throttle is not None and throttle.blocked(str(client_address[0])) and not _open_route(request):
+            self._refuse(request, _THROTTLED)
+            return
         with self._conns_lock:
             busy = len(self._conns) >= MAX_CONNECTIONS
             if not busy:
                 self._conns[request] = time.monotonic()
         if busy:
-            try:
-                request.sendall(_BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
+            self._refuse(request, _BUSY)
             return
         super().process_request(request, client_address)
+
+    def _refuse(self, request: Any, answer: bytes) -> None:
+        """Answer on the accepting thread without reading the request: no handler thread, no parsing."""
+        try:
+            request.sendall(answer)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     def shutdown_request(self, request: Any) -> None:
         with self._conns_lock:
@@ -478,6 +536,25 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
                 pass
 
 
+_OPEN_PREFIXES = (b"GET /metrics", b"GET /healthz", b"HEAD /healthz", b"GET /stats")
+
+
+def _open_route(request: Any) -> bool:
+    """Peek (without consuming) whether a blocked address is asking for an open route: scrapes and
+    health checks from a throttled address still go through. Nothing received yet counts as open."""
+    try:
+        request.setblocking(False)
+        try:
+            head = request.recv(16, socket.MSG_PEEK)
+        finally:
+            request.setblocking(True)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    return bool(head.startswith(_OPEN_PREFIXES))
+
+
 class _ThreadingServer6(_ThreadingServer):
     address_family = socket.AF_INET6
 
@@ -492,9 +569,10 @@ class AgentServer:
     """
 
     def __init__(self, app: Callable[..., Any], host: str, port: int, port_range: int = 1,
-                 connection_timeout: float = 30.0) -> None:
+                 connection_timeout: float = 30.0, throttle: AuthThrottle | None = None) -> None:
         base: type[_ThreadingServer] = _ThreadingServer6 if ":" in host else _ThreadingServer
-        server_class: type[_ThreadingServer] = type(base.__name__, (base,), {"connection_timeout": connection_timeout})
+        server_class: type[_ThreadingServer] = type(base.__name__, (base,), {
+            "connection_timeout": connection_timeout, "throttle": throttle})
         self._httpd: _ThreadingServer
         candidates = [port] if port == 0 else list(range(port, port + port_range))
         last_error: OSError | None = None
