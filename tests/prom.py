@@ -6,7 +6,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,14 +40,9 @@ class Prometheus:
 
     def wait_for(self, promql: str, timeout: float = 40.0) -> list[dict[str, Any]]:
         """Poll an instant query until it returns a non-empty vector, or fail at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.query(promql)
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no data for {promql!r} after {timeout} s")
-            time.sleep(0.5)
+        from .conftest import wait_until
+
+        return wait_until(lambda: self.query(promql), timeout=timeout, what=f"data for {promql!r}")  # type: ignore[no-any-return]
 
 
 @contextmanager
@@ -77,17 +71,18 @@ def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s
         stdout=log, stderr=subprocess.STDOUT)
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        from .conftest import wait_until
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError("prometheus exited: " + (tmp / "prometheus.log").read_text()[-2000:])
             try:
                 with urllib.request.urlopen(prom.url + "/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
+                    return r.status == 200
             except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("prometheus did not become ready: " + (tmp / "prometheus.log").read_text()[-2000:])
-            time.sleep(0.2)
+                return False
+
+        wait_until(ready, timeout=30, what="prometheus to become ready")
         yield prom
     finally:
         proc.terminate()

@@ -19,6 +19,8 @@ import pytest
 from perfmon.cli import main
 from perfmon.demo import run_demo
 
+from .conftest import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,20 +32,15 @@ def test_demo_serves_metrics_while_running() -> None:
         "rc", run_demo(port=0, duration=8, rps=200, threads=2, out=out, install_signals=False,
                        log_level="error", sample_rate=0.2)))
     t.start()
-    deadline = time.monotonic() + 30
-    url = None
-    while url is None and time.monotonic() < deadline:
-        m = re.search(r"stats:\s+(http://\S+)", out.getvalue())
-        url = m.group(1) if m else None
-        time.sleep(0.05)
-    assert url, out.getvalue()
-    stats = None
-    while time.monotonic() < deadline:
-        stats = json.loads(urllib.request.urlopen(url, timeout=5).read())
-        enc = stats["models"]["encoder"]
-        if enc["latency"].get("steady") and enc["latency"].get("cold", {}).get("duration", {}).get("count", 0) >= 4:
-            break
-        time.sleep(0.2)
+    found = wait_until(lambda: re.search(r"stats:\s+(http://\S+)", out.getvalue()), what="the demo's URLs")
+    url = found.group(1)
+
+    def warmed_up() -> dict | None:
+        s = json.loads(urllib.request.urlopen(url, timeout=5).read())
+        lat = s["models"]["encoder"]["latency"]
+        return s if lat.get("steady") and lat.get("cold", {}).get("duration", {}).get("count", 0) >= 4 else None
+
+    stats = wait_until(warmed_up, what="cold and steady samples")
     t.join(60)
     assert result.get("rc") == 0
     enc = stats["models"]["encoder"]

@@ -20,7 +20,7 @@ import perfmon
 from perfmon.metrics import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
-from .conftest import promtool
+from .conftest import promtool, wait_until
 from .prom import running_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     t = threading.Thread(target=drive)
     t.start()
     try:
-        time.sleep(1.0)  # let the driver start (capture arms on its next call)
+        wait_until(lambda: mon.stats()["models"]["encoder"]["calls"] > 10, what="the driver to start")
         cap = mon.capture("encoder", steps=2)
         rules = tmp_path / "perfmon.rules.yml"
         rules.write_text(RULES.read_text().replace("interval: 30s", "interval: 1s"))
@@ -175,13 +175,17 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
             queries += [(f"rule {name}", expr) for name, expr in _rule_exprs() if ":" in name]
             queries += [(f"recorded {name}", name) for name, _ in _rule_exprs() if ":" in name]
             assert mon.profile(cap["id"])
-            deadline = time.monotonic() + 60
             missing = queries
-            while missing and time.monotonic() < deadline:
+
+            def all_have_data() -> bool:
+                nonlocal missing
                 missing = [(n, q) for n, q in missing if not _has_data(prom.query(q))]
-                if missing:
-                    time.sleep(1.0)
-            assert not missing, "queries without data:\n" + "\n".join(f"{n}\n  {q}" for n, q in missing)
+                return not missing
+
+            try:
+                wait_until(all_have_data, timeout=60, what="data for every query")
+            except AssertionError:
+                raise AssertionError("queries without data:\n" + "\n".join(f"{n}\n  {q}" for n, q in missing)) from None
     finally:
         stop.set()
         t.join(10)

@@ -93,9 +93,11 @@ def test_metrics_scraped_while_stop_runs(make_monitor) -> None:
     url = mon.url
     errors: list[BaseException] = []
     stop = threading.Event()
+    rounds = [0]
 
     def scrape() -> None:
         while not stop.is_set():
+            rounds[0] += 1
             try:
                 generate_latest(mon.registry)
             except BaseException as exc:  # any exception from collect is a bug
@@ -108,11 +110,12 @@ def test_metrics_scraped_while_stop_runs(make_monitor) -> None:
     threads = [threading.Thread(target=scrape) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    wait_until(lambda: rounds[0] >= 8, what="scrapes under way")
     t0 = time.monotonic()
     mon.stop()
     took = time.monotonic() - t0
-    time.sleep(0.1)
+    after = rounds[0]
+    wait_until(lambda: rounds[0] >= after + 8, what="scrapes after stop()")
     stop.set()
     for t in threads:
         t.join(10)

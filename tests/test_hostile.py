@@ -144,7 +144,9 @@ def test_agent_stays_responsive_under_slowloris_floods_and_bad_tokens(make_monit
             urllib.request.urlopen(req, timeout=10)
             raise AssertionError("oversized body accepted")
         except urllib.error.HTTPError as e:
-            assert e.code == 413
+            # 413, or 429 while this address is still throttled for the bad tokens above (both refusals;
+            # 413 alone is proven in test_capture.py)
+            assert e.code in (413, 429)
         except (ConnectionError, urllib.error.URLError):
             pass  # the server may close while the client is still sending: also a refusal
     finally:

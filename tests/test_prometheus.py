@@ -11,7 +11,7 @@ import torch
 
 from perfmon.testing import BusyWait
 
-from .conftest import promtool
+from .conftest import promtool, wait_until
 from .prom import running_prometheus
 
 pytestmark = pytest.mark.prometheus
@@ -42,25 +42,21 @@ def test_prometheus_scrapes_exact_counts_and_true_latency(make_monitor, tmp_path
         with running_prometheus(tmp_path, [host_port]) as prom:
             q = ('histogram_quantile(0.5, sum by (le) '
                  '(rate(perfmon_forward_duration_seconds_bucket{model="busy",phase="steady"}[10s])))')
-            deadline = time.monotonic() + 40
-            value = float("nan")
-            while time.monotonic() < deadline:
-                result = prom.wait_for(q)
-                value = float(result[0]["value"][1])
-                if value == value:  # not NaN: the rate window has samples
-                    break
-                time.sleep(0.5)
+            def median() -> float | None:
+                result = prom.query(q)
+                v = float(result[0]["value"][1]) if result else float("nan")
+                return v if v == v else None  # NaN until the rate window has samples
+
+            value = wait_until(median, timeout=40, what="a latency median in Prometheus")
             assert abs(value / 0.002 - 1) < 0.05, value
             stop.set()
             t.join(10)
             # after the last scrape, Prometheus' counter equals the agent's exact count
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
+            def scraped_calls() -> bool:
                 got = prom.query('perfmon_forward_calls_total{model="busy"}')
-                if got and float(got[0]["value"][1]) == calls:
-                    break
-                time.sleep(0.5)
-            assert got and float(got[0]["value"][1]) == calls
+                return bool(got) and float(got[0]["value"][1]) == calls
+
+            wait_until(scraped_calls, timeout=20, what="Prometheus to scrape the final count")
             up = prom.query('up{job="perfmon"}')
             assert up and up[0]["value"][1] == "1"
     finally:

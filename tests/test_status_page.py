@@ -6,11 +6,14 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
+
+from .conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / ".artifacts"
@@ -47,16 +50,13 @@ def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
     """Poll until ``predicate()`` is truthy; the page re-renders every 3 s, so stale elements are retried."""
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def tolerant() -> Any:
         try:
-            value = predicate()
+            return predicate()
         except (StaleElementReferenceException, NoSuchElementException):
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+            return None
+
+    return wait_until(tolerant, timeout=timeout, what=what)
 
 
 def _finished_row_text(browser, By) -> str | None:
