@@ -50,7 +50,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check perfmon tests benchmarks grafana examples
 	$(BIN)/mypy
 
-# Every benchmark in a few minutes; tables to the terminal, JSON to benchmarks/results, plots to docs/.
+# Every benchmark (about 10 minutes); tables to the terminal, JSON to benchmarks/results, plots to docs/.
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[bench]"
 	mkdir -p benchmarks/results
@@ -61,6 +61,8 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python background.py --json results/background.json
 	cd benchmarks && ../$(BIN)/python throughput.py --json results/throughput.json
 	cd benchmarks && ../$(BIN)/python memory.py --json results/memory.json
+	cd benchmarks && ../$(BIN)/python hostile.py
+	cd benchmarks && ../$(BIN)/python soak.py --seconds 60 --json results/soak.json
 	$(BIN)/python benchmarks/plots.py benchmarks/results docs
 
 clean:
