@@ -220,11 +220,6 @@ class Config:
                 stacklevel=_caller_stacklevel(),
             )
 
-    @property
-    def sample_every(self) -> int:
-        """The mean stride between timed steady-state calls (1 / sample_rate, rounded)."""
-        return max(1, round(1.0 / self.sample_rate))
-
 
 def _caller_stacklevel() -> int:
     """The warnings stack level of the first frame outside perfmon (the user's call)."""

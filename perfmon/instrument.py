@@ -25,7 +25,7 @@ import torch
 
 from .clocks import CudaBackend, EventPair, EventPools
 from .config import Config
-from .faults import InternalErrors
+from .faults import InternalErrors, count_value
 from .phases import Signature, SignatureTable, batch_of, signature
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
@@ -159,8 +159,6 @@ class ModelState:
         self.device = label
 
     def error_counts(self) -> dict[str, int]:
-        from .faults import count_value
-
         return {name: count_value(c) for name, c in list(self._error_names.items())}
 
     # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----

@@ -284,21 +284,16 @@ class _CountsCollector(Collector):
         return iter(())  # names are fixed, but collect() is cheap enough to run at registration
 
     def collect(self) -> Iterator[Metric]:
-        def fam(cls: Any, name: str) -> Any:
-            _, _, labels, doc = METRICS[name]
-            base = name[: -len("_total")] if cls is CounterMetricFamily else name
-            return cls(base, doc, labels=list(labels))
-
-        calls = fam(CounterMetricFamily, "perfmon_forward_calls_total")
-        errors = fam(CounterMetricFamily, "perfmon_forward_errors_total")
-        sampled = fam(CounterMetricFamily, "perfmon_forward_sampled_total")
-        dropped = fam(CounterMetricFamily, "perfmon_samples_dropped_total")
-        cold = fam(GaugeMetricFamily, "perfmon_cold_start_seconds")
-        ttff = fam(GaugeMetricFamily, "perfmon_time_to_first_forward_seconds")
-        rate = fam(GaugeMetricFamily, "perfmon_sample_rate")
-        sigs = fam(GaugeMetricFamily, "perfmon_input_signatures")
-        items_fam = fam(CounterMetricFamily, "perfmon_forward_items_total")
-        padded_fam = fam(CounterMetricFamily, "perfmon_forward_padded_items_total")
+        calls = _family("perfmon_forward_calls_total")
+        errors = _family("perfmon_forward_errors_total")
+        sampled = _family("perfmon_forward_sampled_total")
+        dropped = _family("perfmon_samples_dropped_total")
+        cold = _family("perfmon_cold_start_seconds")
+        ttff = _family("perfmon_time_to_first_forward_seconds")
+        rate = _family("perfmon_sample_rate")
+        sigs = _family("perfmon_input_signatures")
+        items_fam = _family("perfmon_forward_items_total")
+        padded_fam = _family("perfmon_forward_padded_items_total")
         for st in list(self._states()):
             m = st.name
             items, padded = st.items_counts()
@@ -318,7 +313,7 @@ class _CountsCollector(Collector):
             if first is not None:
                 cold.add_metric([m], first[0])
                 ttff.add_metric([m], first[1])
-        internal = fam(CounterMetricFamily, "perfmon_internal_errors_total")
+        internal = _family("perfmon_internal_errors_total")
         for stage, n in sorted(self._internal.counts()):
             internal.add_metric([stage], n)
         yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, items_fam, padded_fam, internal)

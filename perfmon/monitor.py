@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any, TypeVar, overload
 
@@ -488,9 +488,6 @@ class Monitor:
     def asgi_app(self) -> Callable[..., Any]:
         """/metrics, /healthz and /stats as an ASGI app, to mount in your own server."""
         return make_asgi_app(self)
-
-    def models(self) -> Iterator[str]:
-        return iter(list(self._states))
 
 
 _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()

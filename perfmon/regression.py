@@ -235,12 +235,6 @@ class Detector:
         for model, track in list(self._tracks.items()):
             yield model, track.last, self.baseline(model), track.active, track.regressions
 
-    def forget_window(self, model: str) -> None:
-        """Discard the samples of the current window (e.g. it overlapped a capture)."""
-        track = self._tracks.get(model)
-        if track is not None:
-            track.values, track.seen = [], 0
-
 
 def _min_count(level: float) -> int:
     """Samples a window needs for its ``level`` quantile to be more than its maximum."""

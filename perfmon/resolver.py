@@ -17,6 +17,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from .clocks import elapsed_seconds
+from .faults import count_value
 from .instrument import Hub, ModelState
 from .records import COLD, STEADY, Pending, Sample
 
@@ -156,8 +157,6 @@ class Resolver:
 
     def _note_drops(self, st: ModelState) -> None:
         """Log a burst of dropped samples once per refresh period (never per dropped sample)."""
-        from .faults import count_value
-
         for reason, c in st.drops.items():
             n = count_value(c)
             key = (st.name, reason)
