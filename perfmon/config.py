@@ -65,6 +65,9 @@ class Config:
     port_range: int = 1
     #: An HTTP connection to the agent lasts at most this long (slow or stuck clients are cut off).
     http_connection_timeout_seconds: float = 30.0
+    #: Fraction of one CPU core the agent's own HTTP server may spend, on average (a flood of scrapes or
+    #: bad requests is held in the kernel's queue beyond it, so it cannot take the model's time).
+    http_cpu_budget: float = 0.01
     #: Fraction of steady-state calls timed, in (0, 1]. Cold calls are always timed.
     sample_rate: float = 0.01
     #: A model with traffic gets at least one timed call per this many seconds.
@@ -152,6 +155,7 @@ class Config:
 
         _types: dict[str, type | tuple[type, ...]] = {
             "host": str, "port_range": int, "http_connection_timeout_seconds": (int, float),
+            "http_cpu_budget": (int, float),
             "sample_rate": (int, float), "sample_floor_seconds": (int, float),
             "warmup_calls": int, "track_signatures": bool, "signature_warmup_calls": int,
             "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
@@ -177,6 +181,8 @@ class Config:
             raise bad("trace_dir", "must not be empty")
         if not 0.0 < self.sample_rate <= 1.0 or math.isnan(self.sample_rate):
             raise bad("sample_rate", "must be in (0, 1]")
+        if not 0.0 < self.http_cpu_budget <= 1.0 or math.isnan(self.http_cpu_budget):
+            raise bad("http_cpu_budget", "must be a fraction of one core in (0, 1]")
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
                     "capture_arm_timeout_seconds", "http_connection_timeout_seconds")

@@ -29,7 +29,7 @@ from .faults import InternalErrors, count_value
 from .phases import Signature, SignatureTable, batch_of, signature
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
-from .selfcost import AgentCpu
+from .selfcost import AgentCpu, HttpShedding
 
 __all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span"]
 
@@ -52,6 +52,8 @@ class Hub:
         self.internal = InternalErrors()
         #: CPU seconds the agent's own threads spend (exported as perfmon_agent_cpu_seconds_total).
         self.cpu = AgentCpu()
+        #: What the agent's HTTP server refused, and how long it paused for its CPU budget.
+        self.http = HttpShedding()
         #: False once the monitor stops: calls are still counted but no longer timed.
         self.timing = True
         #: perf_counter_ns() when the monitor started (origin of time-to-first-forward).
@@ -65,6 +67,7 @@ class Hub:
         self.pools = EventPools(self.backend, self.config.event_pool_size)
         self.internal.reset_after_fork()  # reset in place: collectors hold references to these
         self.cpu.reset_after_fork()
+        self.http.reset_after_fork()
         self.started_ns = perf_counter_ns()
 
 

@@ -35,7 +35,7 @@ from .memory import MemorySource, read_memory
 from .nvml import NvmlPoller, normalize_uuid
 from .records import DROP_REASONS, Sample
 from .regression import Detector
-from .selfcost import AgentCpu
+from .selfcost import AgentCpu, HttpShedding
 
 __all__ = ["METRICS", "Metrics"]
 
@@ -137,6 +137,13 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     # -- the agent's own cost (selfcost.py) ----------------------------------------------------
     "perfmon_agent_cpu_seconds_total": (
         "counter", "seconds", ("thread",), "CPU time spent by perfmon's own threads, by kind."),
+    "perfmon_agent_http_refused_total": (
+        "counter", "connections", ("reason",),
+        "Connections the agent's HTTP server refused or cut (busy, evicted, timeout, throttled, too_large, "
+        "bad_request)."),
+    "perfmon_agent_http_paused_seconds_total": (
+        "counter", "seconds", (),
+        "Time the agent's HTTP server stopped reading because it had spent its CPU budget (http_cpu_budget)."),
     "perfmon_resolver_lag_seconds": (
         "gauge", "seconds", (), "Age of the oldest timed sample not yet resolved (0 when none)."),
     "perfmon_pending_records": ("gauge", "records", (), "Timed samples queued or waiting for their GPU events."),
@@ -471,9 +478,10 @@ class CaptureCollector(Collector):
 class AgentCollector(Collector):
     """The agent's own cost at scrape time."""
 
-    def __init__(self, *, cpu: AgentCpu, resolver: Any) -> None:
+    def __init__(self, *, cpu: AgentCpu, resolver: Any, http: HttpShedding | None = None) -> None:
         self._cpu = cpu
         self._resolver = resolver
+        self._http = http
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -487,6 +495,13 @@ class AgentCollector(Collector):
         pending = _family("perfmon_pending_records")
         pending.add_metric([], self._resolver.pending)
         yield from (cpu, lag, pending)
+        if self._http is not None:
+            refused = _family("perfmon_agent_http_refused_total")
+            for reason, n in self._http.refused.items():
+                refused.add_metric([reason], n)
+            paused = _family("perfmon_agent_http_paused_seconds_total")
+            paused.add_metric([], self._http.paused_seconds)
+            yield from (refused, paused)
 
 
 def _versions() -> dict[str, str]:

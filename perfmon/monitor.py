@@ -2,7 +2,7 @@
 
     request thread   Probe.__call__ (instrument.py) ──► Hub.queue
     resolver thread  Resolver (resolver.py) ──► Metrics.observe (metrics.py), Windows.add (windows.py)
-    HTTP thread      AgentServer (server.py) ──► /metrics /healthz /stats
+    HTTP thread      AgentServer (httpd.py)  ──► /metrics /healthz /stats
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .config import Config
 from .exceptions import ConfigError, WrapError
 from .faults import count_value
 from .history import History
+from .httpd import AgentServer
 from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
 from .logs import make_logger
 from .memory import MemorySource, OomSnapshotter, TorchMemory, read_memory
@@ -43,7 +44,7 @@ from .records import STEADY, Sample
 from .regression import Detector, Regression, RegressionPolicy
 from .resolver import Resolver
 from .roofline import Peaks, peaks_for
-from .server import AgentServer, AuthThrottle, make_asgi_app, make_wsgi_app
+from .server import Router, make_asgi_app, make_wsgi_app
 from .traces import TraceStore
 from .windows import Windows
 
@@ -101,7 +102,7 @@ class Monitor:
         self._resolver = Resolver(self._hub, sinks, states=self._state_list, on_tick=self._tick,
                                   log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
         self.registry.register(CaptureCollector(detector=self.detector, controller=self.captures))
-        self.registry.register(AgentCollector(cpu=self._hub.cpu, resolver=self._resolver))
+        self.registry.register(AgentCollector(cpu=self._hub.cpu, resolver=self._resolver, http=self._hub.http))
         if memory is None and torch.cuda.is_available():
             memory = TorchMemory()
         self._memory = memory
@@ -143,9 +144,10 @@ class Monitor:
                 except Exception as exc:
                     self._hub.internal.report("capture", exc)
             if cfg.port is not None:
-                throttle = AuthThrottle()
-                self._server = AgentServer(make_wsgi_app(self, mounted=False, throttle=throttle), cfg.host, cfg.port,
-                                           cfg.port_range, cfg.http_connection_timeout_seconds, throttle)
+                self._server = AgentServer(
+                    Router(self, mounted=False), cfg.host, cfg.port, port_range=cfg.port_range,
+                    connection_timeout=cfg.http_connection_timeout_seconds, cpu_budget=cfg.http_cpu_budget,
+                    cpu=self._hub.cpu, shedding=self._hub.http, internal=self._hub.internal)
                 self.metrics.set_port(self._server.port)
             self._resolver.start(cfg.resolve_interval_seconds)
             if self._nvml is not None:

@@ -1,18 +1,18 @@
-"""What the agent itself costs, measured where it runs and exported so production users see it.
+"""What the agent itself costs, measured where it runs, bounded, and exported so production users see it.
 
 Each background loop adds the CPU time its thread spent (``time.thread_time``, per-thread CPU
-seconds) after every iteration; the HTTP handler does the same per request. Reading it is a
-dictionary copy; nothing here touches the request path.
+seconds) after every iteration; the HTTP server does the same per loop turn and spends from a
+``CpuBudget``. Reading any of it is a dictionary copy; nothing here touches the request path.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["AgentCpu"]
+__all__ = ["AgentCpu", "CpuBudget", "HttpShedding"]
 
 #: The ``thread`` label values.
 THREADS = ("resolver", "nvml", "http", "capture_export")
@@ -45,3 +45,57 @@ class AgentCpu:
     def totals(self) -> dict[str, float]:
         with self._lock:
             return dict(self._seconds)
+
+
+class CpuBudget:
+    """A token bucket of CPU seconds: on average ``fraction`` of one core, at most ``burst_seconds`` at once.
+
+    The HTTP server charges what each loop turn cost (its thread's CPU time) and, while the bucket
+    is in debt, stops reading sockets until it has refilled. Whatever the clients do, the agent's
+    HTTP work then takes at most ``fraction`` of a core (plus one request's overshoot) from the
+    model's process, and the kernel's accept queue holds the rest. Used by one thread: no lock.
+    """
+
+    def __init__(self, fraction: float, burst_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < fraction <= 1 or burst_seconds <= 0:
+            raise ValueError(f"need 0 < fraction <= 1 and burst_seconds > 0, got {fraction}, {burst_seconds}")
+        self.fraction = fraction
+        self.burst = burst_seconds
+        self._clock = clock
+        self._tokens = burst_seconds
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        # max(0, ...): a clock that stepped back refills nothing rather than draining the bucket
+        self._tokens = min(self.burst, self._tokens + max(0.0, now - self._at) * self.fraction)
+        self._at = now
+
+    def charge(self, cpu_seconds: float) -> None:
+        """Spend ``cpu_seconds`` (the bucket may go into debt: a request is never cut short)."""
+        self._refill()
+        self._tokens -= cpu_seconds
+
+    def wait_seconds(self) -> float:
+        """Seconds until the bucket is out of debt (0 when work may go on now)."""
+        self._refill()
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.fraction
+
+
+#: Why the agent's HTTP server refused or cut a connection (the ``reason`` label values).
+REFUSALS = ("busy", "evicted", "timeout", "throttled", "too_large", "bad_request")
+
+
+class HttpShedding:
+    """What the agent's HTTP server refused, and how long it paused for its CPU budget.
+
+    Written by the server's one thread, read at scrape time (plain ints and floats under the GIL).
+    """
+
+    def __init__(self) -> None:
+        self.refused = dict.fromkeys(REFUSALS, 0)
+        self.paused_seconds = 0.0
+
+    def reset_after_fork(self) -> None:
+        self.refused = dict.fromkeys(REFUSALS, 0)
+        self.paused_seconds = 0.0

@@ -1,29 +1,23 @@
-"""HTTP: /metrics, /healthz, /stats — as a WSGI app, an ASGI app, and a small threaded server.
+"""HTTP routes: /metrics, /healthz, /stats, the status page and the capture API.
 
-All three share one router: a request (method, path, headers) becomes a ``Response``. The agent's
-own server runs the WSGI app on a daemon thread (stdlib ``wsgiref`` with a thread per request,
-like prometheus_client's ``start_http_server``); ``wsgi_app``/``asgi_app`` let a user mount the
+One router turns a request (method, path, headers, body) into a ``Response``. The agent's own
+server (``httpd.py``) calls it from its one thread; ``wsgi_app``/``asgi_app`` let a user mount the
 same routes in their own server instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import gzip
 import hmac
 import json
 import math
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.exposition import choose_encoder
 
@@ -33,7 +27,7 @@ from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["AgentServer", "AuthThrottle", "Response", "Router", "make_asgi_app", "make_wsgi_app"]
+__all__ = ["MAX_BODY_BYTES", "REASONS", "Response", "Router", "make_asgi_app", "make_wsgi_app"]
 
 _JSON = "application/json"
 
@@ -51,9 +45,10 @@ class Response:
         return cls(status, body, _JSON, headers or [])
 
 
-_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
-            404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
-            429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+           404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 411: "Length Required",
+           413: "Payload Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error", 503: "Service Unavailable"}
 
 #: Largest request body accepted (a capture request is a few fields of JSON).
 MAX_BODY_BYTES = 16 * 1024
@@ -250,48 +245,6 @@ class Router:
                         [("Content-Disposition", f'attachment; filename="{path.name}"')])
 
 
-class AuthThrottle:
-    """Refuse, at accept time, addresses that keep sending bad credentials.
-
-    A client over ``limit`` failed authentications within one second is refused for ``block_seconds``
-    before a thread is started or a byte is parsed: handling requests costs GIL time in the serving
-    process, and a token-guessing loop would otherwise take it from the model. Scrapes and health
-    checks from a blocked address still go through (the request line is peeked, not parsed).
-    """
-
-    def __init__(self, limit: int = 20, block_seconds: float = 1.0) -> None:
-        self.limit = limit
-        self.block = block_seconds
-        self._failures: dict[str, collections.deque[float]] = {}
-        self._blocked: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self.refused = 0
-
-    def failed(self, address: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if len(self._failures) > 4096 and address not in self._failures:
-                self._failures.clear()  # bounded: many distinct addresses just reset the window
-            q = self._failures.setdefault(address, collections.deque())
-            q.append(now)
-            while q and now - q[0] > 1.0:
-                q.popleft()
-            if len(q) > self.limit:
-                self._blocked[address] = now + self.block
-                q.clear()
-
-    def blocked(self, address: str) -> bool:
-        until = self._blocked.get(address)
-        if until is None:
-            return False
-        if time.monotonic() >= until:
-            with self._lock:
-                self._blocked.pop(address, None)
-            return False
-        self.refused += 1
-        return True
-
-
 class _Flight:
     """One in-progress render that concurrent scrapes wait for."""
 
@@ -313,7 +266,7 @@ def openapi_document() -> dict[str, Any]:
     error = {"$ref": "#/components/schemas/Error"}
 
     def errors(*codes: int) -> dict[str, Any]:
-        return {str(c): {"description": _REASONS[c], "content": {_JSON: {"schema": error}}} for c in codes}
+        return {str(c): {"description": REASONS[c], "content": {_JSON: {"schema": error}}} for c in codes}
 
     capture_id = {"name": "id", "in": "path", "required": True,
                   "schema": {"type": "string", "pattern": "^[0-9a-f]{22}$"}}
@@ -387,8 +340,7 @@ def _typename(typ: type | tuple[type, ...]) -> str:
     return names.get(typ.__name__, typ.__name__)
 
 
-def make_wsgi_app(monitor: Monitor, *, mounted: bool = True,
-                  throttle: AuthThrottle | None = None) -> Callable[..., Iterable[bytes]]:
+def make_wsgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., Iterable[bytes]]:
     """A WSGI app serving the monitor's routes (mount it under any prefix)."""
     router = Router(monitor, mounted=mounted)
 
@@ -403,12 +355,10 @@ def make_wsgi_app(monitor: Monitor, *, mounted: bool = True,
         body = environ["wsgi.input"].read(min(length, MAX_BODY_BYTES + 1)) if length > 0 else b""
         with monitor._hub.cpu.measure("http"):
             resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers, body)
-            if resp.status == 401 and throttle is not None:
-                throttle.failed(str(environ.get("REMOTE_ADDR", "")))
         hdrs = [("Content-Type", resp.content_type), *resp.headers]
         if not any(k == "Content-Length" for k, _ in hdrs):
             hdrs.append(("Content-Length", str(len(resp.body))))
-        start_response(f"{resp.status} {_REASONS.get(resp.status, '')}".strip(), hdrs)
+        start_response(f"{resp.status} {REASONS.get(resp.status, '')}".strip(), hdrs)
         return [resp.body]
 
     return app
@@ -451,161 +401,3 @@ def make_asgi_app(monitor: Monitor, *, mounted: bool = True) -> Callable[..., An
         await send({"type": "http.response.body", "body": resp.body})
 
     return app
-
-
-class _Handler(WSGIRequestHandler):
-    # A socket read that waits longer than this fails; the server's reaper bounds the whole connection.
-    timeout = 5
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """No access log: scrapes every few seconds would flood the server's stderr."""
-
-    def handle(self) -> None:
-        try:
-            super().handle()
-        except (TimeoutError, ConnectionError):
-            pass  # a client that stalled or vanished: nothing to answer, nothing to log
-
-
-#: Connections served at once; more are answered 503 and closed (a scrape takes milliseconds).
-MAX_CONNECTIONS = 64
-_THROTTLED = (b"HTTP/1.0 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-              b"Connection: close\r\n\r\n" b'{"error": "too many failed authentications from this address"}\n')
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
-         b'{"error": "too many connections"}\n')
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, bounded in number and in lifetime.
-
-    Slow or stuck clients (slowloris: headers trickling in forever) would otherwise hold a thread each
-    for as long as they like. Each connection gets ``connection_timeout`` seconds in all; the serve
-    loop's ``service_actions`` (every poll interval) shuts down older ones, which unblocks their
-    thread. Beyond ``MAX_CONNECTIONS`` at once, a new connection is answered 503 at once.
-    """
-
-    daemon_threads = True
-    # Not SO_REUSEADDR: on Linux it would let two workers bind the same port; each must get its own.
-    allow_reuse_address = False
-    # The listen backlog: 50 scrapers at once must not wait on the kernel's accept queue.
-    request_queue_size = 128
-    connection_timeout = 30.0
-
-    def server_activate(self) -> None:
-        self._conns: dict[Any, float] = {}
-        self._conns_lock = threading.Lock()
-        super().server_activate()
-
-    throttle: AuthThrottle | None = None
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        throttle = self.throttle
-        if throttle is not None and throttle.blocked(str(client_address[0])) and not _open_route(request):
-            self._refuse(request, _THROTTLED)
-            return
-        with self._conns_lock:
-            busy = len(self._conns) >= MAX_CONNECTIONS
-            if not busy:
-                self._conns[request] = time.monotonic()
-        if busy:
-            self._refuse(request, _BUSY)
-            return
-        super().process_request(request, client_address)
-
-    def _refuse(self, request: Any, answer: bytes) -> None:
-        """Answer on the accepting thread without reading the request: no handler thread, no parsing."""
-        try:
-            request.sendall(answer)
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._conns_lock:
-            self._conns.pop(request, None)
-        super().shutdown_request(request)
-
-    def service_actions(self) -> None:
-        now = time.monotonic()
-        with self._conns_lock:
-            expired = [r for r, t0 in self._conns.items() if now - t0 > self.connection_timeout]
-        for request in expired:
-            try:
-                request.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; its thread ends
-            except OSError:
-                pass
-
-
-_OPEN_PREFIXES = (b"GET /metrics", b"GET /healthz", b"HEAD /healthz", b"GET /stats")
-
-
-def _open_route(request: Any) -> bool:
-    """Peek (without consuming) whether a blocked address is asking for an open route: scrapes and
-    health checks from a throttled address still go through. Nothing received yet counts as open."""
-    try:
-        request.setblocking(False)
-        try:
-            head = request.recv(16, socket.MSG_PEEK)
-        finally:
-            request.setblocking(True)
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
-    return bool(head.startswith(_OPEN_PREFIXES))
-
-
-class _ThreadingServer6(_ThreadingServer):
-    address_family = socket.AF_INET6
-
-
-class AgentServer:
-    """The agent's own HTTP server on a daemon thread.
-
-    With ``port_range`` > 1 it binds the first free port of ``port .. port + port_range - 1``: each
-    worker of a multi-process server (gunicorn, uvicorn --workers, a fork after loading the model)
-    gets its own port, reported in ``perfmon_info{port}``, and a scrape config listing the range
-    reaches every worker exactly once.
-    """
-
-    def __init__(self, app: Callable[..., Any], host: str, port: int, port_range: int = 1,
-                 connection_timeout: float = 30.0, throttle: AuthThrottle | None = None) -> None:
-        base: type[_ThreadingServer] = _ThreadingServer6 if ":" in host else _ThreadingServer
-        server_class: type[_ThreadingServer] = type(base.__name__, (base,), {
-            "connection_timeout": connection_timeout, "throttle": throttle})
-        self._httpd: _ThreadingServer
-        candidates = [port] if port == 0 else list(range(port, port + port_range))
-        last_error: OSError | None = None
-        for candidate in candidates:
-            try:
-                self._httpd = make_server(  # type: ignore[assignment]
-                    host, candidate, app, server_class=server_class, handler_class=_Handler)
-                break
-            except OSError as exc:  # taken: by another worker, or something else
-                last_error = exc
-        else:
-            raise OSError(f"no free port in {port}..{port + port_range - 1} on {host}: {last_error}")
-        self.host = host
-        self.port = int(self._httpd.server_port)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="perfmon-http", daemon=True)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_seconds: float) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout_seconds)
-
-    def abandon(self) -> None:
-        """In a forked child: close the inherited listening socket (the parent keeps serving on it)."""
-        try:
-            self._httpd.socket.close()
-        except OSError:
-            pass

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from perfmon.server import Router
 
-from .conftest import http, wait_until
+from .conftest import http, value, wait_until
 
 TOKEN = "fuzz-token-1234567"
 JSON_VALUES = st.recursive(
@@ -161,9 +161,10 @@ def test_agent_stays_responsive_under_slowloris_floods_and_bad_tokens(make_monit
     assert max(health) < 5.0
 
 
-def test_stuck_connections_are_cut_and_excess_connections_refused(make_monitor) -> None:
-    """A connection older than http_connection_timeout_seconds is closed by the server; over the cap, 503."""
-    from perfmon.server import MAX_CONNECTIONS
+def test_stuck_connections_are_cut_and_the_slowest_evicted_at_the_cap(make_monitor) -> None:
+    """A connection older than http_connection_timeout_seconds is closed by the server; at the connection
+    cap a new client is served and the oldest connection that never sent a request is closed instead."""
+    from perfmon.httpd import MAX_CONNECTIONS
 
     mon = make_monitor(port=0, http_connection_timeout_seconds=1).start()
     port = int(mon.url.rsplit(":", 1)[1])
@@ -173,18 +174,28 @@ def test_stuck_connections_are_cut_and_excess_connections_refused(make_monitor) 
     data = s.recv(100)  # returns b"" (or an error response) once the server cuts the connection
     assert time.monotonic() - t0 < 8 and b"200 OK" not in data
     s.close()
+    assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 1
 
     mon2 = make_monitor(port=0).start()
     port2 = int(mon2.url.rsplit(":", 1)[1])
-    held = [socket.create_connection(("127.0.0.1", port2), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    held = []
     try:
-        wait_until(lambda: len(mon2._server._httpd._conns) >= MAX_CONNECTIONS, timeout=10,
+        for _ in range(MAX_CONNECTIONS):
+            held.append(socket.create_connection(("127.0.0.1", port2), timeout=10))
+        wait_until(lambda: mon2._server.connections() >= MAX_CONNECTIONS, timeout=10,
                    what="the server to accept every held connection")
-        extra = socket.create_connection(("127.0.0.1", port2), timeout=10)
-        extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-        answer = extra.recv(200)
-        extra.close()
-        assert b"503" in answer and b"too many connections" in answer
+        assert _get(mon2.url + "/healthz") == 200  # served, not refused
+        for h in held:
+            h.setblocking(False)
+
+        def closed(h: socket.socket) -> bool:
+            try:
+                return h.recv(100) == b""
+            except BlockingIOError:
+                return False
+
+        assert sum(closed(h) for h in held) == 1  # one silent connection made room
+        assert value(mon2, "perfmon_agent_http_refused_total", reason="evicted") >= 1
     finally:
         for h in held:
             h.close()

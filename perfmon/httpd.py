@@ -1,0 +1,457 @@
+"""The agent's own HTTP server: one thread, one selector, a CPU budget.
+
+Why not a thread per connection (stdlib ``wsgiref``, what prometheus_client's ``start_http_server``
+does): in the model's process every connection then costs a thread start, an email-parser header
+parse and a WSGI environ, all holding the GIL the model needs between its ops. Measured here
+(``benchmarks/hostile.py``) a flood of slowloris sockets, 50 scrapes a second and a bad-token loop
+took a third of an in-process model's throughput. This server instead:
+
+- multiplexes every connection on one thread with ``selectors``: an idle or slow socket costs a file
+  descriptor, not a thread; only a complete request line and headers are parsed (by hand, bounded);
+- spends from a ``CpuBudget`` (``http_cpu_budget`` of one core): when the bucket is in debt it stops
+  reading until it refills, so no client can make the agent take more than its budget from the
+  model; the kernel's accept queue holds what waits, and health checks are served in turn;
+- answers every ``/metrics`` request read in one loop turn from one render (per format);
+- at the connection cap, closes the slowest client (the oldest connection that has not delivered a
+  request) instead of refusing the new one; cuts any connection that holds a request open longer
+  than ``http_connection_timeout_seconds``; refuses addresses that keep failing authentication
+  (``AuthThrottle``) before routing anything.
+
+Everything the server refuses or cuts is counted in ``perfmon_agent_http_refused_total{reason}``,
+the time it paused in ``perfmon_agent_http_paused_seconds_total``.
+"""
+
+from __future__ import annotations
+
+import collections
+import selectors
+import socket
+import threading
+import time
+from typing import Any
+from urllib.parse import unquote
+
+from .faults import InternalErrors
+from .selfcost import AgentCpu, CpuBudget, HttpShedding
+from .server import MAX_BODY_BYTES, REASONS, Response, Router
+
+__all__ = ["MAX_CONNECTIONS", "AgentServer", "AuthThrottle"]
+
+#: Connections held at once. An idle one costs a file descriptor; at the cap the slowest is closed.
+MAX_CONNECTIONS = 128
+#: Request line plus headers; more is answered 431.
+MAX_HEADER_BYTES = 16 * 1024
+#: Requests on one keep-alive connection before the server closes it.
+MAX_REQUESTS_PER_CONNECTION = 1000
+#: CPU seconds the budget lets the server spend at once (one large render or trace download).
+BUDGET_BURST_SECONDS = 0.1
+#: The loop wakes at least this often (deadlines, stop).
+_TICK_SECONDS = 0.1
+#: New connections taken per loop turn (the rest wait in the kernel's queue for the next turn).
+_ACCEPTS_PER_TURN = 64
+
+_BUSY = Response.json(503, {"error": "too many connections"})
+_THROTTLED = Response.json(429, {"error": "too many failed authentications from this address"}, [("Retry-After", "1")])
+
+
+class AuthThrottle:
+    """Refuse addresses that keep sending bad credentials, before their requests are routed.
+
+    A client over ``limit`` failed authentications within one second is refused (429) for
+    ``block_seconds``. Scrapes and health checks from a blocked address still go through.
+    """
+
+    def __init__(self, limit: int = 20, block_seconds: float = 1.0) -> None:
+        self.limit = limit
+        self.block = block_seconds
+        self._failures: dict[str, collections.deque[float]] = {}
+        self._blocked: dict[str, float] = {}
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        if len(self._failures) > 4096 and address not in self._failures:
+            self._failures.clear()  # bounded: many distinct addresses just reset the window
+        q = self._failures.setdefault(address, collections.deque())
+        q.append(now)
+        while q and now - q[0] > 1.0:
+            q.popleft()
+        if len(q) > self.limit:
+            self._blocked[address] = now + self.block
+            q.clear()
+
+    def blocked(self, address: str) -> bool:
+        until = self._blocked.get(address)
+        if until is None:
+            return False
+        if time.monotonic() >= until:
+            self._blocked.pop(address, None)
+            return False
+        return True
+
+
+class _Conn:
+    """One client connection: what it sent that is not parsed yet, and what is left to send it."""
+
+    __slots__ = ("address", "closing", "deadline", "inbox", "outbox", "requests", "since", "sock")
+
+    def __init__(self, sock: socket.socket, address: str, now: float, timeout: float) -> None:
+        self.sock = sock
+        self.address = address
+        self.inbox = bytearray()
+        self.outbox: memoryview | None = None
+        self.closing = False
+        self.requests = 0
+        self.since = now  # when the request now being received began (or the connection went idle)
+        self.deadline = now + timeout
+
+
+class _Request:
+    __slots__ = ("body", "close", "headers", "method", "path")
+
+    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, close: bool) -> None:
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.close = close
+
+
+class _Refusal(Exception):
+    """A request that cannot be parsed or is too large: answered with ``response``, then closed."""
+
+    def __init__(self, response: Response, reason: str) -> None:
+        super().__init__(reason)
+        self.response = response
+        self.reason = reason
+
+
+class AgentServer:
+    """The agent's own HTTP/1.1 server on one daemon thread (see the module docstring).
+
+    With ``port_range`` > 1 it binds the first free port of ``port .. port + port_range - 1``: each
+    worker of a multi-process server (gunicorn, uvicorn --workers, a fork after loading the model)
+    gets its own port, reported in ``perfmon_info{port}``, and a scrape config listing the range
+    reaches every worker exactly once.
+    """
+
+    def __init__(self, router: Router, host: str, port: int, *, port_range: int = 1,
+                 connection_timeout: float = 30.0, cpu_budget: float = 0.01,
+                 throttle: AuthThrottle | None = None, cpu: AgentCpu | None = None,
+                 shedding: HttpShedding | None = None, internal: InternalErrors | None = None) -> None:
+        self.router = router
+        self.host = host
+        self.timeout = connection_timeout
+        self.budget = CpuBudget(cpu_budget, BUDGET_BURST_SECONDS)
+        self.throttle = throttle if throttle is not None else AuthThrottle()
+        self.cpu = cpu if cpu is not None else AgentCpu()
+        self.shedding = shedding if shedding is not None else HttpShedding()
+        self.internal = internal if internal is not None else InternalErrors()
+        self._listener = self._bind(host, port, port_range)
+        self.port = int(self._listener.getsockname()[1])
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._conns: set[_Conn] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="perfmon-http", daemon=True)
+
+    @staticmethod
+    def _bind(host: str, port: int, port_range: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        candidates = [port] if port == 0 else list(range(port, port + port_range))
+        last_error: OSError | None = None
+        for candidate in candidates:
+            # Not SO_REUSEADDR: each worker must get a port of its own, never share one by accident.
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, candidate))
+                # The backlog: 50 scrapers at once, or clients held back while the budget refills.
+                sock.listen(128)
+                sock.setblocking(False)
+                return sock
+            except OSError as exc:  # taken: by another worker, or something else
+                sock.close()
+                last_error = exc
+        raise OSError(f"no free port in {port}..{port + port_range - 1} on {host}: {last_error}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def connections(self) -> int:
+        """Client connections held now."""
+        return len(self._conns)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float) -> None:
+        """Stop the loop (it wakes within ~0.1 s), close every socket; bounded by ``timeout_seconds``."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_seconds)
+        if not self._thread.is_alive() or not self._thread.ident:
+            self._close_all()
+        else:  # stuck in a handler: at least free the port
+            _close(self._listener)
+
+    def abandon(self) -> None:
+        """In a forked child: close the inherited sockets (the parent keeps serving on them)."""
+        for conn in list(self._conns):
+            _close(conn.sock)
+        _close(self._listener)
+        try:
+            self._selector.close()
+        except OSError:
+            pass
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                wait = self.budget.wait_seconds()
+                if wait > 0:
+                    # In debt: read nothing until the bucket refills. Clients wait in kernel buffers.
+                    t0 = time.monotonic()
+                    self._stop.wait(min(wait, _TICK_SECONDS))
+                    self.shedding.paused_seconds += time.monotonic() - t0
+                    continue
+                c0 = time.thread_time()
+                try:
+                    self._turn()
+                except Exception as exc:  # never let the loop die: count it and go on
+                    self.internal.report("http", exc)
+                    self._stop.wait(0.01)
+                spent = time.thread_time() - c0
+                self.budget.charge(spent)
+                self.cpu.add("http", spent)
+        finally:
+            self._close_all()
+
+    def _turn(self) -> None:
+        events = self._selector.select(_TICK_SECONDS)
+        now = time.monotonic()
+        renders: dict[tuple[str, bool], Response] = {}  # /metrics requests read in this turn share one
+        for key, mask in events:
+            conn: _Conn | None = key.data
+            if conn is None:
+                self._accept(now)
+                continue
+            try:
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(conn, now)
+                elif mask & selectors.EVENT_READ:
+                    self._read(conn, now, renders)
+            except Exception as exc:
+                if not isinstance(exc, OSError):  # a client that vanished is not an agent fault
+                    self.internal.report("http", exc)
+                self._drop(conn)
+        self._reap(now)
+
+    def _accept(self, now: float) -> None:
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: leave the rest queued for a later turn
+                self.internal.report("http", exc)
+                return
+            sock.setblocking(False)
+            if len(self._conns) >= MAX_CONNECTIONS and not self._evict_slowest():
+                self.shedding.refused["busy"] += 1
+                _send_and_close(sock, _encode(_BUSY, close=True))
+                continue
+            conn = _Conn(sock, str(address[0]), now, self.timeout)
+            self._conns.add(conn)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _evict_slowest(self) -> bool:
+        """Close the connection that has been receiving (or idle) longest; False if all are answering."""
+        waiting = [c for c in self._conns if c.outbox is None]
+        if not waiting:
+            return False
+        self.shedding.refused["evicted"] += 1
+        self._drop(min(waiting, key=lambda c: c.since))
+        return True
+
+    def _reap(self, now: float) -> None:
+        for conn in [c for c in self._conns if now > c.deadline]:
+            self.shedding.refused["timeout"] += 1
+            self._drop(conn)
+
+    def _read(self, conn: _Conn, now: float, renders: dict[tuple[str, bool], Response]) -> None:
+        data = conn.sock.recv(65536)
+        if not data:
+            self._drop(conn)
+            return
+        if not conn.inbox:
+            conn.since = now
+        conn.inbox += data
+        self._answer(conn, now, renders)
+
+    def _answer(self, conn: _Conn, now: float, renders: dict[tuple[str, bool], Response]) -> None:
+        """Answer the complete requests at the head of the inbox, in order, while their answers go out at once."""
+        while conn.inbox and conn.outbox is None and not conn.closing and conn in self._conns:
+            if not self._answer_one(conn, now, renders):
+                return
+
+    def _answer_one(self, conn: _Conn, now: float, renders: dict[tuple[str, bool], Response]) -> bool:
+        """Answer the request at the head of the inbox; False if it is not all here yet."""
+        try:
+            request = _parse(conn.inbox)
+        except _Refusal as refusal:
+            self.shedding.refused[refusal.reason] += 1
+            conn.inbox.clear()
+            self._respond(conn, refusal.response, close=True, now=now)
+            return True
+        if request is None:
+            return False
+        conn.requests += 1
+        close = request.close or conn.requests >= MAX_REQUESTS_PER_CONNECTION
+        clean = request.path.rstrip("/") or request.path
+        is_open = request.method in ("GET", "HEAD") and clean in self.router.open_routes
+        if not is_open and self.throttle.blocked(conn.address):
+            self.shedding.refused["throttled"] += 1
+            self._respond(conn, _THROTTLED, close=True, now=now)
+            return True
+        if request.method == "GET" and clean == "/metrics":
+            key = (request.headers.get("accept", ""), "gzip" in request.headers.get("accept-encoding", ""))
+            resp = renders.get(key)
+            if resp is None:
+                resp = renders[key] = self.router.handle(request.method, request.path, request.headers)
+        else:
+            resp = self.router.handle(request.method, request.path, request.headers, request.body)
+        if resp.status == 401:
+            self.throttle.failed(conn.address)
+        self._respond(conn, resp, close=close, now=now)
+        return True
+
+    def _respond(self, conn: _Conn, resp: Response, *, close: bool, now: float) -> None:
+        conn.outbox = memoryview(_encode(resp, close=close))
+        conn.closing = close
+        self._send(conn, now)
+
+    def _flush(self, conn: _Conn, now: float) -> None:
+        """The client's socket takes more of a pending answer; once it is all out, go on with the inbox."""
+        if self._send(conn, now) and conn.inbox:
+            self._answer(conn, now, {})
+
+    def _send(self, conn: _Conn, now: float) -> bool:
+        """Send what the socket takes now; True once the answer is all out and the connection stays."""
+        assert conn.outbox is not None
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        conn.outbox = conn.outbox[sent:]
+        if conn.outbox:  # the client reads slowly: wait until its socket takes more
+            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return False
+        conn.outbox = None
+        if conn.closing:
+            self._drop(conn)
+            return False
+        self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        conn.deadline = now + self.timeout
+        conn.since = now
+        return True
+
+    def _drop(self, conn: _Conn) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        _close(conn.sock)
+
+    def _close_all(self) -> None:
+        for conn in list(self._conns):
+            self._drop(conn)
+        _close(self._listener)
+        try:
+            self._selector.close()
+        except OSError:
+            pass
+
+
+def _parse(inbox: bytearray) -> _Request | None:
+    """The first complete request in ``inbox`` (removed from it), None if it is not all here yet.
+
+    Deliberately small: a request line, header lines, a Content-Length body. No chunked bodies
+    (refusing them also rules out request smuggling); bare LF line ends are tolerated.
+    """
+    end, sep = inbox.find(b"\r\n\r\n"), 4
+    lf = inbox.find(b"\n\n", 0, end if end >= 0 else len(inbox))
+    if lf >= 0:
+        end, sep = lf, 2
+    if end < 0:
+        if len(inbox) > MAX_HEADER_BYTES:
+            raise _Refusal(Response.json(431, {"error": f"request line and headers over {MAX_HEADER_BYTES} bytes"}),
+                           "too_large")
+        return None
+    if end > MAX_HEADER_BYTES:
+        raise _Refusal(Response.json(431, {"error": f"request line and headers over {MAX_HEADER_BYTES} bytes"}),
+                       "too_large")
+    lines = bytes(inbox[:end]).decode("latin-1").replace("\r\n", "\n").lstrip("\n").split("\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[2].startswith("HTTP/1."):
+        raise _Refusal(Response.json(400, {"error": "malformed request line", "line": lines[0][:100]}), "bad_request")
+    method, target, version = parts
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise _Refusal(Response.json(400, {"error": "malformed header line", "line": line[:100]}), "bad_request")
+        name = name.lower()
+        value = value.strip()
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    if "transfer-encoding" in headers:
+        raise _Refusal(Response.json(411, {"error": "chunked request bodies are not supported; send Content-Length"}),
+                       "bad_request")
+    length = headers.get("content-length", "0")
+    if not (length.isascii() and length.isdigit()):
+        raise _Refusal(Response.json(400, {"error": "Content-Length is not a number"}), "bad_request")
+    if int(length) > MAX_BODY_BYTES:
+        raise _Refusal(Response.json(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"}), "too_large")
+    total = end + sep + int(length)
+    if len(inbox) < total:
+        return None
+    body = bytes(inbox[end + sep:total])
+    del inbox[:total]
+    if target.startswith(("http://", "https://")):  # absolute form: keep the path
+        target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
+    if not target.startswith("/"):
+        raise _Refusal(Response.json(400, {"error": "request target must be a path", "target": target[:100]}),
+                       "bad_request")
+    connection = headers.get("connection", "").lower()
+    close = "close" in connection if version == "HTTP/1.1" else "keep-alive" not in connection
+    return _Request(method, unquote(target.partition("?")[0], "latin-1"), headers, body, close)
+
+
+def _encode(resp: Response, *, close: bool) -> bytes:
+    lines = [f"HTTP/1.1 {resp.status} {REASONS.get(resp.status, '')}".rstrip(), f"Content-Type: {resp.content_type}"]
+    lines += [f"{k}: {v}" for k, v in resp.headers]
+    if not any(k.lower() == "content-length" for k, _ in resp.headers):
+        lines.append(f"Content-Length: {len(resp.body)}")
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + resp.body
+
+
+def _send_and_close(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.send(data)  # best effort: a refusal is small and the socket is fresh
+    except OSError:
+        pass
+    _close(sock)
+
+
+def _close(sock: Any) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass

@@ -1,0 +1,162 @@
+"""The agent's own HTTP server (httpd.py): parsing, keep-alive, refusals, and its CPU budget."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from perfmon.httpd import MAX_HEADER_BYTES
+from perfmon.selfcost import CpuBudget
+
+from .conftest import value, wait_until
+
+
+def _raw(port: int, data: bytes, *, timeout: float = 10) -> bytes:
+    """Send raw bytes, read until the server closes; the whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+def _port(mon) -> int:
+    return int(mon.url.rsplit(":", 1)[1])
+
+
+def test_cpu_budget_is_a_token_bucket_of_cpu_seconds() -> None:
+    now = [100.0]
+    b = CpuBudget(0.01, 0.1, clock=lambda: now[0])
+    assert b.wait_seconds() == 0.0
+    b.charge(0.3)  # one large request may overdraw: 0.2 s of debt at 1% of a core = 20 s
+    assert b.wait_seconds() == pytest.approx(20.0)
+    now[0] += 10
+    assert b.wait_seconds() == pytest.approx(10.0)
+    now[0] += 1000  # refills only up to the burst
+    b.charge(0.1)
+    assert b.wait_seconds() == 0.0
+    b.charge(0.001)
+    assert b.wait_seconds() > 0
+    now[0] -= 50  # a clock that steps back refills nothing and drains nothing
+    assert b.wait_seconds() == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        CpuBudget(0, 1)
+
+
+def test_keep_alive_and_pipelined_requests_are_answered_in_order(make_monitor) -> None:
+    mon = make_monitor(port=0).start()
+    mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    for path in ("/healthz", "/metrics", "/stats", "/healthz"):  # one connection, four requests
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 200 and body, path
+    assert b"perfmon_forward_calls_total" in _get_metrics(conn)
+    conn.close()
+
+    # three requests in one packet (pipelining), the last one closing: three answers in order
+    answer = _raw(_port(mon), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                              b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+                              b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+    assert statuses == [b"200", b"200", b"404"]
+    # HTTP/1.0 closes after one answer; bare LF line ends are accepted
+    assert _raw(_port(mon), b"GET /healthz HTTP/1.0\n\n").startswith(b"HTTP/1.1 200 OK")
+
+
+def _get_metrics(conn: http.client.HTTPConnection) -> bytes:
+    conn.request("GET", "/metrics")
+    return conn.getresponse().read()
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "reason"), [
+    (b"NONSENSE\r\n\r\n", b"400", "bad_request"),
+    (b"GET /healthz HTTP/2.0\r\n\r\n", b"400", "bad_request"),
+    (b"GET healthz HTTP/1.1\r\n\r\n", b"400", "bad_request"),
+    (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", b"400", "bad_request"),
+    (b"POST /profile HTTP/1.1\r\nContent-Length: ten\r\n\r\n", b"400", "bad_request"),
+    (b"POST /profile HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"411", "bad_request"),
+    (b"POST /profile HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"413", "too_large"),
+    (b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * MAX_HEADER_BYTES + b"\r\n\r\n", b"431", "too_large"),
+])
+def test_malformed_requests_get_a_json_error_and_are_counted(make_monitor, request_bytes: bytes, status: bytes,
+                                                            reason: str) -> None:
+    mon = make_monitor(port=0).start()
+    answer = _raw(_port(mon), request_bytes)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == status
+    assert b"Connection: close" in head
+    assert json.loads(body)["error"]
+    assert value(mon, "perfmon_agent_http_refused_total", reason=reason) == 1
+
+
+def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
+    mon = make_monitor(port=0).start()
+    answer = _raw(_port(mon), b"GET http://127.0.0.1/healthz?x=1 HTTP/1.0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:
+    """Clients asking back to back cannot make the server spend more than its budget: it pauses reading
+    (counted), and still answers everything in turn."""
+    mon = make_monitor(port=0, http_cpu_budget=0.02).start()
+    mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
+    port = _port(mon)
+    t0 = time.monotonic()
+    cpu0 = mon._hub.cpu.totals()["http"]
+    answered = [0]
+    stop = threading.Event()
+
+    def flood() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        while not stop.is_set():
+            conn.request("GET", "/metrics")
+            assert conn.getresponse().read()
+            answered[0] += 1
+        conn.close()
+
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: (value(mon, "perfmon_agent_http_paused_seconds_total") or 0) > 1.0, timeout=30,
+                   what="the server to pause for its budget")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    elapsed = time.monotonic() - t0
+    spent = mon._hub.cpu.totals()["http"] - cpu0
+    # by construction: the burst (0.1 s) + the budget over the elapsed time + one loop turn's overshoot
+    assert spent <= 0.1 + 0.02 * elapsed + 0.05, (spent, elapsed)
+    assert answered[0] > 0
+
+
+def test_a_client_that_never_reads_cannot_stall_the_server(make_monitor) -> None:
+    """A slow reader gets its answer as its socket drains; others are served meanwhile."""
+    mon = make_monitor(port=0, http_connection_timeout_seconds=2).start()
+    for i in range(30):  # a registry large enough that /stats does not fit one socket buffer in one go
+        mon.wrap(torch.nn.Linear(2, 2), name=f"m{i}")(torch.randn(1, 2))
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", _port(mon)))
+    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 50)  # and read nothing for now
+    try:
+        assert _raw(_port(mon), b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
+        # still holding its answer half-sent, the reader is cut at the connection deadline
+        wait_until(lambda: mon._server is not None and mon._server.connections() == 0, timeout=10,
+                   what="the slow reader's connection to be cut")
+    finally:
+        s.close()
+    assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 1
