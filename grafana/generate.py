@@ -205,6 +205,15 @@ def overview() -> dict[str, Any]:
         (f"max(perfmon_capture_in_progress{{{BASE}}})", "in progress"),
     ], "short", description="Profiler captures in the last hour by trigger and outcome, automatic ones suppressed "
         "(cooldown, rate limit, busy), and whether one is running.")
+    b.panel("Agent's own cost", [
+        (f"sum by (instance, thread) (rate(perfmon_agent_cpu_seconds_total{{{BASE}}}[{RATE}]))",
+         "{{instance}} CPU: {{thread}}"),
+        (f"sum by (instance) (rate(perfmon_agent_http_paused_seconds_total{{{BASE}}}[{RATE}]))",
+         "{{instance}} HTTP paused (budget spent)"),
+        (f"sum by (instance, reason) (rate(perfmon_agent_http_refused_total{{{BASE}}}[{RATE}]))",
+         "{{instance}} HTTP refused/s: {{reason}}"),
+    ], "short", description="CPU seconds per second of perfmon's own threads; the share of time its HTTP server "
+        "paused because it spent its CPU budget (http_cpu_budget), and connections it refused or cut, by reason.")
     b.panel("Agent process", [
         (f"rate(process_cpu_seconds_total{{{BASE}}}[{RATE}])", "{{instance}} CPU"),
         (f"process_resident_memory_bytes{{{BASE}}} / 2^30", "{{instance}} RSS GiB"),

@@ -24,10 +24,12 @@ the time it paused in ``perfmon_agent_http_paused_seconds_total``.
 from __future__ import annotations
 
 import collections
+import functools
 import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -92,13 +94,17 @@ class AuthThrottle:
 class _Conn:
     """One client connection: what it sent that is not parsed yet, and what is left to send it."""
 
-    __slots__ = ("address", "closing", "deadline", "inbox", "outbox", "requests", "since", "sock")
+    __slots__ = ("address", "closing", "deadline", "inbox", "outbox", "queued", "received_at", "requests", "since",
+                 "sock", "watching")
 
     def __init__(self, sock: socket.socket, address: str, now: float, timeout: float) -> None:
         self.sock = sock
         self.address = address
         self.inbox = bytearray()
+        self.received_at = now  # time.monotonic() of the last read: everything in the inbox was sent before
         self.outbox: memoryview | None = None
+        self.queued = False  # a complete request of it waits in the server's ready queue
+        self.watching = 0  # the selector events registered for it (0: none)
         self.closing = False
         self.requests = 0
         self.since = now  # when the request now being received began (or the connection went idle)
@@ -106,7 +112,7 @@ class _Conn:
 
 
 class _Request:
-    __slots__ = ("body", "close", "headers", "method", "path")
+    __slots__ = ("body", "close", "headers", "method", "path", "read_at")
 
     def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, close: bool) -> None:
         self.method = method
@@ -114,6 +120,7 @@ class _Request:
         self.headers = headers
         self.body = body
         self.close = close
+        self.read_at = 0.0  # time.monotonic() when it was read: it was sent before then
 
 
 class _Refusal(Exception):
@@ -151,6 +158,9 @@ class AgentServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._conns: set[_Conn] = set()
+        self._ready: collections.deque[tuple[_Conn, _Request]] = collections.deque()
+        #: The last /metrics render per (Accept, gzip): when it started, and the answer.
+        self._renders: dict[tuple[str, bool], tuple[float, Response]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="perfmon-http", daemon=True)
 
@@ -230,24 +240,36 @@ class AgentServer:
             self._close_all()
 
     def _turn(self) -> None:
-        events = self._selector.select(_TICK_SECONDS)
+        events = self._selector.select(0 if self._ready else _TICK_SECONDS)
         now = time.monotonic()
-        renders: dict[tuple[str, bool], Response] = {}  # /metrics requests read in this turn share one
+        # Stop once the bucket is spent: unread sockets stay ready (the selector is level-triggered)
+        # and read requests stay queued for the next turn, so the debt is at most one request's cost.
+        limit = time.thread_time() + self.budget.available()
+        # First read everything that arrived (cheap), then answer in arrival order: /metrics requests
+        # waiting together, in this turn or carried over, then share one render.
         for key, mask in events:
+            if time.thread_time() > limit:
+                break
             conn: _Conn | None = key.data
             if conn is None:
                 self._accept(now)
                 continue
-            try:
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(conn, now)
-                elif mask & selectors.EVENT_READ:
-                    self._read(conn, now, renders)
-            except Exception as exc:
-                if not isinstance(exc, OSError):  # a client that vanished is not an agent fault
-                    self.internal.report("http", exc)
-                self._drop(conn)
+            self._guard(conn, self._flush if mask & selectors.EVENT_WRITE else self._read, now)
+        while self._ready and time.thread_time() <= limit:
+            conn, request = self._ready.popleft()
+            conn.queued = False
+            if conn in self._conns:
+                self._guard(conn, functools.partial(self._answer, request), now)
         self._reap(now)
+
+    def _guard(self, conn: _Conn, step: Callable[[_Conn, float], None], now: float) -> None:
+        """Run one step for a connection; whatever it raises ends that connection only."""
+        try:
+            step(conn, now)
+        except Exception as exc:
+            if not isinstance(exc, OSError):  # a client that vanished is not an agent fault
+                self.internal.report("http", exc)
+            self._drop(conn)
 
     def _accept(self, now: float) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
@@ -265,11 +287,11 @@ class AgentServer:
                 continue
             conn = _Conn(sock, str(address[0]), now, self.timeout)
             self._conns.add(conn)
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._watch(conn, selectors.EVENT_READ)
 
     def _evict_slowest(self) -> bool:
-        """Close the connection that has been receiving (or idle) longest; False if all are answering."""
-        waiting = [c for c in self._conns if c.outbox is None]
+        """Close the connection that has been receiving (or idle) longest; False if all are being answered."""
+        waiting = [c for c in self._conns if c.outbox is None and not c.queued]
         if not waiting:
             return False
         self.shedding.refused["evicted"] += 1
@@ -277,11 +299,24 @@ class AgentServer:
         return True
 
     def _reap(self, now: float) -> None:
-        for conn in [c for c in self._conns if now > c.deadline]:
+        # A queued request waits on this server (its budget), not on the client: it is not cut.
+        for conn in [c for c in self._conns if now > c.deadline and not c.queued]:
             self.shedding.refused["timeout"] += 1
             self._drop(conn)
 
-    def _read(self, conn: _Conn, now: float, renders: dict[tuple[str, bool], Response]) -> None:
+    def _watch(self, conn: _Conn, events: int) -> None:
+        """Register the selector events to wait for on this connection (0: none)."""
+        if events == conn.watching:
+            return
+        if events == 0:
+            self._selector.unregister(conn.sock)
+        elif conn.watching == 0:
+            self._selector.register(conn.sock, events, conn)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.watching = events
+
+    def _read(self, conn: _Conn, now: float) -> None:
         data = conn.sock.recv(65536)
         if not data:
             self._drop(conn)
@@ -289,25 +324,26 @@ class AgentServer:
         if not conn.inbox:
             conn.since = now
         conn.inbox += data
-        self._answer(conn, now, renders)
+        conn.received_at = time.monotonic()
+        self._take(conn, now)
 
-    def _answer(self, conn: _Conn, now: float, renders: dict[tuple[str, bool], Response]) -> None:
-        """Answer the complete requests at the head of the inbox, in order, while their answers go out at once."""
-        while conn.inbox and conn.outbox is None and not conn.closing and conn in self._conns:
-            if not self._answer_one(conn, now, renders):
-                return
-
-    def _answer_one(self, conn: _Conn, now: float, renders: dict[tuple[str, bool], Response]) -> bool:
-        """Answer the request at the head of the inbox; False if it is not all here yet."""
+    def _take(self, conn: _Conn, now: float) -> None:
+        """Queue the request at the head of the inbox once it is complete; refuse a malformed one now."""
         try:
             request = _parse(conn.inbox)
         except _Refusal as refusal:
             self.shedding.refused[refusal.reason] += 1
             conn.inbox.clear()
             self._respond(conn, refusal.response, close=True, now=now)
-            return True
+            return
         if request is None:
-            return False
+            return
+        request.read_at = conn.received_at
+        conn.queued = True
+        self._watch(conn, 0)  # read no more of it (pipelined requests wait their turn in the kernel)
+        self._ready.append((conn, request))
+
+    def _answer(self, request: _Request, conn: _Conn, now: float) -> None:
         conn.requests += 1
         close = request.close or conn.requests >= MAX_REQUESTS_PER_CONNECTION
         clean = request.path.rstrip("/") or request.path
@@ -315,31 +351,30 @@ class AgentServer:
         if not is_open and self.throttle.blocked(conn.address):
             self.shedding.refused["throttled"] += 1
             self._respond(conn, _THROTTLED, close=True, now=now)
-            return True
+            return
         if request.method == "GET" and clean == "/metrics":
+            # Share a render only with requests already read when it started: a client that scrapes
+            # after its own calls always sees them (the single-flight rule, without threads).
             key = (request.headers.get("accept", ""), "gzip" in request.headers.get("accept-encoding", ""))
-            resp = renders.get(key)
-            if resp is None:
-                resp = renders[key] = self.router.handle(request.method, request.path, request.headers)
+            cached = self._renders.get(key)
+            if cached is None or cached[0] < request.read_at:
+                started = time.monotonic()
+                cached = self._renders[key] = (started, self.router.handle(request.method, request.path,
+                                                                           request.headers))
+            resp = cached[1]
         else:
             resp = self.router.handle(request.method, request.path, request.headers, request.body)
         if resp.status == 401:
             self.throttle.failed(conn.address)
         self._respond(conn, resp, close=close, now=now)
-        return True
 
     def _respond(self, conn: _Conn, resp: Response, *, close: bool, now: float) -> None:
         conn.outbox = memoryview(_encode(resp, close=close))
         conn.closing = close
-        self._send(conn, now)
+        self._flush(conn, now)
 
     def _flush(self, conn: _Conn, now: float) -> None:
-        """The client's socket takes more of a pending answer; once it is all out, go on with the inbox."""
-        if self._send(conn, now) and conn.inbox:
-            self._answer(conn, now, {})
-
-    def _send(self, conn: _Conn, now: float) -> bool:
-        """Send what the socket takes now; True once the answer is all out and the connection stays."""
+        """Send what the socket takes now; once the answer is all out, read (or take) the next request."""
         assert conn.outbox is not None
         try:
             sent = conn.sock.send(conn.outbox)
@@ -347,25 +382,28 @@ class AgentServer:
             sent = 0
         conn.outbox = conn.outbox[sent:]
         if conn.outbox:  # the client reads slowly: wait until its socket takes more
-            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
-            return False
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
         conn.outbox = None
         if conn.closing:
             self._drop(conn)
-            return False
-        self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            return
         conn.deadline = now + self.timeout
         conn.since = now
-        return True
+        self._watch(conn, selectors.EVENT_READ)
+        if conn.inbox:  # pipelined: the next request may already be here
+            self._take(conn, now)
 
     def _drop(self, conn: _Conn) -> None:
         if conn not in self._conns:
             return
         self._conns.discard(conn)
-        try:
-            self._selector.unregister(conn.sock)
-        except (KeyError, ValueError, OSError):
-            pass
+        if conn.watching:
+            try:
+                self._selector.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+            conn.watching = 0
         _close(conn.sock)
 
     def _close_all(self) -> None:

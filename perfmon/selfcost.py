@@ -56,11 +56,16 @@ class CpuBudget:
     model's process, and the kernel's accept queue holds the rest. Used by one thread: no lock.
     """
 
-    def __init__(self, fraction: float, burst_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 < fraction <= 1 or burst_seconds <= 0:
-            raise ValueError(f"need 0 < fraction <= 1 and burst_seconds > 0, got {fraction}, {burst_seconds}")
+    def __init__(self, fraction: float, burst_seconds: float, *, resume_seconds: float = 0.01,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < fraction <= 1 or burst_seconds <= 0 or resume_seconds < 0:
+            raise ValueError(f"need 0 < fraction <= 1, burst_seconds > 0, resume_seconds >= 0; got {fraction}, "
+                             f"{burst_seconds}, {resume_seconds}")
         self.fraction = fraction
         self.burst = burst_seconds
+        # Once in debt, wait until this much is back: work then resumes in batches worth doing (one
+        # render answers every scrape that queued meanwhile) instead of one request per refill.
+        self.resume = min(resume_seconds, burst_seconds)
         self._clock = clock
         self._tokens = burst_seconds
         self._at = clock()
@@ -76,10 +81,15 @@ class CpuBudget:
         self._refill()
         self._tokens -= cpu_seconds
 
-    def wait_seconds(self) -> float:
-        """Seconds until the bucket is out of debt (0 when work may go on now)."""
+    def available(self) -> float:
+        """CPU seconds that may be spent now (negative while in debt)."""
         self._refill()
-        return 0.0 if self._tokens >= 0 else -self._tokens / self.fraction
+        return self._tokens
+
+    def wait_seconds(self) -> float:
+        """0 while not in debt; in debt, seconds until the bucket holds ``resume_seconds`` again."""
+        self._refill()
+        return 0.0 if self._tokens >= 0 else (self.resume - self._tokens) / self.fraction
 
 
 #: Why the agent's HTTP server refused or cut a connection (the ``reason`` label values).

@@ -36,19 +36,19 @@ def _port(mon) -> int:
 
 def test_cpu_budget_is_a_token_bucket_of_cpu_seconds() -> None:
     now = [100.0]
-    b = CpuBudget(0.01, 0.1, clock=lambda: now[0])
-    assert b.wait_seconds() == 0.0
-    b.charge(0.3)  # one large request may overdraw: 0.2 s of debt at 1% of a core = 20 s
-    assert b.wait_seconds() == pytest.approx(20.0)
+    b = CpuBudget(0.01, 0.1, resume_seconds=0.01, clock=lambda: now[0])
+    assert b.wait_seconds() == 0.0 and b.available() == pytest.approx(0.1)
+    b.charge(0.3)  # one large request may overdraw: 0.2 s of debt, then 0.01 s to resume, at 1% of a core
+    assert b.wait_seconds() == pytest.approx(21.0)
     now[0] += 10
-    assert b.wait_seconds() == pytest.approx(10.0)
+    assert b.wait_seconds() == pytest.approx(11.0)
     now[0] += 1000  # refills only up to the burst
     b.charge(0.1)
     assert b.wait_seconds() == 0.0
     b.charge(0.001)
-    assert b.wait_seconds() > 0
+    assert b.wait_seconds() == pytest.approx(1.1)
     now[0] -= 50  # a clock that steps back refills nothing and drains nothing
-    assert b.wait_seconds() == pytest.approx(0.1)
+    assert b.wait_seconds() == pytest.approx(1.1)
     with pytest.raises(ValueError):
         CpuBudget(0, 1)
 
@@ -101,6 +101,50 @@ def test_malformed_requests_get_a_json_error_and_are_counted(make_monitor, reque
     assert value(mon, "perfmon_agent_http_refused_total", reason=reason) == 1
 
 
+def test_a_scrape_after_a_call_always_sees_it(make_monitor) -> None:
+    """Shared renders never serve a client a render that started before its request was sent."""
+    mon = make_monitor(port=0).start()
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    for i in range(1, 31):
+        model(torch.randn(1, 2))
+        text = _get_metrics(conn).decode()
+        assert f'perfmon_forward_calls_total{{model="m"}} {float(i)}' in text, i
+    conn.close()
+
+
+def test_scrapes_that_queued_together_share_one_render(make_monitor) -> None:
+    """50 scrapes that arrive while the server pauses for its budget are answered from one render."""
+    mon = make_monitor(port=0, http_cpu_budget=0.1).start()
+    mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
+    server = mon._server
+    assert server is not None
+    renders = [0]
+    handle = server.router.handle
+
+    def counting(method: str, path: str, *args: object) -> object:
+        renders[0] += path == "/metrics"
+        return handle(method, path, *args)
+
+    server.router.handle = counting  # type: ignore[method-assign]
+    paused = value(mon, "perfmon_agent_http_paused_seconds_total")
+    server.budget.charge(0.3)  # the next turn pauses for about 3 s
+    wait_until(lambda: value(mon, "perfmon_agent_http_paused_seconds_total") > paused, timeout=10,
+               what="the server to pause")
+    socks = [socket.create_connection(("127.0.0.1", _port(mon)), timeout=30) for _ in range(50)]
+    for s in socks:
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    answers = []
+    for s in socks:
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        answers.append(b"".join(chunks))
+        s.close()
+    assert all(a.startswith(b"HTTP/1.1 200 OK") for a in answers)
+    assert len({a for a in answers}) == 1 and renders[0] == 1
+
+
 def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
     mon = make_monitor(port=0).start()
     answer = _raw(_port(mon), b"GET http://127.0.0.1/healthz?x=1 HTTP/1.0\r\n\r\n")
@@ -145,7 +189,7 @@ def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:
 
 def test_a_client_that_never_reads_cannot_stall_the_server(make_monitor) -> None:
     """A slow reader gets its answer as its socket drains; others are served meanwhile."""
-    mon = make_monitor(port=0, http_connection_timeout_seconds=2).start()
+    mon = make_monitor(port=0, http_connection_timeout_seconds=2, http_cpu_budget=1.0).start()
     for i in range(30):  # a registry large enough that /stats does not fit one socket buffer in one go
         mon.wrap(torch.nn.Linear(2, 2), name=f"m{i}")(torch.randn(1, 2))
     s = socket.socket()
