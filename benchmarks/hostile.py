@@ -114,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pin", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pin:
+        os.sched_setaffinity(0, {int(c) for c in args.pin.split(",")})
     if args.attack:
         print(json.dumps(attack(args.attack, args.seconds)), flush=True)
         return 0
@@ -127,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdin.read()
         return 0
     print(machine() + "\n")
+    # Pin the model's process to one core and the attacker and the decoy to the others, so the control
+    # measures no CPU contention at all and what remains is what the agent costs in-process.
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = len(cores) >= 2 and not args.no_pin
+    others = ",".join(map(str, cores[1:]))
+    if pin:
+        os.sched_setaffinity(0, {cores[0]})
+        print(f"model process on core {cores[0]}; attacker and decoy on cores {others}\n")
     torch.set_num_threads(1)
     mon = monitor(port=0, token="hostile-bench-token")
     mon.start()
@@ -135,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = rate(model, args.seconds)
 
     def flooded_rate(url: str) -> tuple[float, dict[str, Any]]:
-        attacker = subprocess.Popen([sys.executable, __file__, "--attack", url, "--seconds", str(args.seconds)],
-                                    stdout=subprocess.PIPE, text=True)
+        attacker = subprocess.Popen([sys.executable, __file__, "--attack", url, "--seconds", str(args.seconds),
+                                     *(["--pin", others] if pin else [])], stdout=subprocess.PIPE, text=True)
         time.sleep(0.5)
         r = rate(model, args.seconds - 1)
         out, _ = attacker.communicate(timeout=args.seconds + 60)
@@ -144,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Control: the same flood against a decoy agent in another process. The model's process does no
     # agent work, so what the model loses there is the attacker's (and the decoy's) CPU on shared cores.
-    decoy = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    decoy = subprocess.Popen([sys.executable, __file__, "--serve", *(["--pin", others] if pin else [])],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     decoy_url = decoy.stdout.readline().strip()  # type: ignore[union-attr]
     rows, ratios = [], []
     cpu = 0.0
