@@ -1,11 +1,16 @@
 """Model throughput while the agent's port is flooded: 30 slowloris sockets, 50 scrapes/s, bad tokens.
 
-The model (an MLP, ~100 µs a call) runs in this process with the agent; the flood comes from a second
-process on 127.0.0.1 (bounded: --seconds). Reported: calls/s quiet vs flooded, and the agent's own
-CPU during the flood. Both processes share this machine's cores, so part of any drop is simply the
-attacker's CPU.
+Two identical worker processes each run the same model (an MLP, ~75 µs a call) with its own agent, at
+the same time; a third process floods the agent of one of them (bounded: --seconds). The unflooded
+worker is the control: both live through the same machine noise at the same moment, which on a shared
+machine swings throughput by ±30% between runs taken seconds apart. Rounds alternate which worker
+is flooded, so a difference between the two workers cancels out:
 
-    python benchmarks/hostile.py [--seconds 8] [--rounds 3]
+    cost of the flood = sqrt((A flooded / B) x (B flooded / A)) over a pair of rounds
+
+``--aa`` runs the same rounds with no flood at all: the noise floor of that ratio.
+
+    python benchmarks/hostile.py [--seconds 10] [--rounds 6] [--aa]
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import socket
 import statistics
@@ -100,101 +106,94 @@ def _pct(xs: list[float], q: float) -> float:
     return float(sorted(xs)[min(len(xs) - 1, int(len(xs) * q / 100))]) if xs else 0.0
 
 
-def rate(model: torch.nn.Module, seconds: float) -> float:
-    x = torch.randn(32, 128)
-    n, t0 = 0, time.monotonic()
-    with torch.inference_mode():
-        while time.monotonic() - t0 < seconds:
-            model(x)
-            n += 1
-    return n / (time.monotonic() - t0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--pin", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.pin:
-        os.sched_setaffinity(0, {int(c) for c in args.pin.split(",")})
-    if args.attack:
-        print(json.dumps(attack(args.attack, args.seconds)), flush=True)
-        return 0
-    if args.serve:  # a decoy agent in its own process: the same flood, none of it in the model's process
-        decoy = monitor(port=0, token="hostile-bench-token")
-        decoy.start()
-        print(decoy.url, flush=True)
-        sys.stdin.read()
-        return 0
-    print(machine() + "\n")
-    # Pin the model's process to one core and the attacker and the decoy to the others, so the control
-    # measures no CPU contention at all and what remains is what the agent costs in-process.
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    pin = len(cores) >= 2 and not args.no_pin
-    others = ",".join(map(str, cores[1:]))
-    if pin:
-        os.sched_setaffinity(0, {cores[0]})
-        print(f"model process on core {cores[0]}; attacker and decoy on cores {others}\n")
+def worker() -> None:
+    """A model process with its own agent: prints its URL, then runs the model on each 'run SECONDS'."""
     torch.set_num_threads(1)
     mon = monitor(port=0, token="hostile-bench-token")
     mon.start()
     model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)),
                      name="m")
-    quiet = rate(model, args.seconds)
-
-    def flooded_rate(url: str) -> tuple[float, dict[str, Any]]:
-        attacker = subprocess.Popen([sys.executable, __file__, "--attack", url, "--seconds", str(args.seconds),
-                                     *(["--pin", others] if pin else [])], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
-        r = rate(model, args.seconds - 1)
-        out, _ = attacker.communicate(timeout=args.seconds + 60)
-        return r, json.loads(out.strip().splitlines()[-1])
-
-    # Control: the same flood against a decoy agent in another process. The model's process does no
-    # agent work, so what the model loses there is the attacker's (and the decoy's) CPU on shared cores.
-    decoy = subprocess.Popen([sys.executable, __file__, "--serve", *(["--pin", others] if pin else [])],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    decoy_url = decoy.stdout.readline().strip()  # type: ignore[union-attr]
-    rows, ratios = [], []
-    cpu = 0.0
-    saw: dict[str, Any] = {}
-    saw_decoy: dict[str, Any] = {}
-    for i in range(args.rounds):  # alternate which goes first: drift on a shared machine cancels out
-        order = ("control", "here") if i % 2 == 0 else ("here", "control")
-        got: dict[str, float] = {}
-        for which in order:
-            if which == "control":
-                got[which], saw_decoy = flooded_rate(decoy_url)
-            else:
-                cpu0 = mon._hub.cpu.totals()["http"]
-                got[which], saw = flooded_rate(mon.url)
-                cpu += mon._hub.cpu.totals()["http"] - cpu0
-        ratios.append(got["here"] / got["control"])
-        rows.append([str(i + 1), f"{got['control']:.0f}", f"{got['here']:.0f}", f"{ratios[-1]:.3f}"])
-    decoy.stdin.close()  # type: ignore[union-attr]
-    decoy.wait(30)
-    health = urllib.request.urlopen(mon.url + "/healthz", timeout=5).status
+    x = torch.randn(32, 128)
+    with torch.inference_mode():
+        for _ in range(200):  # warm up
+            model(x)
+    print(mon.url, flush=True)
+    for line in sys.stdin:
+        seconds = float(line.split()[1])
+        cpu0 = mon._hub.cpu.totals()["http"]
+        n, t0 = 0, time.monotonic()
+        with torch.inference_mode():
+            while time.monotonic() - t0 < seconds:
+                model(x)
+                n += 1
+        elapsed = time.monotonic() - t0
+        shed = {s.labels["reason"]: int(s.value) for fam in mon.registry.collect() for s in fam.samples
+                if s.name == "perfmon_agent_http_refused_total" and s.value}
+        print(json.dumps({"rate": n / elapsed, "http_cpu": mon._hub.cpu.totals()["http"] - cpu0,
+                          "refused": shed}), flush=True)
     mon.stop()
-    print(f"Quiet: {quiet:.0f} model calls/s.\n")
-    print(table(["round", "flood at a decoy agent (control), calls/s", "flood at this process's agent, calls/s",
-                 "this process vs control"],
-                [*rows, ["median", "", "", f"{statistics.median(ratios):.3f}"]]))
-    flood_seconds = args.rounds * (args.seconds - 1)
-    print(f"\nAgent HTTP CPU during the floods: {cpu:.2f} s over {flood_seconds:.0f} s "
-          f"({100 * cpu / flood_seconds:.1f}% of a core); /healthz after the flood: {health}")
-    for name, seen in (("this process's agent", saw), ("decoy agent (control)", saw_decoy)):
-        print(f"\nWhat the flood's clients saw from {name} (last round): "
-              + ", ".join(f"{k}: {v}" for k, v in sorted(seen["seen"].items()))
-              + f"; scrape p50 {seen['scrape_p50'] * 1e3:.0f} ms, max {seen['scrape_max'] * 1e3:.0f} ms"
-              + f"; /healthz p50 {seen['health_p50'] * 1e3:.0f} ms, max {seen['health_max'] * 1e3:.0f} ms")
-    shed = {s.labels["reason"]: int(s.value) for fam in mon.registry.collect() for s in fam.samples
-            if s.name == "perfmon_agent_http_refused_total" and s.value}
-    print(f"Refused by the agent: {shed}; paused for its CPU budget: "
-          f"{mon.registry.get_sample_value('perfmon_agent_http_paused_seconds_total'):.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds (pairs alternate the flooded worker)")
+    parser.add_argument("--aa", action="store_true", help="no flood: the noise floor of the ratio")
+    parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.attack:
+        print(json.dumps(attack(args.attack, args.seconds)), flush=True)
+        return 0
+    if args.worker:
+        worker()
+        return 0
+    print(machine() + "\n")
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    urls = [w.stdout.readline().strip() for w in workers]  # type: ignore[union-attr]
+    rows, ratios, flooded_cpu = [], [], 0.0
+    saw: dict[str, Any] = {}
+    try:
+        for i in range(args.rounds):
+            target = i % 2
+            attacker = None
+            if not args.aa:
+                attacker = subprocess.Popen(
+                    [sys.executable, __file__, "--attack", urls[target], "--seconds", str(args.seconds + 1)],
+                    stdout=subprocess.PIPE, text=True)
+                time.sleep(0.5)  # the flood is on before the model runs
+            for w in workers:  # both models run over the same seconds
+                w.stdin.write(f"run {args.seconds}\n")  # type: ignore[union-attr]
+                w.stdin.flush()  # type: ignore[union-attr]
+            got = [json.loads(w.stdout.readline()) for w in workers]  # type: ignore[union-attr]
+            if attacker is not None:
+                out, _ = attacker.communicate(timeout=args.seconds + 60)
+                saw = json.loads(out.strip().splitlines()[-1])
+                saw["refused"] = got[target]["refused"]
+            flooded_cpu += got[target]["http_cpu"]
+            ratios.append(got[target]["rate"] / got[1 - target]["rate"])
+            rows.append([str(i + 1), "AB"[target], f"{got[target]['rate']:.0f}", f"{got[1 - target]['rate']:.0f}",
+                         f"{ratios[-1]:.3f}", f"{got[target]['http_cpu'] * 1e3:.0f}"])
+    finally:
+        for w in workers:
+            w.stdin.close()  # type: ignore[union-attr]
+            w.wait(30)
+    pairs = [math.sqrt(a * b) for a, b in zip(ratios[::2], ratios[1::2], strict=False)]
+    what = "no flood (A/A)" if args.aa else "flooded"
+    print(table(["round", f"{what} worker", f"{what}, calls/s", "the other, calls/s", "ratio",
+                 "its agent's HTTP CPU, ms"], rows))
+    print(f"\nPer pair of rounds (A and B flooded once each): {', '.join(f'{p:.3f}' for p in pairs)}; "
+          f"median {statistics.median(pairs):.3f}" if pairs else "")
+    seconds = args.rounds * args.seconds
+    print(f"The flooded agent's HTTP CPU: {flooded_cpu:.2f} s over {seconds:.0f} s "
+          f"({100 * flooded_cpu / seconds:.2f}% of a core).")
+    if saw:
+        print("\nWhat the flood's clients saw (last round): "
+              + ", ".join(f"{k}: {v}" for k, v in sorted(saw["seen"].items()))
+              + f"; scrape p50 {saw['scrape_p50'] * 1e3:.0f} ms, max {saw['scrape_max'] * 1e3:.0f} ms"
+              + f"; /healthz p50 {saw['health_p50'] * 1e3:.0f} ms, max {saw['health_max'] * 1e3:.0f} ms"
+              + f"; refused by the agent: {saw['refused']}")
     return 0
 
 

@@ -47,8 +47,12 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_REQUESTS_PER_CONNECTION = 1000
 #: CPU seconds the budget lets the server spend at once (one large render or trace download).
 BUDGET_BURST_SECONDS = 0.1
-#: The loop wakes at least this often (deadlines, stop).
-_TICK_SECONDS = 0.1
+#: The loop waits at most this long for a socket (connection deadlines are checked when it wakes);
+#: idle, it wakes once a second. stop() wakes it at once.
+_IDLE_SECONDS = 1.0
+#: Longest sleep while paused for the budget (the pause time is counted in these slices).
+_PAUSE_SLICE_SECONDS = 0.1
+_WAKE = object()
 #: New connections taken per loop turn (the rest wait in the kernel's queue for the next turn).
 _ACCEPTS_PER_TURN = 64
 
@@ -157,6 +161,9 @@ class AgentServer:
         self.port = int(self._listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._conns: set[_Conn] = set()
         self._ready: collections.deque[tuple[_Conn, _Request]] = collections.deque()
         #: The last /metrics render per (Accept, gzip): when it started, and the answer.
@@ -196,8 +203,12 @@ class AgentServer:
         self._thread.start()
 
     def stop(self, timeout_seconds: float) -> None:
-        """Stop the loop (it wakes within ~0.1 s), close every socket; bounded by ``timeout_seconds``."""
+        """Stop the loop, close every socket; bounded by ``timeout_seconds``."""
         self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
         if not self._thread.is_alive() or not self._thread.ident:
@@ -209,7 +220,8 @@ class AgentServer:
         """In a forked child: close the inherited sockets (the parent keeps serving on them)."""
         for conn in list(self._conns):
             _close(conn.sock)
-        _close(self._listener)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            _close(sock)
         try:
             self._selector.close()
         except OSError:
@@ -224,7 +236,7 @@ class AgentServer:
                 if wait > 0:
                     # In debt: read nothing until the bucket refills. Clients wait in kernel buffers.
                     t0 = time.monotonic()
-                    self._stop.wait(min(wait, _TICK_SECONDS))
+                    self._stop.wait(min(wait, _PAUSE_SLICE_SECONDS))
                     self.shedding.paused_seconds += time.monotonic() - t0
                     continue
                 c0 = time.thread_time()
@@ -240,7 +252,10 @@ class AgentServer:
             self._close_all()
 
     def _turn(self) -> None:
-        events = self._selector.select(0 if self._ready else _TICK_SECONDS)
+        timeout = 0.0 if self._ready else _IDLE_SECONDS
+        if self._conns and not self._ready:
+            timeout = max(0.0, min(timeout, min(c.deadline for c in self._conns) - time.monotonic()))
+        events = self._selector.select(timeout)
         now = time.monotonic()
         # Stop once the bucket is spent: unread sockets stay ready (the selector is level-triggered)
         # and read requests stay queued for the next turn, so the debt is at most one request's cost.
@@ -253,6 +268,8 @@ class AgentServer:
             conn: _Conn | None = key.data
             if conn is None:
                 self._accept(now)
+                continue
+            if conn is _WAKE:  # stop() (the loop condition sees it)
                 continue
             self._guard(conn, self._flush if mask & selectors.EVENT_WRITE else self._read, now)
         while self._ready and time.thread_time() <= limit:
@@ -410,6 +427,8 @@ class AgentServer:
         for conn in list(self._conns):
             self._drop(conn)
         _close(self._listener)
+        _close(self._wake_r)
+        _close(self._wake_w)
         try:
             self._selector.close()
         except OSError:
