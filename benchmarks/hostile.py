@@ -109,7 +109,9 @@ def _pct(xs: list[float], q: float) -> float:
 def worker() -> None:
     """A model process with its own agent: prints its URL, then runs the model on each 'run SECONDS'."""
     torch.set_num_threads(1)
-    mon = monitor(port=0, token="hostile-bench-token")
+    # No regression detector: a flood that slows the model would (rightly) trigger profiler captures,
+    # which would perturb the very throughput measured here.
+    mon = monitor(port=0, token="hostile-bench-token", regression=None)
     mon.start()
     model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)),
                      name="m")
