@@ -53,6 +53,10 @@ _IDLE_SECONDS = 1.0
 #: Longest sleep while paused for the budget (the pause time is counted in these slices).
 _PAUSE_SLICE_SECONDS = 0.1
 _WAKE = object()
+#: After refusing a request whose body is still coming, read and discard up to this much for this long
+#: before closing, so the client sees the answer rather than a connection reset.
+_LINGER_SECONDS = 2.0
+_LINGER_BYTES = 1 << 20
 #: New connections taken per loop turn (the rest wait in the kernel's queue for the next turn).
 _ACCEPTS_PER_TURN = 64
 
@@ -82,6 +86,8 @@ class AuthThrottle:
         while q and now - q[0] > 1.0:
             q.popleft()
         if len(q) > self.limit:
+            if len(self._blocked) > 4096:  # bounded: forget blocks that have expired
+                self._blocked = {a: t for a, t in self._blocked.items() if t > now}
             self._blocked[address] = now + self.block
             q.clear()
 
@@ -98,8 +104,8 @@ class AuthThrottle:
 class _Conn:
     """One client connection: what it sent that is not parsed yet, and what is left to send it."""
 
-    __slots__ = ("address", "closing", "deadline", "inbox", "outbox", "queued", "received_at", "requests", "since",
-                 "sock", "watching")
+    __slots__ = ("address", "closing", "deadline", "draining", "inbox", "outbox", "queued", "received_at",
+                 "requests", "since", "sock", "watching")
 
     def __init__(self, sock: socket.socket, address: str, now: float, timeout: float) -> None:
         self.sock = sock
@@ -110,15 +116,18 @@ class _Conn:
         self.queued = False  # a complete request of it waits in the server's ready queue
         self.watching = 0  # the selector events registered for it (0: none)
         self.closing = False
+        self.draining = -1  # bytes discarded after a refusal; -1 while the connection is live
         self.requests = 0
         self.since = now  # when the request now being received began (or the connection went idle)
         self.deadline = now + timeout
 
 
 class _Request:
-    __slots__ = ("body", "close", "headers", "method", "path", "read_at")
+    __slots__ = ("body", "close", "headers", "http10", "method", "path", "read_at")
 
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, close: bool) -> None:
+    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, close: bool,
+                 http10: bool = False) -> None:
+        self.http10 = http10
         self.method = method
         self.path = path
         self.headers = headers
@@ -318,7 +327,8 @@ class AgentServer:
     def _reap(self, now: float) -> None:
         # A queued request waits on this server (its budget), not on the client: it is not cut.
         for conn in [c for c in self._conns if now > c.deadline and not c.queued]:
-            self.shedding.refused["timeout"] += 1
+            if conn.draining < 0:  # a refused one lingering was counted when it was refused
+                self.shedding.refused["timeout"] += 1
             self._drop(conn)
 
     def _watch(self, conn: _Conn, events: int) -> None:
@@ -338,6 +348,11 @@ class AgentServer:
         if not data:
             self._drop(conn)
             return
+        if conn.draining >= 0:
+            conn.draining += len(data)
+            if conn.draining > _LINGER_BYTES:
+                self._drop(conn)
+            return
         if not conn.inbox:
             conn.since = now
         conn.inbox += data
@@ -351,6 +366,7 @@ class AgentServer:
         except _Refusal as refusal:
             self.shedding.refused[refusal.reason] += 1
             conn.inbox.clear()
+            conn.draining = 0  # the rest of what it sends (a refused body) is read and dropped
             self._respond(conn, refusal.response, close=True, now=now)
             return
         if request is None:
@@ -383,10 +399,10 @@ class AgentServer:
             resp = self.router.handle(request.method, request.path, request.headers, request.body)
         if resp.status == 401:
             self.throttle.failed(conn.address)
-        self._respond(conn, resp, close=close, now=now)
+        self._respond(conn, resp, close=close, now=now, keep_alive=request.http10)
 
-    def _respond(self, conn: _Conn, resp: Response, *, close: bool, now: float) -> None:
-        conn.outbox = memoryview(_encode(resp, close=close))
+    def _respond(self, conn: _Conn, resp: Response, *, close: bool, now: float, keep_alive: bool = False) -> None:
+        conn.outbox = memoryview(_encode(resp, close=close, keep_alive=keep_alive))
         conn.closing = close
         self._flush(conn, now)
 
@@ -402,6 +418,11 @@ class AgentServer:
             self._watch(conn, selectors.EVENT_WRITE)
             return
         conn.outbox = None
+        if conn.closing and conn.draining >= 0:
+            conn.sock.shutdown(socket.SHUT_WR)  # the answer is out; now let the client finish sending
+            conn.deadline = now + _LINGER_SECONDS
+            self._watch(conn, selectors.EVENT_READ)
+            return
         if conn.closing:
             self._drop(conn)
             return
@@ -486,16 +507,19 @@ def _parse(inbox: bytearray) -> _Request | None:
                        "bad_request")
     connection = headers.get("connection", "").lower()
     close = "close" in connection if version == "HTTP/1.1" else "keep-alive" not in connection
-    return _Request(method, unquote(target.partition("?")[0], "latin-1"), headers, body, close)
+    return _Request(method, unquote(target.partition("?")[0], "latin-1"), headers, body, close,
+                    version == "HTTP/1.0")
 
 
-def _encode(resp: Response, *, close: bool) -> bytes:
+def _encode(resp: Response, *, close: bool, keep_alive: bool = False) -> bytes:
     lines = [f"HTTP/1.1 {resp.status} {REASONS.get(resp.status, '')}".rstrip(), f"Content-Type: {resp.content_type}"]
     lines += [f"{k}: {v}" for k, v in resp.headers]
     if not any(k.lower() == "content-length" for k, _ in resp.headers):
         lines.append(f"Content-Length: {len(resp.body)}")
     if close:
         lines.append("Connection: close")
+    elif keep_alive:  # an HTTP/1.0 client that asked to keep the connection: say it is kept
+        lines.append("Connection: keep-alive")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + resp.body
 
 

@@ -145,6 +145,35 @@ def test_scrapes_that_queued_together_share_one_render(make_monitor) -> None:
     assert len({a for a in answers}) == 1 and renders[0] == 1
 
 
+def test_a_refused_body_gets_its_answer_not_a_reset(make_monitor) -> None:
+    """A body over the limit is answered 413 while the client is still sending; the server reads and drops
+    the rest before closing, so the client reads the 413 instead of a connection reset."""
+    mon = make_monitor(port=0, token="token-12345678").start()
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    conn.request("POST", "/profile", body=b"x" * 1_000_000, headers={"Authorization": "Bearer token-12345678"})
+    resp = conn.getresponse()
+    assert resp.status == 413 and "over" in json.loads(resp.read())["error"]
+    conn.close()
+    assert value(mon, "perfmon_agent_http_refused_total", reason="too_large") == 1
+    assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 0
+
+
+def test_http10_keep_alive_is_honoured(make_monitor) -> None:
+    mon = make_monitor(port=0).start()
+    with socket.create_connection(("127.0.0.1", _port(mon)), timeout=10) as s:
+        for _ in range(2):
+            s.sendall(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(1)
+            assert head.startswith(b"HTTP/1.1 200 OK") and b"Connection: keep-alive" in head
+            length = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
+            body = b""
+            while len(body) < length:
+                body += s.recv(length - len(body))
+            assert json.loads(body)["status"] == "ok"
+
+
 def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
     mon = make_monitor(port=0).start()
     answer = _raw(_port(mon), b"GET http://127.0.0.1/healthz?x=1 HTTP/1.0\r\n\r\n")
