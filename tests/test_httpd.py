@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from perfmon.httpd import MAX_HEADER_BYTES
 from perfmon.selfcost import CpuBudget
@@ -233,3 +235,53 @@ def test_a_client_that_never_reads_cannot_stall_the_server(make_monitor) -> None
     finally:
         s.close()
     assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 1
+
+
+_TEXT = st.text(alphabet=st.characters(codec="latin-1"), max_size=30)
+_RAW_REQUESTS = st.one_of(
+    st.binary(max_size=400),
+    st.builds(
+        lambda method, target, version, headers, length, body, sep: (
+            f"{method} {target} {version}{sep}".encode("latin-1", "replace")
+            + b"".join(f"{k}: {v}{sep}".encode("latin-1", "replace") for k, v in headers)
+            + (f"Content-Length: {length}{sep}".encode("latin-1", "replace") if length is not None else b"")
+            + sep.encode() + body),
+        method=st.sampled_from(["GET", "HEAD", "POST", "PUT", "", "G\x00T", "get"]) | _TEXT,
+        target=st.sampled_from(["/metrics", "/healthz", "/stats", "/profile", "/profiles", "*", "http://x/healthz",
+                                "/%2e%2e/x", "/%ff%fe"]) | _TEXT,
+        version=st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/2", "HTTP/1.1 extra", ""]) | _TEXT,
+        headers=st.lists(st.tuples(st.sampled_from(["Host", "Connection", "Accept", "Authorization",
+                                                    "Transfer-Encoding", "Accept-Encoding"]) | _TEXT, _TEXT),
+                         max_size=5),
+        length=st.none() | st.integers(-5, 20_000).map(str) | _TEXT,
+        body=st.binary(max_size=200),
+        sep=st.sampled_from(["\r\n", "\n", "\r"])),
+)
+_WIRE: dict[int, object] = {}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(raw=_RAW_REQUESTS)
+def test_raw_bytes_on_the_wire_never_break_the_server(make_monitor, raw: bytes) -> None:
+    """Random and malformed requests sent over a real socket: any answer is a well-formed HTTP status
+    below 500, the loop never faults, and the next client is served."""
+    mon = _WIRE.get(id(make_monitor))
+    if mon is None:
+        _WIRE.clear()
+        mon = _WIRE[id(make_monitor)] = make_monitor(port=0, token="token-12345678", http_cpu_budget=1.0).start()
+    port = _port(mon)  # type: ignore[arg-type]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(raw)
+        s.shutdown(socket.SHUT_WR)  # an unfinished request then ends: the server closes without an answer
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", answer):
+        assert int(status) < 500, (raw, answer[:300])
+    if answer:
+        assert answer.startswith(b"HTTP/1.1 "), answer[:100]
+    assert value(mon, "perfmon_internal_errors_total", stage="http") in (None, 0.0)  # type: ignore[arg-type]
+    assert _raw(port, b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
