@@ -478,7 +478,7 @@ class CaptureCollector(Collector):
 class AgentCollector(Collector):
     """The agent's own cost at scrape time."""
 
-    def __init__(self, *, cpu: AgentCpu, resolver: Any, http: HttpShedding | None = None) -> None:
+    def __init__(self, *, cpu: AgentCpu, resolver: Any, http: HttpShedding) -> None:
         self._cpu = cpu
         self._resolver = resolver
         self._http = http
@@ -494,14 +494,12 @@ class AgentCollector(Collector):
         lag.add_metric([], self._resolver.lag_seconds())
         pending = _family("perfmon_pending_records")
         pending.add_metric([], self._resolver.pending)
-        yield from (cpu, lag, pending)
-        if self._http is not None:
-            refused = _family("perfmon_agent_http_refused_total")
-            for reason, n in self._http.refused.items():
-                refused.add_metric([reason], n)
-            paused = _family("perfmon_agent_http_paused_seconds_total")
-            paused.add_metric([], self._http.paused_seconds)
-            yield from (refused, paused)
+        refused = _family("perfmon_agent_http_refused_total")
+        for reason, n in self._http.refused.items():
+            refused.add_metric([reason], n)
+        paused = _family("perfmon_agent_http_paused_seconds_total")
+        paused.add_metric([], self._http.paused_seconds)
+        yield from (cpu, lag, pending, refused, paused)
 
 
 def _versions() -> dict[str, str]:
