@@ -329,7 +329,11 @@ class AgentServer:
     def _reap(self, now: float) -> None:
         # A queued request waits on this server (its budget), not on the client: it is not cut.
         for conn in [c for c in self._conns if now > c.deadline and not c.queued]:
-            if conn.draining < 0:  # a refused one lingering was counted when it was refused
+            # Counted: a request or an answer stuck halfway, or a connection that never sent one. Not
+            # counted: a keep-alive connection idle after its answers (a scraper's, between scrapes),
+            # and a refused one lingering (counted when it was refused).
+            stuck = bool(conn.inbox) or conn.outbox is not None or conn.requests == 0
+            if stuck and conn.draining < 0:
                 self.shedding.refused["timeout"] += 1
             self._drop(conn)
 

@@ -160,6 +160,19 @@ def test_a_refused_body_gets_its_answer_not_a_reset(make_monitor) -> None:
     assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 0
 
 
+def test_an_idle_keep_alive_connection_is_closed_quietly(make_monitor) -> None:
+    """A scraper's keep-alive connection idle past the deadline is closed, and not counted as a timeout
+    (which would make every Prometheus with a long scrape interval look like an attacker)."""
+    mon = make_monitor(port=0, http_connection_timeout_seconds=1).start()
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    conn.request("GET", "/healthz")
+    assert conn.getresponse().read()
+    wait_until(lambda: mon._server is not None and mon._server.connections() == 0, timeout=10,
+               what="the idle connection to be closed")
+    conn.close()
+    assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 0
+
+
 def test_http10_keep_alive_is_honoured(make_monitor) -> None:
     mon = make_monitor(port=0).start()
     with socket.create_connection(("127.0.0.1", _port(mon)), timeout=10) as s:
@@ -226,7 +239,7 @@ def test_a_client_that_never_reads_cannot_stall_the_server(make_monitor) -> None
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", _port(mon)))
-    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 50)  # and read nothing for now
+    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 400)  # ~120 MB of answers; it reads none
     try:
         assert _raw(_port(mon), b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
         # still holding its answer half-sent, the reader is cut at the connection deadline
