@@ -397,6 +397,8 @@ class AgentServer:
             key = (request.headers.get("accept", ""), "gzip" in request.headers.get("accept-encoding", ""))
             cached = self._renders.get(key)
             if cached is None or cached[0] < request.read_at:
+                if len(self._renders) >= 8:  # Accept headers are the client's: keep a handful, not one each
+                    self._renders.clear()
                 started = time.monotonic()
                 cached = self._renders[key] = (started, self.router.handle(request.method, request.path,
                                                                            request.headers))

@@ -189,6 +189,16 @@ def test_http10_keep_alive_is_honoured(make_monitor) -> None:
             assert json.loads(body)["status"] == "ok"
 
 
+def test_shared_renders_are_bounded_whatever_the_accept_headers(make_monitor) -> None:
+    mon = make_monitor(port=0).start()
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    for i in range(50):
+        conn.request("GET", "/metrics", headers={"Accept": f"text/plain; q=0.{i}, x/{i}"})
+        assert conn.getresponse().read()
+    conn.close()
+    assert mon._server is not None and len(mon._server._renders) <= 8
+
+
 def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
     mon = make_monitor(port=0).start()
     answer = _raw(_port(mon), b"GET http://127.0.0.1/healthz?x=1 HTTP/1.0\r\n\r\n")
