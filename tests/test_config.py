@@ -31,6 +31,9 @@ def test_port_off_from_env() -> None:
     [
         ({"sample_rate": 0.0}, "sample_rate"),
         ({"sample_rate": 1.5}, "sample_rate"),
+        ({"http_cpu_budget": 0}, "http_cpu_budget"),
+        ({"http_cpu_budget": 2.0}, "http_cpu_budget"),
+        ({"http_cpu_budget": float("nan")}, "http_cpu_budget"),
         ({"port": 70000}, "port"),
         ({"port": True}, "port"),
         ({"warmup_calls": -1}, "warmup_calls"),
