@@ -130,6 +130,7 @@ def test_scrapes_that_queued_together_share_one_render(make_monitor) -> None:
 
     server.router.handle = counting  # type: ignore[method-assign]
     paused = value(mon, "perfmon_agent_http_paused_seconds_total")
+    server.budget.resume = server.budget.burst  # resume with 0.1 s of CPU: reading 50 requests fits one turn
     server.budget.charge(0.3)  # the next turn pauses for about 3 s
     wait_until(lambda: value(mon, "perfmon_agent_http_paused_seconds_total") > paused, timeout=10,
                what="the server to pause")
