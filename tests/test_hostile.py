@@ -154,7 +154,7 @@ def test_agent_stays_responsive_under_slowloris_floods_and_bad_tokens(make_monit
         worker.join(30)
         for s in slow:
             s.close()
-    # bad tokens: 401 until the address has failed 20 times in a second, then 429 at accept (no thread)
+    # bad tokens: 401 until the address has failed 20 times in a second, then 429 before routing
     assert results.count(200) == 50 and results.count(401) + results.count(429) == 300
     assert results.count(401) >= 20 and max(results) < 500
     assert calls[0] > 1000  # the model kept serving throughout
