@@ -4,7 +4,7 @@ Why not a thread per connection (stdlib ``wsgiref``, what prometheus_client's ``
 does): in the model's process every connection then costs a thread start, an email-parser header
 parse and a WSGI environ, all holding the GIL the model needs between its ops. Measured here
 (``benchmarks/hostile.py``) a flood of slowloris sockets, 50 scrapes a second and a bad-token loop
-left an in-process model at 0.83x the throughput of an unflooded twin (1.01x with this server).
+left an in-process model at 0.83x the throughput of an unflooded twin (0.96-1.02x with this server).
 This server instead:
 
 - multiplexes every connection on one thread with ``selectors``: an idle or slow socket costs a file
