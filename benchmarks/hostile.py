@@ -106,6 +106,10 @@ def _pct(xs: list[float], q: float) -> float:
     return float(sorted(xs)[min(len(xs) - 1, int(len(xs) * q / 100))]) if xs else 0.0
 
 
+#: Seconds the flood runs before the models are measured.
+_LEAD = 2.0
+
+
 def worker() -> None:
     """A model process with its own agent: prints its URL, then runs the model on each 'run SECONDS'."""
     torch.set_num_threads(1)
@@ -162,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             attacker = None
             if not args.aa:
                 attacker = subprocess.Popen(
-                    [sys.executable, __file__, "--attack", urls[target], "--seconds", str(args.seconds + 1)],
+                    [sys.executable, __file__, "--attack", urls[target], "--seconds", str(args.seconds + _LEAD + 1)],
                     stdout=subprocess.PIPE, text=True)
-                time.sleep(0.5)  # the flood is on before the model runs
+                # Measure the flood's steady state: the first second spends the budget's burst (0.1 s
+                # of CPU, refilled while the other worker was flooded), which a real flood pays once.
+                time.sleep(_LEAD)
             for w in workers:  # both models run over the same seconds
                 w.stdin.write(f"run {args.seconds}\n")  # type: ignore[union-attr]
                 w.stdin.flush()  # type: ignore[union-attr]
