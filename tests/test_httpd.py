@@ -309,3 +309,21 @@ def test_raw_bytes_on_the_wire_never_break_the_server(make_monitor, raw: bytes) 
         assert answer.startswith(b"HTTP/1.1 "), answer[:100]
     assert value(mon, "perfmon_internal_errors_total", stage="http") in (None, 0.0)  # type: ignore[arg-type]
     assert _raw(port, b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_serves_on_ipv6_loopback(make_monitor) -> None:
+    mon = make_monitor(host="::1", port=0).start()
+    assert mon.url.startswith("http://[::1]:")
+    with socket.create_connection(("::1", _port(mon)), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 200 OK")
