@@ -474,14 +474,11 @@ def _parse(inbox: bytearray) -> _Request | None:
     lf = inbox.find(b"\n\n", 0, end if end >= 0 else len(inbox))
     if lf >= 0:
         end, sep = lf, 2
-    if end < 0:
-        if len(inbox) > MAX_HEADER_BYTES:
-            raise _Refusal(Response.json(431, {"error": f"request line and headers over {MAX_HEADER_BYTES} bytes"}),
-                           "too_large")
-        return None
-    if end > MAX_HEADER_BYTES:
+    if (end if end >= 0 else len(inbox)) > MAX_HEADER_BYTES:
         raise _Refusal(Response.json(431, {"error": f"request line and headers over {MAX_HEADER_BYTES} bytes"}),
                        "too_large")
+    if end < 0:
+        return None
     lines = bytes(inbox[:end]).decode("latin-1").replace("\r\n", "\n").lstrip("\n").split("\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[0].isalpha() or not parts[2].startswith("HTTP/1."):
