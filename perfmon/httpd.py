@@ -222,7 +222,7 @@ class AgentServer:
             pass
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
-        if not self._thread.is_alive() or not self._thread.ident:
+        if not self._thread.is_alive():  # finished, or never started
             self._close_all()
         else:  # stuck in a handler: at least free the port
             _close(self._listener)

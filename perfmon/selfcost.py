@@ -103,9 +103,8 @@ class HttpShedding:
     """
 
     def __init__(self) -> None:
-        self.refused = dict.fromkeys(REFUSALS, 0)
-        self.paused_seconds = 0.0
+        self.reset_after_fork()
 
     def reset_after_fork(self) -> None:
-        self.refused = dict.fromkeys(REFUSALS, 0)
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.paused_seconds = 0.0
