@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._version import __version__
 from .clocks import CudaBackend, TimingEvent
 from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, Config, log_buckets
-from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, WrapError
+from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, PortUnavailable, WrapError
 from .instrument import MonitoredFunction, MonitoredModule, Span
 from .monitor import Monitor
 from .regression import RegressionPolicy
@@ -29,6 +29,7 @@ __all__ = [
     "MonitoredFunction",
     "MonitoredModule",
     "PerfmonError",
+    "PortUnavailable",
     "RegressionPolicy",
     "Span",
     "TimingEvent",

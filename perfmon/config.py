@@ -63,6 +63,10 @@ class Config:
     port: int | None = DEFAULT_PORT
     #: Multi-process servers: bind the first free port of port .. port + port_range - 1 (one per worker).
     port_range: int = 1
+    #: When no port of the range can be bound, raise ``PortUnavailable`` from start(). By default perfmon
+    #: never fails the application's start: it logs an error naming the range, keeps counting and timing
+    #: (the routes stay mountable) and retries the bind in the background.
+    require_port: bool = False
     #: An HTTP connection to the agent lasts at most this long (slow or stuck clients are cut off).
     http_connection_timeout_seconds: float = 30.0
     #: Fraction of one CPU core the agent's own HTTP server may spend, on average (a flood of scrapes or
@@ -110,6 +114,10 @@ class Config:
     oom_snapshot_cooldown_seconds: float = 600.0
     #: Bearer token required on the control and trace routes (/profile, /profiles...); never logged.
     token: str | None = field(default=None, repr=False)
+    #: Extra host names a request to the control and trace routes may name in its Host header (besides
+    #: localhost, IP addresses of the agent and its bound address): e.g. a Service name. Refusing other
+    #: names stops DNS rebinding. "*" allows any. PERFMON_ALLOWED_HOSTS is comma-separated.
+    allowed_hosts: tuple[str, ...] = ()
     #: Captures kept in trace_dir (oldest removed first), and their total size.
     trace_max_files: int = 20
     trace_max_bytes: int = 512 * 2**20
@@ -118,7 +126,9 @@ class Config:
     #: An armed capture whose model is not called within this many seconds is aborted.
     capture_arm_timeout_seconds: float = 60.0
     #: Initialise the profiler (~1 s, once per process) in start(), before traffic, so the first
-    #: capture does not stall a request. Only when captures are possible.
+    #: capture does not stall a request. Never in a process that is about to fork workers (a
+    #: pre-fork server's master, e.g. gunicorn --preload): a child forked from a process whose
+    #: profiler ran hangs or aborts at exit; there each worker prepares its own after the fork.
     prepare_profiler: bool = True
     #: Override the device peaks used by the capture roofline (FLOP/s and memory bytes/s); both or neither.
     peak_flops: float | None = None
@@ -165,6 +175,7 @@ class Config:
             "nvml": bool, "nvml_interval_seconds": (int, float), "trace_dir": str, "oom_snapshot": bool,
             "oom_snapshot_cooldown_seconds": (int, float), "trace_max_files": int, "trace_max_bytes": int,
             "manual_captures_per_hour": int, "capture_arm_timeout_seconds": (int, float), "prepare_profiler": bool,
+            "require_port": bool, "allowed_hosts": tuple,
         }
         for name, typ in _types.items():
             value = getattr(self, name)
@@ -195,6 +206,8 @@ class Config:
                 raise bad(name, "must be a positive number (or None)")
         if (self.peak_flops is None) != (self.peak_bandwidth is None):
             raise ConfigError("peak_flops and peak_bandwidth: set both or neither")
+        if not all(isinstance(h, str) and h.strip() for h in self.allowed_hosts):
+            raise bad("allowed_hosts", "expected host names (strings)")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
             raise ConfigError("token: expected a string of at least 8 characters (or None)")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
@@ -265,6 +278,8 @@ def _parse(var: str, raw: str, default: Any) -> Any:
             return None if text.lower() in ("", "none", "off") else int(text)
         if var == "PERFMON_TOKEN":
             return text or None
+        if var == "PERFMON_ALLOWED_HOSTS":
+            return tuple(p.strip() for p in text.split(",") if p.strip())
         if var in ("PERFMON_PEAK_FLOPS", "PERFMON_PEAK_BANDWIDTH"):
             return float(text) if text else None
         if isinstance(default, int):

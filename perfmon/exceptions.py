@@ -10,12 +10,13 @@ Hierarchy::
      ├── ConfigError (also a ValueError)   a setting, environment variable or capture option is invalid
      ├── WrapError   (also a TypeError)    an object cannot be wrapped (already wrapped, not callable)
      ├── CaptureBusy                       a capture (or the user's own profiler) is already running
-     └── CaptureRateLimited                too many captures recently; ``retry_after`` says when to retry
+     ├── CaptureRateLimited                too many captures recently; ``retry_after`` says when to retry
+     └── PortUnavailable (also an OSError) no port of the range could be bound and ``require_port`` is set
 """
 
 from __future__ import annotations
 
-__all__ = ["CaptureBusy", "CaptureRateLimited", "ConfigError", "PerfmonError", "WrapError"]
+__all__ = ["CaptureBusy", "CaptureRateLimited", "ConfigError", "PerfmonError", "PortUnavailable", "WrapError"]
 
 
 class PerfmonError(Exception):
@@ -47,3 +48,11 @@ class CaptureRateLimited(PerfmonError):
         #: Seconds until the next capture is allowed.
         self.retry_after = retry_after
         self.reason = reason
+
+
+class PortUnavailable(PerfmonError, OSError):
+    """``start()`` found no free port in ``port .. port + port_range - 1`` and ``require_port=True``.
+
+    Without ``require_port`` (the default) perfmon never fails the application's start for this: it
+    logs an error naming the range, keeps counting and timing, and retries the bind in the background.
+    """

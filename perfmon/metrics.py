@@ -144,6 +144,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_agent_http_paused_seconds_total": (
         "counter", "seconds", (),
         "Time the agent's HTTP server stopped reading because it had spent its CPU budget (http_cpu_budget)."),
+    "perfmon_agent_http_listening": (
+        "gauge", "boolean", (),
+        "1 while the agent's HTTP port is bound; 0 while no port of its range was free (timing goes on, "
+        "the bind is retried). Absent with port=None."),
     "perfmon_resolver_lag_seconds": (
         "gauge", "seconds", (), "Age of the oldest timed sample not yet resolved (0 when none)."),
     "perfmon_pending_records": ("gauge", "records", (), "Timed samples queued or waiting for their GPU events."),
@@ -478,10 +482,12 @@ class CaptureCollector(Collector):
 class AgentCollector(Collector):
     """The agent's own cost at scrape time."""
 
-    def __init__(self, *, cpu: AgentCpu, resolver: Any, http: HttpShedding) -> None:
+    def __init__(self, *, cpu: AgentCpu, resolver: Any, http: HttpShedding,
+                 listening: Callable[[], int | None] = lambda: None) -> None:
         self._cpu = cpu
         self._resolver = resolver
         self._http = http
+        self._listening = listening
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -500,6 +506,11 @@ class AgentCollector(Collector):
         paused = _family("perfmon_agent_http_paused_seconds_total")
         paused.add_metric([], self._http.paused_seconds)
         yield from (cpu, lag, pending, refused, paused)
+        listening = self._listening()
+        if listening is not None:
+            up = _family("perfmon_agent_http_listening")
+            up.add_metric([], listening)
+            yield up
 
 
 def _versions() -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from .capture import (
 )
 from .clocks import CudaBackend, NoCuda, TorchCuda
 from .config import Config
-from .exceptions import ConfigError, WrapError
+from .exceptions import ConfigError, PortUnavailable, WrapError
 from .faults import count_value
 from .history import History
 from .httpd import AgentServer
@@ -68,6 +69,9 @@ class Monitor:
                  nvml: Any = None, memory: MemorySource | None = None,
                  regression: RegressionPolicy | object | None = _DEFAULT,
                  profiler_factory: ProfilerFactory | None = None, **settings: Any) -> None:
+        if isinstance(nvml, bool):  # Monitor(nvml=False) is the documented setting, not a data source
+            settings["nvml"] = nvml
+            nvml = None
         self.config = Config.from_env(**settings)
         cfg = self.config
         if regression is _DEFAULT:
@@ -102,7 +106,8 @@ class Monitor:
         self._resolver = Resolver(self._hub, sinks, states=self._state_list, on_tick=self._tick,
                                   log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
         self.registry.register(CaptureCollector(detector=self.detector, controller=self.captures))
-        self.registry.register(AgentCollector(cpu=self._hub.cpu, resolver=self._resolver, http=self._hub.http))
+        self.registry.register(AgentCollector(cpu=self._hub.cpu, resolver=self._resolver, http=self._hub.http,
+                                              listening=self._listening))
         if memory is None and torch.cuda.is_available():
             memory = TorchMemory()
         self._memory = memory
@@ -121,6 +126,10 @@ class Monitor:
             memory=memory, nvml=self._nvml, internal=self._hub.internal,
             oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
         self._server: AgentServer | None = None
+        #: Why the last bind failed (None once bound), and when to try again (perf_counter_ns).
+        self._bind_error: str | None = None
+        self._bind_retry_ns: int | None = None
+        self._bind_failures = 0
         self._lifecycle = threading.Lock()
         self._running = False
         self._anon = itertools.count(1)
@@ -129,33 +138,34 @@ class Monitor:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> Monitor:
-        """Start the resolver thread and the HTTP server (unless ``port=None``). Idempotent."""
+        """Start the resolver thread and the HTTP server (unless ``port=None``). Idempotent.
+
+        Never fails the application's start over the port: when no port of the range is free it logs
+        an error naming the range, keeps counting and timing, reports it in ``/healthz`` and
+        ``perfmon_agent_http_listening``, and retries the bind in the background (``require_port=True``
+        raises ``PortUnavailable`` instead).
+        """
         with self._lifecycle:
             if self._running:
                 return self
             cfg = self.config
             self._hub.started_ns = perf_counter_ns()
             self._hub.timing = True
-            self.traces.sweep_temp()
-            if cfg.prepare_profiler:
-                try:
-                    took = warm_up_profiler()
-                    self._log.info("profiler_ready", seconds=round(took, 3))
-                except Exception as exc:
-                    self._hub.internal.report("capture", exc)
-            if cfg.port is not None:
-                self._server = AgentServer(
-                    Router(self, mounted=False), cfg.host, cfg.port, port_range=cfg.port_range,
-                    connection_timeout=cfg.http_connection_timeout_seconds, cpu_budget=cfg.http_cpu_budget,
-                    cpu=self._hub.cpu, shedding=self._hub.http, internal=self._hub.internal)
-                self.metrics.set_port(self._server.port)
+            try:
+                self.traces.sweep_temp()
+            except Exception as exc:  # an unusable trace_dir fails captures, never the start
+                self._hub.internal.report("trace_store", exc)
+            self._prepare_profiler()
+            # Timing first, the port second: a worker that cannot bind still counts and times its calls.
             self._resolver.start(cfg.resolve_interval_seconds)
             if self._nvml is not None:
                 self._nvml.start()
-            if self._server is not None:
-                self._server.start()
             self._running = True
-        if cfg.port is not None and cfg.token is None and not cfg.host.startswith(("127.", "::1", "localhost")):
+            if cfg.port is not None and not self._bind() and cfg.require_port:
+                error = self._bind_error
+                self._stop_locked()
+                raise PortUnavailable(f"perfmon: {error} (require_port=True)")
+        if cfg.port is not None and cfg.token is None and not _is_loopback(cfg.host):
             self._log.warning("control_api_disabled", host=cfg.host,
                               note="no token set on a non-loopback address: /profile and /profiles answer 403; "
                                    "/metrics, /healthz and /stats are served")
@@ -163,24 +173,104 @@ class Monitor:
                        cuda=self._hub.backend.available())
         return self
 
+    def _prepare_profiler(self) -> None:
+        """Take Kineto's ~1 s first start off the first capture, where that is safe (see Config)."""
+        global _PROFILER_PREPARED
+        if not self.config.prepare_profiler or _PROFILER_PREPARED:
+            return
+        server = _prefork_server(sys.modules, forked=_FORKED)
+        if server is not None:
+            self._log.info("profiler_prepare_deferred", server=server,
+                           note="this process may fork workers: each worker prepares its own profiler "
+                                "when its monitor restarts after the fork")
+            return
+        try:
+            took = warm_up_profiler()
+            _PROFILER_PREPARED = True
+            self._log.info("profiler_ready", seconds=round(took, 3))
+        except Exception as exc:
+            self._hub.internal.report("capture", exc)
+
+    def _bind(self) -> bool:
+        """Bind and start the agent's server (lifecycle lock held); False, logged and retried, if no port is free."""
+        cfg = self.config
+        assert cfg.port is not None
+        try:
+            server = AgentServer(
+                Router(self, mounted=False), cfg.host, cfg.port, port_range=cfg.port_range,
+                connection_timeout=cfg.http_connection_timeout_seconds, cpu_budget=cfg.http_cpu_budget,
+                cpu=self._hub.cpu, shedding=self._hub.http, internal=self._hub.internal)
+        except OSError as exc:
+            first = self._bind_error is None
+            self._bind_error = str(exc)
+            self._bind_failures += 1
+            # 1 s, 2 s, 4 s ... 30 s: a worker waiting for a port held in TIME_WAIT or by a dying
+            # sibling gets it soon; a range that is simply too narrow costs a bind() every 30 s.
+            delay = min(30.0, 2.0 ** min(self._bind_failures - 1, 5))
+            self._bind_retry_ns = perf_counter_ns() + int(delay * 1e9)
+            if first:
+                last = cfg.port + cfg.port_range - 1
+                self._log.error("port_unavailable", host=cfg.host, port_range=f"{cfg.port}..{last}",
+                                error=str(exc), pid=os.getpid(),
+                                note="timing and counting go on; the bind is retried in the background. "
+                                     "Widen PERFMON_PORT_RANGE to cover every process that starts a "
+                                     "monitor (workers, and the master if it starts one)")
+            return False
+        self._server = server
+        self.metrics.set_port(server.port)
+        server.start()
+        if self._bind_error is not None:
+            self._log.info("port_bound", url=server.url, attempts=self._bind_failures + 1)
+        self._bind_error = None
+        self._bind_retry_ns = None
+        self._bind_failures = 0
+        return True
+
+    def _retry_bind(self, now_ns: int) -> None:
+        """Housekeeping (resolver thread): try the port again once its back-off has passed."""
+        due = self._bind_retry_ns
+        if due is None or now_ns < due:
+            return
+        # Never wait for the lifecycle lock here: stop() holds it while it joins this thread.
+        if not self._lifecycle.acquire(blocking=False):
+            return
+        try:
+            if self._running and self._server is None and self.config.port is not None:
+                self._bind()
+        finally:
+            self._lifecycle.release()
+
+    def _listening(self) -> int | None:
+        """1 while the agent's port is bound, 0 while it is not (retrying); None when it serves none."""
+        if self.config.port is None or not self._running:
+            return None
+        return 1 if self._server is not None else 0
+
     def stop(self) -> None:
         """Stop timing, resolve in-flight samples (bounded), join threads, close the port. Idempotent."""
         with self._lifecycle:
             if not self._running:
                 return
-            self._running = False
-            timeout = self.config.stop_timeout_seconds
-            self._hub.timing = False
-            if self._server is not None:
-                self._server.stop(timeout)
-                self._server = None
-            self.captures.stop(timeout)
-            self._resolver.stop(timeout)
-            if self._nvml is not None:
-                self._nvml.stop(timeout)
-            if self._oom is not None:
-                self._oom.join(timeout)
+            self._stop_locked()
         self._log.info("stopped", calls=sum(count_value(s.calls) for s in self._state_list()))
+
+    def _stop_locked(self) -> None:
+        self._running = False
+        timeout = self.config.stop_timeout_seconds
+        self._hub.timing = False
+        self._bind_retry_ns = None
+        self._bind_error = None
+        self._bind_failures = 0
+        if self._server is not None:
+            self._server.stop(timeout)
+            self._server = None
+            self.metrics.set_port(None)
+        self.captures.stop(timeout)
+        self._resolver.stop(timeout)
+        if self._nvml is not None:
+            self._nvml.stop(timeout)
+        if self._oom is not None:
+            self._oom.join(timeout)
 
     def _after_fork_in_child(self) -> None:
         """A fresh agent in a forked child (gunicorn --preload, multiprocessing 'fork').
@@ -191,6 +281,7 @@ class Monitor:
         was running, the child starts its own threads and binds its own port (see ``port_range``).
         """
         was_running = self._running
+        self._bind_error, self._bind_retry_ns, self._bind_failures = None, None, 0
         self._lifecycle = threading.Lock()
         self._names_lock = threading.Lock()
         self._running = False
@@ -304,6 +395,7 @@ class Monitor:
         if self.detector is not None:
             self._fire(self.detector.tick(now_ns))
         self.captures.tick()
+        self._retry_bind(now_ns)
         if self.history.due(now_ns):
             self.history.record(
                 now_ns,
@@ -411,6 +503,10 @@ class Monitor:
                    items: Any = None) -> ModelState:
         if not isinstance(name, str) or not name or len(name) > 128:
             raise ConfigError(f"model name {name!r}: expected a non-empty string of at most 128 characters")
+        if not _printable_utf8(name):
+            # A lone surrogate cannot be encoded: every /metrics render would fail (500) from then on.
+            raise ConfigError(f"model name {name!r}: expected printable characters that encode as UTF-8 "
+                              "(no control characters, no lone surrogates)")
         with self._names_lock:
             if name in self._states:
                 raise ConfigError(f"model name {name!r} is already monitored; pass a distinct name=")
@@ -464,6 +560,7 @@ class Monitor:
             }
         return {
             "version": __version__,
+            "pid": os.getpid(),  # which worker of a multi-process server answered
             "uptime_seconds": (now - self._hub.started_ns) / 1e9,
             "window_seconds": self.config.stats_window_seconds,
             "pending_samples": self._resolver.pending,
@@ -477,9 +574,25 @@ class Monitor:
         }
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, details): healthy while the resolver thread runs."""
+        """(healthy, details): healthy while the resolver thread runs.
+
+        ``http`` says whether the agent's own port is bound: "listening", "unbound" (no free port in
+        the range; timing goes on and the bind is retried, ``error`` says why) or "off" (``port=None``).
+        An unbound port does not make the monitor unhealthy: the application and its mounted routes
+        are fine.
+        """
         alive = self._resolver.alive
-        return alive, {"resolver": "running" if alive else "stopped", "models": len(self._states)}
+        detail: dict[str, Any] = {"resolver": "running" if alive else "stopped", "models": len(self._states)}
+        server, error = self._server, self._bind_error
+        if self.config.port is None:
+            detail["http"] = "off"
+        elif server is not None:
+            detail["http"], detail["port"] = "listening", server.port
+        elif error is not None:
+            detail["http"], detail["error"] = "unbound", error
+        else:
+            detail["http"] = "stopped"
+        return alive, detail
 
     @property
     def wsgi_app(self) -> Callable[..., Any]:
@@ -493,9 +606,47 @@ class Monitor:
 
 
 _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()
+#: Set in a child forked after perfmon was imported: it is a worker, safe to prepare a profiler in.
+_FORKED = False
+#: This process initialised the profiler (Kineto) ahead of captures; a fork from now on is unsafe.
+_PROFILER_PREPARED = False
+_WARNED_FORK = False
+
+#: Modules whose presence means this process may be a pre-fork server's master: it imports the
+#: application (and so starts the monitor), then forks the workers.
+PREFORK_SERVERS = ("gunicorn.arbiter", "uwsgi", "uwsgidecorators", "billiard")
+
+
+def _prefork_server(modules: Any, *, forked: bool) -> str | None:
+    """The pre-fork server this process may be the master of, or None (safe to prepare a profiler).
+
+    A forked child (a worker) is safe: it forks no further workers. In a process that loads a
+    pre-fork server and was not forked since perfmon was imported, it may be the master.
+    """
+    if forked:
+        return None
+    return next((m for m in PREFORK_SERVERS if m in modules), None)
+
+
+def _before_fork() -> None:
+    """Parent, just before fork(): say so once if the profiler ran here (the child may hang at exit)."""
+    global _WARNED_FORK
+    if _PROFILER_PREPARED and not _WARNED_FORK and _LIVE:
+        _WARNED_FORK = True
+        for monitor in list(_LIVE)[:1]:
+            try:
+                monitor._log.error("fork_after_profiler", pid=os.getpid(),
+                                   note="torch.profiler ran in this process before fork(): a child that exits "
+                                        "through sys.exit may hang or abort; start the monitor after the fork "
+                                        "or pass prepare_profiler=False")
+            except Exception:  # pragma: no cover - never break a fork
+                pass
 
 
 def _reinit_after_fork() -> None:
+    global _FORKED, _PROFILER_PREPARED
+    _FORKED = True
+    _PROFILER_PREPARED = False  # the child's own Kineto state is not initialised by the parent's run
     for monitor in list(_LIVE):
         try:
             monitor._after_fork_in_child()
@@ -513,7 +664,7 @@ def _stop_at_exit() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reinit_after_fork)
+    os.register_at_fork(before=_before_fork, after_in_child=_reinit_after_fork)
 atexit.register(_stop_at_exit)
 
 
@@ -525,6 +676,26 @@ def _items_stats(st: ModelState, uptime_seconds: float) -> dict[str, Any]:
         out["padded_items"] = padded
         out["padding_ratio"] = (1 - items / padded) if padded else 0.0  # type: ignore[operator]
     return out
+
+
+def _is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost`` itself (not any name that merely starts with it)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _printable_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return text.isprintable()
 
 
 def _check_items(items: Any) -> None:

@@ -78,8 +78,8 @@ def test_public_surface_is_locked() -> None:
     assert set(perfmon.__all__) == {
         "DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "CaptureBusy", "CaptureRateLimited", "Config",
         "ConfigError", "CudaBackend", "RegressionPolicy",
-        "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "Span", "TimingEvent", "WrapError",
-        "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
+        "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "PortUnavailable", "Span", "TimingEvent",
+        "WrapError", "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
     }
     for name in perfmon.__all__:
         assert hasattr(perfmon, name)

@@ -1,0 +1,182 @@
+"""Lifecycle: perfmon never fails the application's start, restarts on its own port, refuses bad names."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+import pytest
+import torch
+
+import perfmon
+from perfmon.monitor import _is_loopback, _prefork_server
+
+from .conftest import value, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape_keepalive(port: int) -> http.client.HTTPConnection:
+    """One /metrics answered on a keep-alive connection that the client leaves open."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.read()
+    return conn
+
+
+def test_restart_on_the_same_port_after_a_keepalive_scrape(make_monitor) -> None:
+    """stop() then start() binds the same port although the scraper's connection left it in TIME_WAIT."""
+    port = _free_port()
+    mon = make_monitor(port=port).start()
+    conn = _scrape_keepalive(port)
+    mon.stop()  # the server closes the connection first: its side of it waits in TIME_WAIT
+    try:
+        mon.start()
+        assert mon.url == f"http://127.0.0.1:{port}"
+        assert mon.health()[1]["http"] == "listening"
+        conn2 = _scrape_keepalive(port)
+        conn2.close()
+    finally:
+        conn.close()
+
+
+def test_a_second_live_listener_still_cannot_share_the_port(make_monitor) -> None:
+    """SO_REUSEADDR does not let two live agents bind one port: the second takes the next one of its range."""
+    port = _free_port()
+    first = make_monitor(port=port, port_range=3).start()
+    second = make_monitor(port=port, port_range=3).start()
+    assert first.url.endswith(f":{port}")
+    assert second.url is not None and not second.url.endswith(f":{port}")
+
+
+def test_no_free_port_keeps_timing_reports_it_and_binds_later(make_monitor, capsys) -> None:
+    """With every port of its range taken, start() returns, timing and counting go on, /healthz and a metric
+    say so, the error names the range, and the port is bound once it frees up."""
+    port = _free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen(1)
+    try:
+        mon = make_monitor(port=port, sample_rate=1.0, log_level="info").start()
+        assert mon.running and mon.url is None
+        model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+        for _ in range(10):
+            model(torch.ones(2, 4))
+        assert mon.flush(timeout=5)
+        assert value(mon, "perfmon_forward_calls_total", model="m") == 10
+        stats = mon.stats()["models"]["m"]
+        assert stats["sampled"] == 10 and stats["latency"]["steady"]["duration"]["count"] == 7
+        assert value(mon, "perfmon_agent_http_listening") == 0
+        healthy, detail = mon.health()
+        assert healthy and detail["http"] == "unbound" and str(port) in detail["error"]
+        # The mounted routes keep working and tell the same story.
+        status, body = _wsgi_get(mon, "/healthz")
+        assert status.startswith("200") and json.loads(body)["http"] == "unbound"
+        logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+        errors = [e for e in logged if e.get("event") == "port_unavailable"]
+        assert len(errors) == 1 and errors[0]["level"] == "error" and errors[0]["port_range"] == f"{port}..{port}"
+    finally:
+        blocker.close()
+    # The bind is retried in the background (first retry after 1 s).
+    wait_until(lambda: mon.url is not None, timeout=10, what="the background bind")
+    assert mon.url == f"http://127.0.0.1:{port}"
+    assert value(mon, "perfmon_agent_http_listening") == 1
+    conn = _scrape_keepalive(port)
+    conn.close()
+    assert any(json.loads(line).get("event") == "port_bound"
+               for line in capsys.readouterr().err.splitlines() if line.startswith("{"))
+    mon.stop()  # while capsys still holds the stream its logger writes to
+
+
+def test_require_port_raises_and_leaves_nothing_running(make_monitor) -> None:
+    """require_port=True makes an unavailable port an error from start(), with no thread left behind."""
+    port = _free_port()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", port))
+        blocker.listen(1)
+        mon = make_monitor(port=port, require_port=True)
+        with pytest.raises(perfmon.PortUnavailable, match=f"{port}..{port}"):
+            mon.start()
+        assert not mon.running
+        assert not mon._resolver.alive
+        assert isinstance(perfmon.PortUnavailable("x"), OSError)
+
+
+def test_port_none_exports_no_listening_gauge(make_monitor) -> None:
+    """A monitor that serves no HTTP (mounted routes only) has no perfmon_agent_http_listening series."""
+    mon = make_monitor(port=None).start()
+    assert value(mon, "perfmon_agent_http_listening") is None
+    assert mon.health()[1]["http"] == "off"
+
+
+@pytest.mark.parametrize("name", ["enc\ud800oder", "line\nbreak", "tab\there", "\x00"])
+def test_model_names_that_would_break_every_scrape_are_refused(make_monitor, name: str) -> None:
+    """A lone surrogate or a control character in a model name is a ConfigError at wrap(), not a 500 on /metrics."""
+    mon = make_monitor()
+    with pytest.raises(perfmon.ConfigError, match="printable characters"):
+        mon.wrap(torch.nn.Linear(2, 2), name=name)
+    assert mon._states == {}
+
+
+def test_nvml_false_is_the_setting_not_a_data_source(make_monitor) -> None:
+    """Monitor(nvml=False), a documented setting, turns NVML off instead of being taken as the pynvml module."""
+    mon = make_monitor(nvml=False).start()
+    assert mon.config.nvml is False and mon._nvml is None
+    assert mon.devices()["nvml_up"] is None
+
+
+def test_profiler_is_not_prepared_in_a_likely_prefork_master() -> None:
+    """A process with a pre-fork server loaded (gunicorn's arbiter) defers the profiler to its forked workers."""
+    assert _prefork_server({"gunicorn.arbiter": object()}, forked=False) == "gunicorn.arbiter"
+    assert _prefork_server({"uwsgi": object()}, forked=False) == "uwsgi"
+    assert _prefork_server({"gunicorn.arbiter": object()}, forked=True) is None  # a worker, after the fork
+    assert _prefork_server({"json": json}, forked=False) is None
+
+
+def test_loopback_is_an_address_not_a_prefix() -> None:
+    """Only loopback addresses and 'localhost' itself count as loopback for the no-token warning."""
+    assert _is_loopback("127.0.0.1") and _is_loopback("127.8.9.1") and _is_loopback("::1")
+    assert _is_loopback("[::1]") and _is_loopback("localhost")
+    assert not _is_loopback("localhost.corp.example") and not _is_loopback("127.example.com")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.1")
+
+
+def _wsgi_get(mon: perfmon.Monitor, path: str) -> tuple[str, bytes]:
+    import io
+
+    seen: dict[str, str] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+        seen["status"] = status
+
+    body = b"".join(mon.wsgi_app({"REQUEST_METHOD": "GET", "PATH_INFO": path, "wsgi.input": io.BytesIO()},
+                                 start_response))
+    return seen["status"], body
+
+
+def test_time_wait_really_blocked_the_port_without_the_option() -> None:
+    """The premise: after a server-side close of an answered connection, a plain bind of that port fails."""
+    port = _free_port()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", port))
+    srv.listen(1)
+    cli = socket.create_connection(("127.0.0.1", port), timeout=5)
+    conn, _ = srv.accept()
+    conn.sendall(b"x")
+    assert cli.recv(1) == b"x"
+    conn.close()  # the server closes first: its end goes to TIME_WAIT once the client closes too
+    cli.close()
+    srv.close()
+    plain = socket.socket()
+    try:
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    finally:
+        plain.close()
