@@ -10,16 +10,28 @@ is flooded, so a difference between the two workers cancels out:
 
 ``--aa`` runs the same rounds with no flood at all: the noise floor of that ratio.
 
+``--health`` measures what a liveness probe sees instead, one flood kind at a time: a ``/healthz``
+probe on a fresh connection every 0.1 s (as the kubelet opens one per probe) and a legitimate scrape
+every second, under 50 closed-loop ``/metrics`` clients (``metrics``), 50 clients asking for unknown
+paths (``404``), 50 clients varying ``Accept`` on every scrape (``accept``), 50 ``/stats`` pollers
+(``stats``), 300 idle connections reopened constantly (``idle``), 8 clients sending bad tokens
+(``tokens``), and the legitimate load of ``legit``: 4 models at 100% sampling, three status pages
+(each polls ``/stats`` every 3 s) and a scrape every 15 s (its rounds last 30 s: two scrapes each).
+
     python benchmarks/hostile.py [--seconds 10] [--rounds 6] [--aa]
+    python benchmarks/hostile.py --health [--seconds 8] [--rounds 2] [--kinds metrics,404,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import http.client
 import json
 import math
 import os
+import random
+import selectors
 import socket
 import statistics
 import subprocess
@@ -102,6 +114,133 @@ def attack(url: str, seconds: float) -> dict[str, Any]:
             "health_p50": _pct(health_s, 50), "health_max": max(health_s, default=0.0)}
 
 
+#: The flood kinds of --health, in the order they run.
+KINDS = ("metrics", "404", "accept", "stats", "idle", "tokens", "legit")
+
+
+def probe(host: str, port: int, timeout: float = 10.0) -> float:
+    """One liveness probe as the kubelet sends it (a new connection each time): seconds to the whole answer.
+
+    A probe that fails or gets no 200 counts as ``timeout`` seconds (what the kubelet would see: a failure).
+    """
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        if not data.startswith(b"HTTP/1.1 200"):
+            return timeout
+    except OSError:
+        return timeout
+    return time.monotonic() - t0
+
+
+def flood(url: str, kind: str, seconds: float) -> dict[str, Any]:
+    """One kind of flood (see the module docstring) with a probe every 0.1 s and a scrape every second."""
+    host, port_text = url.removeprefix("http://").split(":")
+    port = int(port_text)
+    stop = time.monotonic() + seconds
+    seen: collections.Counter[str] = collections.Counter()
+    health_s: list[float] = []
+    scrape_s: list[float] = []
+
+    def loop(path: str, headers: Any = None) -> None:  # one closed-loop client on a keep-alive connection
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            try:
+                conn.request("GET", path, headers=headers(i) if callable(headers) else (headers or {}))
+                r = conn.getresponse()
+                r.read()
+                seen[f"{kind} {r.status}"] += 1
+                if r.will_close:
+                    conn.close()
+            except (OSError, http.client.HTTPException) as e:
+                seen[f"{kind} {type(e).__name__}"] += 1
+                conn.close()
+                time.sleep(0.01)
+        conn.close()
+
+    def idle() -> None:  # 300 connections that never send a byte, each reopened after 0.2-1 s or when cut
+        sel = selectors.DefaultSelector()
+        live: dict[socket.socket, float] = {}
+
+        def reopen(old: socket.socket | None) -> None:
+            if old is not None:
+                sel.unregister(old)
+                live.pop(old, None)
+                old.close()
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, port))
+            sel.register(s, selectors.EVENT_READ)
+            live[s] = time.monotonic() + random.uniform(0.2, 1.0)
+            seen["idle opened"] += 1
+
+        for _ in range(300):
+            reopen(None)
+        while time.monotonic() < stop:
+            for key, _ in sel.select(0.01):
+                reopen(key.fileobj)  # type: ignore[arg-type]  # cut by the server (or refused): at once again
+            now = time.monotonic()
+            for s in [s for s, t in live.items() if t < now]:
+                reopen(s)
+        for s in list(live):
+            s.close()
+        sel.close()
+
+    def periodic(path: str, every: float, out: list[float] | None, phase: float = 0.0) -> None:
+        time.sleep(phase)
+        while time.monotonic() < stop:
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(url + path, timeout=30) as r:
+                    r.read()
+                    seen[f"{path} {r.status}"] += 1
+            except OSError as e:
+                seen[f"{path} {type(e).__name__}"] += 1
+            if out is not None:
+                out.append(time.monotonic() - t0)
+            time.sleep(max(0.0, every - (time.monotonic() - t0)))
+
+    def probes() -> None:
+        while time.monotonic() < stop:
+            health_s.append(probe(host, port))
+            time.sleep(0.1)
+
+    threads: list[threading.Thread] = []
+    if kind == "metrics":
+        threads += [threading.Thread(target=loop, args=("/metrics",)) for _ in range(50)]
+    elif kind == "404":
+        threads += [threading.Thread(target=loop, args=(f"/nope/{i}",)) for i in range(50)]
+    elif kind == "accept":
+        threads += [threading.Thread(target=loop, args=("/metrics", lambda i, c=c: {
+            "Accept": f"application/openmetrics-text; version=1.0.0; q=0.{c % 9 + 1}, text/plain; q=0.{i % 9 + 1}, "
+                      f"x/{c}-{i}"})) for c in range(50)]
+    elif kind == "stats":
+        threads += [threading.Thread(target=loop, args=("/stats",)) for _ in range(50)]
+    elif kind == "idle":
+        threads.append(threading.Thread(target=idle))
+    elif kind == "tokens":
+        threads += [threading.Thread(target=loop, args=("/profiles", lambda i, c=c: {
+            "Authorization": f"Bearer guess-{c}-{i}", "X-Perfmon": "1"})) for c in range(8)]
+    elif kind == "legit":  # three status pages and a scraper; the scrape is what is measured
+        threads += [threading.Thread(target=periodic, args=("/stats", 3.0, None, p)) for p in (0.0, 1.0, 2.0)]
+    if kind == "legit":
+        threads.append(threading.Thread(target=periodic, args=("/metrics", 15.0, scrape_s, 2.5)))
+    else:
+        threads.append(threading.Thread(target=periodic, args=("/metrics", 1.0, scrape_s, 0.5)))
+    threads.append(threading.Thread(target=probes))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return {"seen": dict(seen), "health": health_s, "scrape": scrape_s}
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(sorted(xs)[min(len(xs) - 1, int(len(xs) * q / 100))]) if xs else 0.0
 
@@ -110,19 +249,23 @@ def _pct(xs: list[float], q: float) -> float:
 _LEAD = 2.0
 
 
-def worker() -> None:
-    """A model process with its own agent: prints its URL, then runs the model on each 'run SECONDS'."""
+def worker(legit: bool = False) -> None:
+    """A model process with its own agent: prints its URL, then runs the model on each 'run SECONDS'.
+
+    ``legit``: four models at 100% sampling (called in turn), the heaviest legitimate setup.
+    """
     torch.set_num_threads(1)
     # No regression detector: a flood that slows the model would (rightly) trigger profiler captures,
     # which would perturb the very throughput measured here.
-    mon = monitor(port=0, token="hostile-bench-token", regression=None)
+    mon = monitor(port=0, token="hostile-bench-token", regression=None, **({"sample_rate": 1.0} if legit else {}))
     mon.start()
-    model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)),
-                     name="m")
+    models = [mon.wrap(torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)),
+                       name=f"m{i}" if legit else "m") for i in range(4 if legit else 1)]
     x = torch.randn(32, 128)
     with torch.inference_mode():
         for _ in range(200):  # warm up
-            model(x)
+            for model in models:
+                model(x)
     print(mon.url, flush=True)
     for line in sys.stdin:
         seconds = float(line.split()[1])
@@ -130,7 +273,7 @@ def worker() -> None:
         n, t0 = 0, time.monotonic()
         with torch.inference_mode():
             while time.monotonic() - t0 < seconds:
-                model(x)
+                models[n % len(models)](x)
                 n += 1
         elapsed = time.monotonic() - t0
         shed = {s.labels["reason"]: int(s.value) for fam in mon.registry.collect() for s in fam.samples
@@ -145,16 +288,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=6, help="rounds (pairs alternate the flooded worker)")
     parser.add_argument("--aa", action="store_true", help="no flood: the noise floor of the ratio")
+    parser.add_argument("--health", action="store_true", help="probe latency per flood kind (see above)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds for --health, comma-separated")
     parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--legit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.attack and args.kind:
+        print(json.dumps(flood(args.attack, args.kind, args.seconds)), flush=True)
+        return 0
     if args.attack:
         print(json.dumps(attack(args.attack, args.seconds)), flush=True)
         return 0
     if args.worker:
-        worker()
+        worker(args.legit)
         return 0
     print(machine() + "\n")
+    if args.health:
+        return health_main(args.seconds, args.rounds, [k for k in args.kinds.split(",") if k])
     workers = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
     urls = [w.stdout.readline().strip() for w in workers]  # type: ignore[union-attr]
@@ -202,6 +354,73 @@ def main(argv: list[str] | None = None) -> int:
               + f"; scrape p50 {saw['scrape_p50'] * 1e3:.0f} ms, max {saw['scrape_max'] * 1e3:.0f} ms"
               + f"; /healthz p50 {saw['health_p50'] * 1e3:.0f} ms, max {saw['health_max'] * 1e3:.0f} ms"
               + f"; refused by the agent: {saw['refused']}")
+    return 0
+
+
+def _workers(legit: bool) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    extra = ["--legit"] if legit else []
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker", *extra], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    return workers, [w.stdout.readline().strip() for w in workers]  # type: ignore[union-attr]
+
+
+def _close(workers: list[subprocess.Popen[str]]) -> None:
+    for w in workers:
+        w.stdin.close()  # type: ignore[union-attr]
+        w.wait(30)
+
+
+def health_main(seconds: float, rounds: int, kinds: list[str]) -> int:
+    """--health: for each flood kind, rounds alternating the flooded worker; probe and scrape latencies."""
+    rows = []
+    plain: tuple[list[subprocess.Popen[str]], list[str]] | None = None
+    try:
+        for kind in kinds:
+            legit = kind == "legit"
+            if legit:
+                workers, urls = _workers(True)
+            else:
+                plain = plain or _workers(False)
+                workers, urls = plain
+            length = max(seconds, 30.0) if legit else seconds
+            health: list[float] = []
+            scrape: list[float] = []
+            ratios: list[float] = []
+            cpu = 0.0
+            seen: collections.Counter[str] = collections.Counter()
+            try:
+                for i in range(rounds):
+                    target = i % 2
+                    attacker = subprocess.Popen([sys.executable, __file__, "--attack", urls[target], "--kind", kind,
+                                                 "--seconds", str(length + _LEAD + 1)], stdout=subprocess.PIPE,
+                                                text=True)
+                    time.sleep(_LEAD)
+                    for w in workers:
+                        w.stdin.write(f"run {length}\n")  # type: ignore[union-attr]
+                        w.stdin.flush()  # type: ignore[union-attr]
+                    got = [json.loads(w.stdout.readline()) for w in workers]  # type: ignore[union-attr]
+                    out, _ = attacker.communicate(timeout=length + 120)
+                    saw = json.loads(out.strip().splitlines()[-1])
+                    health += saw["health"]
+                    scrape += saw["scrape"]
+                    seen.update(saw["seen"])
+                    cpu += got[target]["http_cpu"]
+                    ratios.append(got[target]["rate"] / got[1 - target]["rate"])
+            finally:
+                if legit:
+                    _close(workers)
+            pairs = [math.sqrt(a * b) for a, b in zip(ratios[::2], ratios[1::2], strict=False)] or ratios
+            rows.append([kind, str(len(health)), f"{_pct(health, 50) * 1e3:.0f}", f"{_pct(health, 99) * 1e3:.0f}",
+                         f"{max(health, default=0) * 1e3:.0f}", str(sum(h >= 10.0 for h in health)),
+                         f"{_pct(scrape, 50) * 1e3:.0f}", f"{max(scrape, default=0) * 1e3:.0f}",
+                         f"{statistics.median(pairs):.3f}", f"{100 * cpu / (rounds * length):.2f}"])
+            print(f"{kind}: " + ", ".join(f"{k}: {v}" for k, v in sorted(seen.items())), flush=True)
+    finally:
+        if plain is not None:
+            _close(plain[0])
+    print()
+    print(table(["flood", "probes", "/healthz p50 ms", "p99 ms", "max ms", "failed (10 s)", "scrape p50 ms",
+                 "scrape max ms", "model ratio", "agent HTTP CPU, % of a core"], rows))
     return 0
 
 

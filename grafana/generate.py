@@ -85,7 +85,9 @@ def variables(gpu: bool) -> list[dict[str, Any]]:
          "current": {}, "refresh": 1, "hide": 0},
         query("job", "label_values(perfmon_info, job)", "Job"),
         query("instance", 'label_values(perfmon_info{job=~"$job"}, instance)', "Instance"),
-        query("model", 'label_values(perfmon_forward_calls_total{job=~"$job", instance=~"$instance"}, model)', "Model"),
+        # Forward models and generation names (monitor.stream/generation may use a name no model has).
+        query("model", 'label_values({__name__=~"perfmon_forward_calls_total|perfmon_generation_requests_total", '
+              'job=~"$job", instance=~"$instance"}, model)', "Model"),
     ]
     out.append(query("gpu", 'label_values(perfmon_gpu_memory_total_bytes{job=~"$job", instance=~"$instance"}, gpu)',
                      "GPU"))
@@ -124,6 +126,49 @@ def dashboard(uid: str, title: str, description: str, board: Board, links: list[
     }
 
 
+def _quantiles(metric: str, selector: str, by: str, legend: str, qs: tuple[str, ...] = ("0.5", "0.99")) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{selector}}}[{RATE}])))",
+             f"{legend} p{round(float(q) * 100)}") for q in qs]
+
+
+def generation(b: Board) -> None:
+    """The Generation row: requests, tokens, TTFT, ITL (monitor.generation/stream, HF generate()), prefill vs decode."""
+    b.row("Generation")
+    b.panel("Time to first token", _quantiles("perfmon_time_to_first_token_seconds", MODEL, "model", "{{model}}"),
+            "s", description="From a generation request's start to its first token handed to the caller (host "
+            "time): queueing plus prefill. Buckets 10% apart from 1 ms to 60 s.")
+    b.panel("Inter-token latency", _quantiles("perfmon_inter_token_latency_seconds", MODEL, "model", "{{model}}"),
+            "s", description="Gap between consecutive tokens handed to the caller (a chunk of n tokens counts n "
+            "gaps of gap/n): the decode step as a user sees it. Buckets 10% apart from 0.5 ms to 1 s.")
+    b.panel("Tokens per second", [
+        (f"sum by (model) (rate(perfmon_generated_tokens_total{{{MODEL}}}[{RATE}]))", "{{model}} generated"),
+    ], "short", description="Tokens handed to callers per second, every token counted exactly.")
+    b.panel("Prompt vs generated tokens", [
+        (f"sum by (model) (rate(perfmon_prompt_tokens_total{{{MODEL}}}[{RATE}]))", "{{model}} prompt/s"),
+        (f"sum by (model) (rate(perfmon_generated_tokens_total{{{MODEL}}}[{RATE}]))", "{{model}} generated/s"),
+        (f"sum by (model) (rate(perfmon_generation_prompt_tokens_sum{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model) (rate(perfmon_generation_prompt_tokens_count{{{MODEL}}}[{RATE}]))", "{{model}} prompt/request"),
+        (f"sum by (model) (rate(perfmon_generation_output_tokens_sum{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model) (rate(perfmon_generation_output_tokens_count{{{MODEL}}}[{RATE}]))",
+         "{{model}} generated/request"),
+    ], "short", description="Prompt and generated tokens per second (prefill vs decode work), and the mean per "
+        "request that ended ok: a TTFT change with longer prompts is the traffic, not the model.")
+    b.panel("Requests by outcome", [
+        (f"sum by (model, outcome) (rate(perfmon_generation_requests_total{{{MODEL}}}[{RATE}]))",
+         "{{model}} {{outcome}}"),
+    ], "reqps", stack=True, description="Generation requests that ended per second: ok, error (an exception passed "
+        "through), cancelled (the client went away, the stream was closed early).")
+    stages = f'{MODEL}, stage=~"prefill|decode"'
+    b.panel("Forward latency: prefill vs decode", [
+        *_quantiles("perfmon_forward_duration_seconds", stages, "model, stage", "{{model}} {{stage}}"),
+        (f"sum by (model, stage) (rate(perfmon_forward_calls_total{{{stages}}}[{RATE}]))", "{{model}} {{stage}} calls/s"),
+    ], "s", description="Sampled forward duration (device time on GPU) of a generative model's prefill steps (the "
+        "prompt) and decode steps (one token against the KV cache), cold and steady; calls per second on the "
+        "right axis.", extra={"fieldConfig": {"defaults": {"unit": "s"}, "overrides": [
+            {"matcher": {"id": "byFrameRefID", "options": "C"},
+             "properties": [{"id": "unit", "value": "reqps"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+
+
 def overview() -> dict[str, Any]:
     b = Board()
     steady = f'{MODEL}, phase="steady"'
@@ -154,18 +199,22 @@ def overview() -> dict[str, Any]:
         extra={"options": {"calculate": False, "yAxis": {"unit": "short"}, "cellGap": 1,
                            "color": {"mode": "scheme", "scheme": "Oranges"}}})
     b.row("Latency")
+    # By stage too: a generative model's prefill and decode differ 10-100x, mixed their percentiles follow the
+    # traffic's prompt lengths. A model with one stage has no stage label, so its legend is just the model.
     b.panel("Steady-state latency (sampled) with baseline and threshold", [
-        (f"histogram_quantile(0.5, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
-         "{{model}} p50"),
-        (f"histogram_quantile(0.95, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
-         "{{model}} p95"),
-        (f"histogram_quantile(0.99, sum by (model, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
-         "{{model}} p99"),
-        (f'max by (model) (perfmon_latency_baseline_seconds{{{MODEL}, quantile="0.99"}})', "{{model}} p99 baseline"),
-        (f'max by (model) (perfmon_latency_threshold_seconds{{{MODEL}, quantile="0.99"}})', "{{model}} p99 trigger"),
-    ], "s", width=24, description="Device time on GPU (CUDA events), wall time on CPU, steady state only. The "
-        "baseline is learned from healthy windows; above the trigger line for consecutive windows perfmon "
-        "captures a profile (purple markers).")
+        (f"histogram_quantile(0.5, sum by (model, stage, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
+         "{{model}} {{stage}} p50"),
+        (f"histogram_quantile(0.95, sum by (model, stage, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
+         "{{model}} {{stage}} p95"),
+        (f"histogram_quantile(0.99, sum by (model, stage, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
+         "{{model}} {{stage}} p99"),
+        (f'max by (model, stage) (perfmon_latency_baseline_seconds{{{MODEL}, quantile="0.99"}})',
+         "{{model}} {{stage}} p99 baseline"),
+        (f'max by (model, stage) (perfmon_latency_threshold_seconds{{{MODEL}, quantile="0.99"}})',
+         "{{model}} {{stage}} p99 trigger"),
+    ], "s", width=24, description="Device time on GPU (CUDA events), wall time on CPU, steady state only, per "
+        "model and, for a generative model, per stage (prefill, decode). The baseline is learned from healthy "
+        "windows; above the trigger line for consecutive windows perfmon captures a profile (purple markers).")
     b.panel("Cold vs steady (mean)", [
         (f"sum by (model, phase) (rate(perfmon_forward_duration_seconds_sum{{{MODEL}}}[{RATE}])) / "
          f"sum by (model, phase) (rate(perfmon_forward_duration_seconds_count{{{MODEL}}}[{RATE}]))", "{{model}} {{phase}}"),
@@ -187,12 +236,16 @@ def overview() -> dict[str, Any]:
         (f"max by (model) (perfmon_regression_active{{{MODEL}}})", "{{model}} active"),
         (f"sum by (model) (perfmon_regressions_total{{{MODEL}}})", "{{model}} detected"),
     ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
+    generation(b)
     b.row("Agent")
     b.panel("Samples dropped and internal errors", [
         (f"sum by (model, reason) (rate(perfmon_samples_dropped_total{{{MODEL}}}[{RATE}]))", "{{model}} {{reason}}"),
         (f"sum by (stage) (rate(perfmon_internal_errors_total{{{BASE}}}[{RATE}]))", "internal: {{stage}}"),
-    ], "ops", description="Timed samples that never reached the histograms, and faults inside the agent "
-        "(never seen by requests).")
+        (f"sum by (model, reason) (rate(perfmon_generation_dropped_total{{{MODEL}}}[{RATE}]))",
+         "{{model}} generation: {{reason}}"),
+    ], "ops", description="Timed samples that never reached the histograms, faults inside the agent (never seen "
+        "by requests), and generation timings not recorded (queue_full, live_limit: counted but not timed, "
+        "after_finish).")
     b.panel("Timed share of calls", [
         (f"sum by (model) (rate(perfmon_forward_sampled_total{{{MODEL}}}[{RATE}])) / "
          f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}} timed"),
@@ -219,7 +272,8 @@ def overview() -> dict[str, Any]:
         (f"process_resident_memory_bytes{{{BASE}}} / 2^30", "{{instance}} RSS GiB"),
     ], "short", description="CPU seconds per second and resident memory (GiB) of the serving process.")
     return dashboard("perfmon-overview", "perfmon: serving", "Calls, errors, sampled latency (cold vs steady, "
-                     "host vs device), regressions and profiler captures per model.", b,
+                     "host vs device, prefill vs decode), regressions, profiler captures and generation (time to "
+                     "first token, inter-token latency, tokens) per model.", b,
                      [{"title": "perfmon: GPU and memory", "type": "link", "url": "/d/perfmon-gpu",
                        "keepTime": True, "includeVars": True}])
 

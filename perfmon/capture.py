@@ -14,12 +14,31 @@ The life of a capture is a transition table, as in torch.profiler::
 One capture at a time per process. Automatic captures have a cooldown and an hourly cap; manual
 ones an hourly cap of their own. A profiler that is already running (the user's own) is never
 touched: starting a nested session silently wipes the outer one.
+
+What a capture may cost is bounded as well as its length: after each recorded step the serving
+thread reads this process's resident memory (``/proc/self/statm``, a few µs) and ends the capture
+early once its growth since the start, plus what ``stop()`` will add (estimated from measurements:
+``recording_budget``), would pass ``max_bytes`` (``ended_by: "max_bytes"``). The export
+never builds torch's per-event Python objects in this process: the profiler writes its Chrome trace
+(C++) to a private temp file and is dropped, and a child process (``perfmon/trace_summary.py``, at
+lower priority, address space capped, killed after ``export_timeout_seconds``) streams the file,
+gzips it and returns the op summary; then this process collects garbage and hands freed heap back
+to the OS (``malloc_trim``). A child that fails or is killed fails the capture; nothing partial is
+listed. Kineto's ``USDT:`` lines, printed to stderr at each profiler start and stop, are filtered out
+of fd 2 around those calls only (see ``quiet_kineto``).
 """
 
 from __future__ import annotations
 
 import collections
-import gzip
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,13 +48,13 @@ from typing import Any, Protocol
 
 from .exceptions import CaptureBusy, CaptureRateLimited
 from .faults import InternalErrors
-from .roofline import Peaks, op_summary
+from .roofline import Peaks, summarise
 from .selfcost import AgentCpu
-from .traces import TraceStore, new_id, worker_name
+from .traces import TraceStore, UnsafeTraceDir, new_id, worker_name
 
 __all__ = [
-    "TRANSITIONS", "Capture", "CaptureController", "CaptureOptions", "profiler_active",
-    "torch_profiler", "warm_up_profiler",
+    "TRANSITIONS", "Capture", "CaptureController", "CaptureOptions", "ResidentMemory", "profiler_active",
+    "quiet_kineto", "torch_profiler", "warm_up_profiler",
 ]
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
@@ -54,6 +73,17 @@ SUPPRESS_REASONS = ("cooldown", "rate_limit", "busy")
 MAX_STEPS = 100
 MAX_SECONDS = 60.0
 TOP_OPS = 25
+#: Address-space cap of the export child (RLIMIT_AS). Measured: 52 MB peak RSS (VmHWM) and 1.9 s of
+#: CPU for a 61 MB trace of 160,800 events (~90 bytes an event plus the interpreter); the cap leaves
+#: room for ~5M events and stops a runaway well before it can hurt the pod.
+EXPORT_MAX_MEMORY_BYTES = 512 * 2**20
+#: How much more memory the profiler's stop() adds, per byte it grew while recording (it materialises
+#: its results): measured on 67 steps of a 200-layer MLP, +280 MB after +270 MB recorded with default
+#: options, +700 MB after +265 MB with with_stack and profile_memory. A capture's recording is cut at
+#: ``max_bytes / (1 + factor)`` so that recording and stop together stay within ``max_bytes``.
+STOP_GROWTH_FACTOR = 1.0
+STOP_GROWTH_FACTOR_WITH_STACK = 2.6
+_SUMMARY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_summary.py")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +113,17 @@ class Capture:
     ended_at: str | None = None
     duration_seconds: float | None = None
     steps_recorded: int = 0
+    #: What ended the recording: "steps", "max_seconds", "max_bytes" (memory bound) or "stopped".
+    ended_by: str | None = None
+    #: Growth of this process's resident memory while the profiler recorded, bytes (None: unknown).
+    memory_growth_bytes: int | None = None
     thread: str | None = None
     summary: list[dict[str, Any]] = field(default_factory=list)
     #: Window totals: FLOPs, achieved FLOP/s, the peaks used and where they came from, MFU on GPU.
     compute: dict[str, Any] = field(default_factory=dict)
+    #: The export: host events in the trace, seconds from recording end to files in place, the
+    #: child's CPU seconds and peak RSS bytes.
+    export: dict[str, Any] = field(default_factory=dict)
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
@@ -98,7 +135,6 @@ class Profiler(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def export_chrome_trace(self, path: str) -> None: ...
-    def events(self) -> Any: ...
 
 
 #: Builds a profiler for a capture: (options, record CUDA activity) -> Profiler.
@@ -137,9 +173,129 @@ def warm_up_profiler() -> float:
         return 0.0
     t0 = time.perf_counter()
     prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
-    prof.start()
-    prof.stop()
+    quiet_kineto(prof.start)
+    quiet_kineto(prof.stop)
     return time.perf_counter() - t0
+
+
+def quiet_kineto(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (a profiler start or stop) with Kineto's ``USDT:`` stderr lines filtered out.
+
+    Kineto logs ``USDT: ... profiler_start`` / ``profiler_stop`` at its USDT severity (5), above
+    ERROR (4), so no ``KINETO_LOG_LEVEL`` hides them without also hiding Kineto's errors (6 hides
+    everything), and the level is read once, at the first profiler start in the process. Instead,
+    fd 2 points at an anonymous temp file for the duration of the call (a start ~1 ms; a stop as long
+    as the stop, ~0.7 s at the default memory bound for a large model) and everything written there
+    except lines starting ``USDT:`` is written back to the real stderr. Another thread's stderr output
+    in that window is delayed, not lost; a process killed inside the window would lose it.
+    """
+    try:
+        sys.stderr.flush()  # what Python has buffered goes out before the switch, in order
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to protect
+        fn()
+        return
+    ran = False
+    data = b""
+    try:
+        with tempfile.TemporaryFile() as scratch:
+            os.dup2(scratch.fileno(), 2)
+            try:
+                ran = True
+                fn()
+            finally:
+                os.dup2(saved, 2)
+                scratch.seek(0)
+                data = scratch.read()
+    except OSError:
+        if ran:
+            raise
+    finally:
+        os.close(saved)
+        kept = b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"USDT:"))
+        while kept:
+            try:
+                kept = kept[os.write(2, kept):]
+            except OSError:
+                break
+    if not ran:  # no temp file could be made: run it unfiltered
+        fn()
+
+
+class ResidentMemory:
+    """This process's resident set size in bytes, cheaply: ``pread`` of ``/proc/self/statm``.
+
+    Where there is no procfs, ``getrusage``'s peak RSS stands in (it only grows, so a bound on its
+    growth is conservative); where neither exists, ``read()`` returns None and no byte bound applies.
+    """
+
+    def __init__(self, path: str = "/proc/self/statm") -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> int | None:
+        if self._fd is not None:
+            try:
+                return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+            except (OSError, IndexError, ValueError):
+                pass
+        try:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024
+        except (ImportError, OSError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def recording_budget(max_bytes: int, options: CaptureOptions) -> int:
+    """Bytes of RSS growth allowed while recording, so that recording plus stop() stay within ``max_bytes``."""
+    factor = STOP_GROWTH_FACTOR_WITH_STACK if options.with_stack or options.profile_memory else STOP_GROWTH_FACTOR
+    return int(max_bytes / (1.0 + factor))
+
+
+def release_memory(*, collect: bool = True) -> None:
+    """Collect garbage (the profiler sits in reference cycles: ``del`` alone frees nothing) and hand
+    freed heap back to the OS (glibc ``malloc_trim``; elsewhere a no-op)."""
+    if collect:
+        gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+_TRIM: list[Any] = []
+
+
+def _malloc_trim() -> Any:
+    if not _TRIM:
+        fn = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            fn = getattr(libc, "malloc_trim", None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+        except OSError:
+            fn = None
+        _TRIM.append(fn)
+    return _TRIM[0]
+
+
+def _members(st: Any) -> list[Any]:
+    """The states a capture of ``st``'s model arms: its stages', or its own."""
+    stages = getattr(st, "stages", None)
+    return list(stages.values()) if stages else [st]
 
 
 def _now_iso() -> str:
@@ -163,7 +319,16 @@ class CaptureController:
         clock: Callable[[], float] = time.monotonic,
         cpu: AgentCpu | None = None,
         peaks: Callable[[str], Peaks | None] = lambda device: None,
+        max_bytes: int = 256 * 2**20,
+        export_timeout_seconds: float = 120.0,
+        export_max_memory_bytes: int = EXPORT_MAX_MEMORY_BYTES,
+        memory: Callable[[], ResidentMemory] = ResidentMemory,
     ) -> None:
+        #: Memory one capture may add (recording + stop), bytes; see ``recording_budget``.
+        self.max_bytes = max_bytes
+        self.export_timeout = export_timeout_seconds
+        self.export_max_memory = export_max_memory_bytes
+        self._memory = memory
         self._peaks = peaks
         self._cpu = cpu if cpu is not None else AgentCpu()
         self.store = store
@@ -193,6 +358,8 @@ class CaptureController:
         self._start_t = 0.0
         self._abort = False
         self._exporter: threading.Thread | None = None
+        self._rss: ResidentMemory | None = None
+        self._rss0: int | None = None
         #: Exposed by the metrics collector.
         self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
         self.finished: dict[tuple[str, str, str], int] = {}
@@ -215,6 +382,17 @@ class CaptureController:
     def arm(self, st: Any, options: CaptureOptions, *, trigger: str, reason: dict[str, Any]) -> Capture:
         """Arm a capture of ``st``'s model; raises CaptureBusy or CaptureRateLimited."""
         now = self._clock()
+        problem = self.store.problem()
+        if problem is not None:  # a trace could not be stored: do not slow the model for nothing
+            exc = UnsafeTraceDir(problem)
+            self._internal.report("trace_store", exc)
+            key = (st.name, trigger, "failed")
+            with self._lock:
+                self.finished[key] = self.finished.get(key, 0) + 1
+                self.last_finished[key] = time.time()
+            if self._log is not None:
+                self._log.error("capture_refused", model=st.name, trigger=trigger, error=problem)
+            raise exc
         with self._lock:
             if self.state != IDLE:
                 cur = self.current
@@ -240,8 +418,9 @@ class CaptureController:
             if trigger != "manual":
                 self._last_auto = now
             # Route the model's next call to the slow path, where the capture starts.
-            st.capture = self
-            st.next_index = 0
+            for member in _members(st):  # every stage of a generative model: prefill and decode steps
+                member.capture = self
+                member.next_index = 0
         if self._log is not None:
             self._log.info("capture_armed", id=cap.id, model=cap.model, trigger=trigger, steps=options.steps)
         return cap
@@ -260,6 +439,8 @@ class CaptureController:
             self.suppressed["busy"] += 1
         except CaptureRateLimited as exc:
             self.suppressed[exc.reason] += 1
+        except UnsafeTraceDir:
+            pass  # counted as a failed capture and an internal error by arm()
         return None
 
     # -- the request thread ---------------------------------------------------------------
@@ -267,9 +448,9 @@ class CaptureController:
     def call(self, st: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one call of a model with a capture pending; starts/steps/stops the profiler as due."""
         me = threading.get_ident()
-        if self.state == ARMED and self._state_ref is st:
+        if self.state == ARMED and self._owns(st):
             self._try_start(st, me)
-        if self.state != RECORDING or self._thread_id != me or self._state_ref is not st:
+        if self.state != RECORDING or self._thread_id != me or not self._owns(st):
             return fn(*args, **kwargs)  # another thread, or not capturing: untimed, unprofiled
         try:
             return fn(*args, **kwargs)
@@ -278,7 +459,7 @@ class CaptureController:
 
     def _try_start(self, st: Any, me: int) -> None:
         with self._lock:
-            if self.state != ARMED or self._state_ref is not st:
+            if self.state != ARMED or not self._owns(st):
                 return
             cap = self.current
             assert cap is not None
@@ -288,8 +469,11 @@ class CaptureController:
             try:
                 cuda = getattr(st, "cuda_index", -1) >= 0
                 prof = self._make_profiler(cap.options, cuda)
-                prof.start()
+                self._rss = self._memory()
+                self._rss0 = self._rss.read()
+                quiet_kineto(prof.start)
             except Exception as exc:
+                self._close_rss()
                 self._internal.report("capture", exc)
                 self._finish_locked(st, "failed", f"profiler did not start: {type(exc).__name__}: {exc}", "cancel")
                 return
@@ -306,12 +490,25 @@ class CaptureController:
             return
         cap.steps_recorded += 1
         elapsed = self._clock() - self._start_t
-        if cap.steps_recorded < cap.options.steps and elapsed < cap.options.max_seconds and not self._abort:
+        rss = self._rss.read() if self._rss is not None else None
+        if rss is not None and self._rss0 is not None:
+            cap.memory_growth_bytes = rss - self._rss0
+        if self._abort:
+            cap.ended_by = "stopped"
+        elif cap.memory_growth_bytes is not None and \
+                cap.memory_growth_bytes > recording_budget(self.max_bytes, cap.options):
+            cap.ended_by = "max_bytes"
+        elif cap.steps_recorded >= cap.options.steps:
+            cap.ended_by = "steps"
+        elif elapsed >= cap.options.max_seconds:
+            cap.ended_by = "max_seconds"
+        else:
             return
+        self._close_rss()
         prof = self._prof
         try:
             assert prof is not None
-            prof.stop()  # on the thread that started it
+            quiet_kineto(prof.stop)  # on the thread that started it
         except Exception as exc:
             self._internal.report("capture", exc)
             with self._lock:
@@ -323,14 +520,33 @@ class CaptureController:
             self._release_model(st)
             self._move("stop")
             self._prof = None
+        if self._log is not None and cap.ended_by == "max_bytes":
+            self._log.warning("capture_cut", id=cap.id, model=cap.model, steps=cap.steps_recorded,
+                              memory_growth_bytes=cap.memory_growth_bytes, max_bytes=self.max_bytes,
+                              recording_budget_bytes=recording_budget(self.max_bytes, cap.options))
         aborted = self._abort
-        self._exporter = threading.Thread(target=self._export_measured, args=(cap, prof, aborted),
+        # The export thread takes the profiler out of this list, so that no frame or Thread
+        # attribute keeps it (and the gigabyte it may hold) alive once the trace is written.
+        self._exporter = threading.Thread(target=self._export_measured, args=(cap, [prof], aborted),
                                           name="perfmon-capture-export", daemon=True)
+        del prof
         self._exporter.start()
 
+    def _close_rss(self) -> None:
+        if self._rss is not None:
+            self._rss.close()
+            self._rss = None
+
+    def _owns(self, st: Any) -> bool:
+        """``st`` is the model being captured, or one of its stages."""
+        ref = self._state_ref
+        return ref is st or (ref is not None and getattr(ref, "stages", None) is not None
+                             and getattr(st, "stages", None) is ref.stages)
+
     def _release_model(self, st: Any) -> None:
-        st.capture = None
-        st.next_index = 0  # the next call is timed normally and resets the sampling stride
+        for member in _members(self._state_ref if self._state_ref is not None else st):
+            member.capture = None
+            member.next_index = 0  # the next call is timed normally and resets the sampling stride
         self._state_ref = None
         self._thread_id = None
 
@@ -341,6 +557,7 @@ class CaptureController:
         cap.ended_at = _now_iso()
         self._release_model(st)
         self._prof = None
+        self._close_rss()
         try:
             self.store.save({**cap.public(), "status": "done", "outcome": outcome, "error": error}, None, None)
         except Exception as exc:
@@ -352,45 +569,63 @@ class CaptureController:
 
     # -- export (background) --------------------------------------------------------------
 
-    def _export_measured(self, cap: Capture, prof: Profiler, aborted: bool) -> None:
+    def _export_measured(self, cap: Capture, holder: list[Profiler], aborted: bool) -> None:
         with self._cpu.measure("capture_export"):
-            self._export(cap, prof, aborted)
+            self._export(cap, holder, aborted)
 
-    def _export(self, cap: Capture, prof: Profiler, aborted: bool) -> None:
+    def _export(self, cap: Capture, holder: list[Profiler], aborted: bool) -> None:
         # The outcome is published only once the files are in place: a client that sees "ok"
         # can download the trace at once.
-        tmp = None
-        trace = name = None
+        t0 = time.monotonic()
+        json_tmp = gz_tmp = None
+        name = None
         outcome, error = ("aborted" if aborted else "ok"), None
         summary: list[dict[str, Any]] = []
         compute: dict[str, Any] = {}
         try:
-            tmp = self.store.temp_path(cap.id, "json")
-            prof.export_chrome_trace(str(tmp))
-            trace = gzip.compress(tmp.read_bytes(), compresslevel=6)
+            json_tmp, path = self.store.new_temp("json")
+            prof = holder.pop()
+            try:
+                prof.export_chrome_trace(str(path))  # C++: Kineto writes the file itself
+            finally:
+                del prof  # the profiler's event buffers go with it
+                release_memory()
+            gz_tmp, _ = self.store.new_temp("gz")
+            result = self._summarise_in_child(json_tmp, gz_tmp)
+            self.store.remove_temp(json_tmp)
+            json_tmp = None
             name = f"{worker_name()}.{time.time_ns()}.pt.trace.json.gz"
-            summary, compute = op_summary(prof.events(), cuda=cap.device.startswith("cuda"),
-                                          peaks=self._peaks(cap.device), window_seconds=cap.duration_seconds,
-                                          limit=TOP_OPS)
+            summary, compute = summarise(result["rows"], cuda=cap.device.startswith("cuda"),
+                                         peaks=self._peaks(cap.device), window_seconds=cap.duration_seconds,
+                                         limit=TOP_OPS)
+            cap.export = {"trace_events": result.get("events"), "child_cpu_seconds": result.get("cpu_seconds"),
+                          "child_max_rss_bytes": result.get("max_rss_bytes")}
         except Exception as exc:
             self._internal.report("capture_export", exc)
             outcome, error = "failed", f"export failed: {type(exc).__name__}: {exc}"
-            trace = name = None
+            name = None
         finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
+            holder.clear()
+            for tmp in (json_tmp, gz_tmp if name is None else None):
+                if tmp is not None:
+                    self.store.remove_temp(tmp)
+        cap.export["seconds"] = round(time.monotonic() - t0, 3)
         final = {**cap.public(), "status": "done", "outcome": outcome, "error": error, "summary": summary,
                  "compute": compute}
         try:
-            stored = self.store.save(final, trace, name)
+            stored = self.store.save(final, None, name, trace_temp=gz_tmp if name is not None else None)
         except Exception as exc:  # disk full, unwritable directory: nothing partial is listed
             self._internal.report("trace_store", exc)
             outcome, error = "failed", f"store failed: {type(exc).__name__}: {exc}"
-            stored = {**final, "outcome": outcome, "error": error}
+            stored = {**final, "outcome": outcome, "error": error, "summary": [], "compute": {}}
+            summary, compute = [], {}
+            if gz_tmp is not None:
+                self.store.remove_temp(gz_tmp)
             try:
                 self.store.save(stored, None, None)
             except Exception:
                 pass
+        release_memory(collect=False)  # the summary rows: trim only (a full collection costs ~0.2 s of GIL)
         with self._lock:
             cap.summary, cap.compute, cap.outcome, cap.error = summary, compute, outcome, error
             self._record(cap)
@@ -398,7 +633,44 @@ class CaptureController:
             self._move("done")
         if self._log is not None:
             self._log.info("capture_done", id=cap.id, model=cap.model, outcome=outcome, error=error,
-                           steps=cap.steps_recorded, trace=stored.get("trace_file"))
+                           steps=cap.steps_recorded, ended_by=cap.ended_by, trace=stored.get("trace_file"),
+                           trace_bytes=stored.get("trace_bytes"))
+
+    def _summarise_in_child(self, json_tmp: str, gz_tmp: str) -> dict[str, Any]:
+        """Run ``trace_summary.py`` on the temp trace in a child; returns its result or raises.
+
+        A fresh interpreter (``subprocess``, never ``fork``: this process has threads and a profiler
+        library loaded), isolated (``-I``), given the two files as inherited descriptors, so it never
+        resolves a path in the trace directory itself.
+        """
+        src = self.store.open_temp(json_tmp, os.O_RDONLY)
+        try:
+            dst = self.store.open_temp(gz_tmp, os.O_WRONLY | os.O_TRUNC)
+        except BaseException:
+            os.close(src)
+            raise
+        try:
+            cmd = [sys.executable, "-I", _SUMMARY_SCRIPT, "--in-fd", str(src), "--gz-fd", str(dst),
+                   "--max-memory-bytes", str(int(self.export_max_memory))]
+            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     pass_fds=(src, dst), close_fds=True)
+        finally:
+            os.close(src)
+            os.close(dst)
+        try:
+            out, err = child.communicate(timeout=self.export_timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise TimeoutError(f"trace summary took over {self.export_timeout:g} s; child killed") from None
+        if child.returncode != 0:
+            last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
+            raise RuntimeError(f"trace summary child failed (exit {child.returncode}): {last[0][:300]}")
+        result: dict[str, Any] = json.loads(out)
+        cpu = result.get("cpu_seconds")
+        if isinstance(cpu, (int, float)):
+            self._cpu.add("capture_export", float(cpu))
+        return result
 
     def _record(self, cap: Capture) -> None:
         key = (cap.model, cap.trigger, cap.outcome or "failed")

@@ -41,11 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or PERFMON_HOST)")
     demo.add_argument("--port", type=_port, default=None, help="HTTP port; 0 = any free port (default 9478)")
     demo.add_argument("--duration", type=_positive, default=None, help="seconds to run (default: until Ctrl-C)")
-    demo.add_argument("--rps", type=_positive, default=50.0, help="target requests per second (default 50)")
+    demo.add_argument("--rps", type=_positive, default=None,
+                      help="target requests per second (default 50; 4 with --generate)")
     demo.add_argument("--threads", type=int, default=3, help="worker threads (default 3)")
     demo.add_argument("--sample-rate", type=float, default=None, help="fraction of steady calls timed")
     demo.add_argument("--slow-after", type=_positive, default=None,
                       help="simulate a 2x latency regression after this many seconds (perfmon captures it)")
+    demo.add_argument("--generate", action="store_true",
+                      help="serve a tiny random GPT-2 with streaming requests instead: prefill vs decode, time to "
+                           "first token, inter-token latency, tokens (needs transformers; nothing is downloaded)")
 
     def control(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
@@ -67,12 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo import DemoUnavailable, run_demo
 
         settings = {} if args.sample_rate is None else {"sample_rate": args.sample_rate}
         try:
             return run_demo(host=args.host, port=args.port, duration=args.duration, rps=args.rps,
-                            threads=max(1, args.threads), slow_after=args.slow_after, **settings)
+                            threads=max(1, args.threads), slow_after=args.slow_after, generate=args.generate,
+                            **settings)
+        except DemoUnavailable as exc:
+            print(f"perfmon: {exc}", file=sys.stderr)
+            return 1
         except ConfigError as exc:
             print(f"perfmon: {exc}", file=sys.stderr)
             return 2
@@ -98,7 +106,9 @@ class ControlError(Exception):
 def _request(url: str, *, token: str | None, method: str = "GET", payload: Any = None,
              timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
     data = None if payload is None else json.dumps(payload).encode()
-    headers = {"User-Agent": "perfmon-cli", "Accept": "application/json"}
+    # X-Perfmon: with no token the agent serves its control routes only to requests carrying it (a web
+    # page cannot send it cross-site without a CORS preflight the agent never grants).
+    headers = {"User-Agent": "perfmon-cli", "Accept": "application/json", "X-Perfmon": "1"}
     if data is not None:
         headers["Content-Type"] = "application/json"
     if token:

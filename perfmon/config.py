@@ -98,8 +98,14 @@ class Config:
     stats_max_samples: int = 10_000
     #: Distinct exception class names per model before the rest are labelled "other".
     max_exception_labels: int = 16
-    #: Distinct model names per monitor (each is a label value on every forward metric).
+    #: Distinct model names per monitor (each is a label value on every forward metric); the same cap
+    #: applies separately to generation names (monitor.generation / monitor.stream).
     max_models: int = 64
+    #: Generation records (tokens, request ends) waiting for the resolver; when full, they are dropped
+    #: (perfmon_generation_dropped_total{reason="queue_full"}); counts stay exact.
+    generation_queue_size: int = 65_536
+    #: Generation requests timed at once; beyond, a request is counted but not timed (reason="live_limit").
+    max_live_generations: int = 10_000
     #: How long stop() waits for in-flight CUDA samples and threads.
     stop_timeout_seconds: float = 2.0
     #: Poll NVML for GPU telemetry (a no-op where NVML is absent).
@@ -125,6 +131,11 @@ class Config:
     manual_captures_per_hour: int = 30
     #: An armed capture whose model is not called within this many seconds is aborted.
     capture_arm_timeout_seconds: float = 60.0
+    #: Memory one capture may add to this process, bytes: the recording ends early once its RSS growth,
+    #: plus what the profiler's stop() adds (estimated, see capture.STOP_GROWTH_FACTOR), would pass it.
+    capture_max_bytes: int = 256 * 2**20
+    #: The export child (trace summary + gzip) is killed after this long and the capture fails.
+    capture_export_timeout_seconds: float = 120.0
     #: Initialise the profiler (~1 s, once per process) in start(), before traffic, so the first
     #: capture does not stall a request. Never in a process that is about to fork workers (a
     #: pre-fork server's master, e.g. gunicorn --preload): a child forked from a process whose
@@ -171,10 +182,12 @@ class Config:
             "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
             "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),
             "stats_max_samples": int, "max_exception_labels": int, "max_models": int,
+            "generation_queue_size": int, "max_live_generations": int,
             "stop_timeout_seconds": (int, float), "log_format": str, "log_level": str,
             "nvml": bool, "nvml_interval_seconds": (int, float), "trace_dir": str, "oom_snapshot": bool,
             "oom_snapshot_cooldown_seconds": (int, float), "trace_max_files": int, "trace_max_bytes": int,
             "manual_captures_per_hour": int, "capture_arm_timeout_seconds": (int, float), "prepare_profiler": bool,
+            "capture_max_bytes": int, "capture_export_timeout_seconds": (int, float),
             "require_port": bool, "allowed_hosts": tuple,
         }
         for name, typ in _types.items():
@@ -196,7 +209,8 @@ class Config:
             raise bad("http_cpu_budget", "must be a fraction of one core in (0, 1]")
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
-                    "capture_arm_timeout_seconds", "http_connection_timeout_seconds")
+                    "capture_arm_timeout_seconds", "http_connection_timeout_seconds",
+                    "capture_export_timeout_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")
@@ -212,7 +226,8 @@ class Config:
             raise ConfigError("token: expected a string of at least 8 characters (or None)")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
                      "max_exception_labels", "max_models", "signature_warmup_calls", "trace_max_files",
-                     "trace_max_bytes", "manual_captures_per_hour"):
+                     "generation_queue_size", "max_live_generations",
+                     "trace_max_bytes", "manual_captures_per_hour", "capture_max_bytes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if self.warmup_calls < 0:

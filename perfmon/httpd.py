@@ -9,15 +9,17 @@ This server instead:
 
 - multiplexes every connection on one thread with ``selectors``: an idle or slow socket costs a file
   descriptor, not a thread; only a complete request line and headers are parsed (by hand, bounded);
-- spends from a ``CpuBudget`` (``http_cpu_budget`` of one core): when the bucket is in debt it stops
-  reading until it refills, so no client can make the agent take more than its budget from the
-  model; the kernel's accept queue holds what waits, and health checks are served in turn;
+- spends from two ``CpuBudget`` buckets: triage (accept, one read per readable connection, /healthz
+  answered at once from a precomputed answer; half of ``http_cpu_budget`` on top of it) and work
+  (``http_cpu_budget`` of one core: scrapes first, everything else only above a reserve kept for
+  scrapes). Every CPU second of the loop is charged to one of them, so no client can make the agent
+  take more than 1.5x its budget from the model; what waits stays parked or in the kernel's queue;
 - reads everything that arrived before answering, and answers every ``/metrics`` request that was
   read before a render started from that render (per format): 50 scrapers cost one render;
-- at the connection cap, closes the slowest client (the oldest connection that has not delivered a
-  request) instead of refusing the new one; cuts any connection that holds a request open longer
-  than ``http_connection_timeout_seconds``; refuses addresses that keep failing authentication
-  (``AuthThrottle``) before routing anything.
+- at the connection cap, closes the oldest connection that never sent a byte (else the one quiet
+  longest) for a newcomer that has sent its request, and refuses a newcomer that has sent nothing;
+  cuts any connection that holds a request open longer than ``http_connection_timeout_seconds``;
+  refuses addresses that keep failing authentication (``AuthThrottle``) before routing anything.
 
 Everything the server refuses or cuts is counted in ``perfmon_agent_http_refused_total{reason}``,
 the time it paused in ``perfmon_agent_http_paused_seconds_total``.
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
+import re
 import selectors
 import socket
 import threading
@@ -34,6 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
+
+from prometheus_client.exposition import choose_encoder
 
 from .faults import InternalErrors
 from .selfcost import AgentCpu, CpuBudget, HttpShedding
@@ -61,7 +67,21 @@ _LINGER_SECONDS = 2.0
 _LINGER_BYTES = 1 << 20
 #: New connections taken per loop turn (the rest wait in the kernel's queue for the next turn).
 _ACCEPTS_PER_TURN = 64
+#: Triage's allowance, as a share of ``http_cpu_budget`` (on top of it), and its burst.
+TRIAGE_SHARE = 0.5
+TRIAGE_BURST_SECONDS = 0.02
+#: Requests other than scrapes and health checks (/stats, the page, control routes, 404s, bad
+#: credentials) run only while the work budget holds more than this: the rest is kept for scrapes.
+SCRAPE_RESERVE_SECONDS = 0.05
+#: A /healthz answer is recomputed at most this often (a probe period is >= 1 s).
+_HEALTH_TTL_SECONDS = 0.25
+#: Eviction never picks a connection that delivered a byte within this long.
+_EVICT_QUIET_SECONDS = 1.0
+#: A connection that has sent nothing is displaced by a newcomer that has sent nothing either only
+#: once it has been connected this long (a real client sends its request within milliseconds).
+_SILENT_GRACE_SECONDS = 0.5
 
+_BLANK_LINE = re.compile(rb"\n\r?\n")
 _BUSY = Response.json(503, {"error": "too many connections"})
 _THROTTLED = Response.json(429, {"error": "too many failed authentications from this address"}, [("Retry-After", "1")])
 
@@ -106,7 +126,7 @@ class AuthThrottle:
 class _Conn:
     """One client connection: what it sent that is not parsed yet, and what is left to send it."""
 
-    __slots__ = ("address", "closing", "deadline", "draining", "inbox", "outbox", "queued", "received_at",
+    __slots__ = ("address", "closing", "deadline", "draining", "got", "inbox", "outbox", "queued", "received_at",
                  "requests", "since", "sock", "watching")
 
     def __init__(self, sock: socket.socket, address: str, now: float, timeout: float) -> None:
@@ -114,6 +134,7 @@ class _Conn:
         self.address = address
         self.inbox = bytearray()
         self.received_at = now  # time.monotonic() of the last read: everything in the inbox was sent before
+        self.got = False  # it has sent at least one byte
         self.outbox: memoryview | None = None
         self.queued = False  # a complete request of it waits in the server's ready queue
         self.watching = 0  # the selector events registered for it (0: none)
@@ -164,21 +185,32 @@ class AgentServer:
         self.host = host
         self.timeout = connection_timeout
         self.budget = CpuBudget(cpu_budget, BUDGET_BURST_SECONDS)
+        #: Triage (accept, one read per readable connection, /healthz answered at once) has its own small
+        #: allowance, so it goes on while the work budget is in debt, yet a flood of it is bounded too.
+        self.triage = CpuBudget(cpu_budget * TRIAGE_SHARE, TRIAGE_BURST_SECONDS, resume_seconds=0.0005)
         self.throttle = throttle if throttle is not None else AuthThrottle()
         self.cpu = cpu if cpu is not None else AgentCpu()
         self.shedding = shedding if shedding is not None else HttpShedding()
         self.internal = internal if internal is not None else InternalErrors()
         self._listener = self._bind(host, port, port_range)
         self.port = int(self._listener.getsockname()[1])
+        router.bound = str(self._listener.getsockname()[0])  # the address the peer check compares against
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._conns: set[_Conn] = set()
-        self._ready: collections.deque[tuple[_Conn, _Request]] = collections.deque()
-        #: The last /metrics render per (Accept, gzip): when it started, and the answer.
+        #: Requests read and waiting for the work budget: scrapes first, then the rest (ready queue by class).
+        self._scrapes: collections.deque[tuple[_Conn, _Request]] = collections.deque()
+        self._others: collections.deque[tuple[_Conn, _Request]] = collections.deque()
+        #: The last shared render per key (/metrics: content type chosen, gzip; /stats): when it started,
+        #: and the answer. At most 5 keys whatever the clients send.
         self._renders: dict[tuple[str, bool], tuple[float, Response]] = {}
+        #: The /healthz answer, encoded, per (close, keep-alive), and when it was computed.
+        self._health: dict[tuple[bool, bool], bytes] = {}
+        self._health_at = -1e9
+        self._health_resp = Response.json(503, {"status": "starting"})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="perfmon-http", daemon=True)
 
@@ -188,9 +220,14 @@ class AgentServer:
         candidates = [port] if port == 0 else list(range(port, port + port_range))
         last_error: OSError | None = None
         for candidate in candidates:
-            # Not SO_REUSEADDR: each worker must get a port of its own, never share one by accident.
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:
+                if os.name == "posix":
+                    # Linux/BSD: lets a restarted agent (stop() then start(), a respawned worker) bind a
+                    # port whose old connections sit in TIME_WAIT (~60 s after a scraper's keep-alive);
+                    # a second *live* listener still gets EADDRINUSE, so workers never share a port.
+                    # (On Windows the option would allow exactly that sharing: never set there.)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind((host, candidate))
                 # The backlog: 50 scrapers at once, or clients held back while the budget refills.
                 sock.listen(128)
@@ -243,52 +280,89 @@ class AgentServer:
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
-                wait = self.budget.wait_seconds()
-                if wait > 0:
-                    # In debt: read nothing until the bucket refills. Clients wait in kernel buffers.
-                    t0 = time.monotonic()
-                    self._stop.wait(min(wait, _PAUSE_SLICE_SECONDS))
-                    self.shedding.paused_seconds += time.monotonic() - t0
-                    continue
                 c0 = time.thread_time()
                 try:
                     self._turn()
                 except Exception as exc:  # never let the loop die: count it and go on
                     self.internal.report("http", exc)
                     self._stop.wait(0.01)
-                spent = time.thread_time() - c0
-                self.budget.charge(spent)
-                self.cpu.add("http", spent)
+                self.cpu.add("http", time.thread_time() - c0)
         finally:
             self._close_all()
 
+    def _work_wait(self) -> float | None:
+        """Seconds until queued work may run (0: now), None when nothing is queued."""
+        if self._scrapes:
+            return self.budget.wait_seconds()
+        if self._others:
+            short = SCRAPE_RESERVE_SECONDS - self.budget.available()
+            return 0.0 if short < 0 else short / self.budget.fraction
+        return None
+
     def _turn(self) -> None:
-        timeout = 0.0 if self._ready else _IDLE_SECONDS
-        if self._conns and not self._ready:
-            timeout = max(0.0, min(timeout, min(c.deadline for c in self._conns) - time.monotonic()))
-        events = self._selector.select(timeout)
+        """One turn: triage what arrived (its own allowance), then answer queued requests (the work budget).
+
+        Triage goes on while the work budget is in debt, so a health check is read and answered, and a
+        scrape is read and queued ahead of the rest, whatever else waits. Nothing is read while triage
+        itself is in debt: readable sockets stay readable (level-triggered) for a later turn, and the
+        loop sleeps rather than polling them.
+        """
+        turn0 = time.thread_time()
+        work_spent = 0.0
+        work = self._work_wait()
+        triage_wait = self.triage.wait_seconds()
+        if triage_wait > 0:
+            pause = min(triage_wait, work if work else _PAUSE_SLICE_SECONDS, _PAUSE_SLICE_SECONDS)
+            t0 = time.monotonic()
+            self._stop.wait(pause)
+            self.shedding.paused_seconds += time.monotonic() - t0
+        else:
+            timeout = _IDLE_SECONDS if work is None else min(work, _PAUSE_SLICE_SECONDS)
+            if self._conns and timeout > 0:
+                timeout = max(0.0, min(timeout, min(c.deadline for c in self._conns) - time.monotonic()))
+            t0 = time.monotonic()
+            events = self._selector.select(timeout)
+            if work is not None and work > 0:  # requests waited for the budget meanwhile
+                self.shedding.paused_seconds += time.monotonic() - t0
+            self._triage(events, time.thread_time() + self.triage.available())
+        if self._work_wait() == 0:
+            c0 = time.thread_time()
+            self._work(c0)
+            work_spent = time.thread_time() - c0
+            self.budget.charge(work_spent)
+        # Triage pays for the rest of the turn too (select, sleeping, bookkeeping): every CPU second the
+        # loop spends is charged to one bucket or the other.
+        self.triage.charge(time.thread_time() - turn0 - work_spent)
+
+    def _triage(self, events: list[tuple[selectors.SelectorKey, int]], limit: float) -> None:
         now = time.monotonic()
-        # Stop once the bucket is spent: unread sockets stay ready (the selector is level-triggered)
-        # and read requests stay queued for the next turn, so the debt is at most one request's cost.
-        limit = time.thread_time() + self.budget.available()
-        # First read everything that arrived (cheap), then answer in arrival order: /metrics requests
-        # waiting together, in this turn or carried over, then share one render.
         for key, mask in events:
             if time.thread_time() > limit:
-                break
+                break  # the rest stay ready for the next turn
             conn: _Conn | None = key.data
             if conn is None:
-                self._accept(now)
+                self._accept(now, limit)
                 continue
             if conn is _WAKE:  # stop() (the loop condition sees it)
                 continue
             self._guard(conn, self._flush if mask & selectors.EVENT_WRITE else self._read, now)
-        while self._ready and time.thread_time() <= limit:
-            conn, request = self._ready.popleft()
+        self._reap(now)
+
+    def _work(self, c0: float) -> None:
+        """Answer queued requests while the budget lasts: scrapes first; the rest only above the reserve."""
+        now = time.monotonic()
+        while True:
+            spent = time.thread_time() - c0
+            left = self.budget.available() - spent
+            if self._scrapes and left > 0:
+                conn, request = self._scrapes.popleft()
+            elif self._others and left > SCRAPE_RESERVE_SECONDS:
+                conn, request = self._others.popleft()
+            else:
+                return
             conn.queued = False
             if conn in self._conns:
                 self._guard(conn, functools.partial(self._answer, request), now)
-        self._reap(now)
 
     def _guard(self, conn: _Conn, step: Callable[[_Conn, float], None], now: float) -> None:
         """Run one step for a connection; whatever it raises ends that connection only."""
@@ -299,8 +373,10 @@ class AgentServer:
                 self.internal.report("http", exc)
             self._drop(conn)
 
-    def _accept(self, now: float) -> None:
+    def _accept(self, now: float, limit: float) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
+            if time.thread_time() > limit:
+                return
             try:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -309,21 +385,56 @@ class AgentServer:
                 self.internal.report("http", exc)
                 return
             sock.setblocking(False)
-            if len(self._conns) >= MAX_CONNECTIONS and not self._evict_slowest():
+            conn = _Conn(sock, str(address[0]), now, self.timeout)
+            # Read at once what it already sent (a probe's request usually waited in the kernel's queue
+            # with it): a connection that has sent a byte is never picked for eviction.
+            try:
+                first = sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                first = None
+            except OSError:
+                first = b""
+            if first == b"":  # closed (or reset) before it was accepted: a churning client
+                _close(sock)
+                continue
+            # At the cap, a newcomer that has sent nothing yet (a probe whose request is a few ms behind
+            # its SYN, or one more idle socket of a flood) displaces only a connection that has been
+            # silent for _SILENT_GRACE_SECONDS; one young and silent itself is never displaced: the
+            # probe's request arrives well within the grace, idle sockets of a flood grow old.
+            if len(self._conns) >= MAX_CONNECTIONS and not self._evict_slowest(
+                    0.0 if first else _SILENT_GRACE_SECONDS):
                 self.shedding.refused["busy"] += 1
                 _send_and_close(sock, _encode(_BUSY, close=True))
                 continue
-            conn = _Conn(sock, str(address[0]), now, self.timeout)
             self._conns.add(conn)
             self._watch(conn, selectors.EVENT_READ)
+            if first:
+                conn.got = True
+                conn.inbox += first
+                conn.received_at = time.monotonic()
+                self._guard(conn, self._take, now)
 
-    def _evict_slowest(self) -> bool:
-        """Close the connection that has been receiving (or idle) longest; False if all are being answered."""
-        waiting = [c for c in self._conns if c.outbox is None and not c.queued]
-        if not waiting:
+    def _evict_slowest(self, silent_for: float = 0.0) -> bool:
+        """Close, for a newcomer, the oldest connection that never sent a byte (and has been connected at
+        least ``silent_for`` seconds); else the one quiet longest (none that delivered a byte within
+        ``_EVICT_QUIET_SECONDS``). False if there is none to close."""
+        silent = None
+        quiet = None
+        now = time.monotonic()
+        cutoff = now - _EVICT_QUIET_SECONDS
+        for c in self._conns:
+            if c.outbox is not None or c.queued:
+                continue  # being answered, or its request waits its turn
+            if not c.got:
+                if c.since <= now - silent_for and (silent is None or c.since < silent.since):
+                    silent = c
+            elif c.received_at < cutoff and (quiet is None or c.received_at < quiet.received_at):
+                quiet = c
+        victim = silent or quiet
+        if victim is None:
             return False
         self.shedding.refused["evicted"] += 1
-        self._drop(min(waiting, key=lambda c: c.since))
+        self._drop(victim)
         return True
 
     def _reap(self, now: float) -> None:
@@ -361,6 +472,7 @@ class AgentServer:
             return
         if not conn.inbox:
             conn.since = now
+        conn.got = True
         conn.inbox += data
         conn.received_at = time.monotonic()
         self._take(conn, now)
@@ -378,9 +490,32 @@ class AgentServer:
         if request is None:
             return
         request.read_at = conn.received_at
+        if request.path.rstrip("/") == "/healthz" and request.method in ("GET", "HEAD"):
+            self._answer_health(conn, request, now)  # at once, in triage, from a precomputed answer
+            return
         conn.queued = True
         self._watch(conn, 0)  # read no more of it (pipelined requests wait their turn in the kernel)
-        self._ready.append((conn, request))
+        scrape = request.method in ("GET", "HEAD") and request.path.rstrip("/") == "/metrics"
+        (self._scrapes if scrape else self._others).append((conn, request))
+
+    def _answer_health(self, conn: _Conn, request: _Request, now: float) -> None:
+        conn.requests += 1
+        close = request.close or conn.requests >= MAX_REQUESTS_PER_CONNECTION
+        if request.method == "HEAD":
+            self._respond(conn, self.router.handle("HEAD", "/healthz", {}), close=close, now=now,
+                          keep_alive=request.http10)
+            return
+        if now - self._health_at > _HEALTH_TTL_SECONDS:
+            self._health.clear()
+            self._health_resp = self.router.handle("GET", "/healthz", {})
+            self._health_at = now
+        key = (close, request.http10)
+        data = self._health.get(key)
+        if data is None:
+            data = self._health[key] = _encode(self._health_resp, close=close, keep_alive=request.http10)
+        conn.outbox = memoryview(data)
+        conn.closing = close
+        self._flush(conn, now)
 
     def _answer(self, request: _Request, conn: _Conn, now: float) -> None:
         conn.requests += 1
@@ -391,20 +526,24 @@ class AgentServer:
             self.shedding.refused["throttled"] += 1
             self._respond(conn, _THROTTLED, close=True, now=now)
             return
-        if request.method == "GET" and clean == "/metrics":
+        if request.method == "GET" and clean in ("/metrics", "/stats"):
             # Share a render only with requests already read when it started: a client that scrapes
-            # after its own calls always sees them (the single-flight rule, without threads).
-            key = (request.headers.get("accept", ""), "gzip" in request.headers.get("accept-encoding", ""))
+            # after its own calls always sees them (the single-flight rule, without threads). The key is
+            # what the answer depends on (the format Accept chooses, gzip), not the client's raw header:
+            # at most 4 distinct /metrics renders and one /stats render per batch, whatever is sent.
+            if clean == "/metrics":
+                key = (choose_encoder(request.headers.get("accept", ""))[1],
+                       "gzip" in request.headers.get("accept-encoding", ""))
+            else:
+                key = ("/stats", False)
             cached = self._renders.get(key)
             if cached is None or cached[0] < request.read_at:
-                if len(self._renders) >= 8:  # Accept headers are the client's: keep a handful, not one each
-                    self._renders.clear()
                 started = time.monotonic()
                 cached = self._renders[key] = (started, self.router.handle(request.method, request.path,
-                                                                           request.headers))
+                                                                           request.headers, b"", conn.address))
             resp = cached[1]
         else:
-            resp = self.router.handle(request.method, request.path, request.headers, request.body)
+            resp = self.router.handle(request.method, request.path, request.headers, request.body, conn.address)
         if resp.status == 401:
             self.throttle.failed(conn.address)
         self._respond(conn, resp, close=close, now=now, keep_alive=request.http10)
@@ -470,19 +609,20 @@ def _parse(inbox: bytearray) -> _Request | None:
     Deliberately small: a request line, header lines, a Content-Length body. No chunked bodies
     (refusing them also rules out request smuggling); bare LF line ends are tolerated.
     """
-    end, sep = inbox.find(b"\r\n\r\n"), 4
-    lf = inbox.find(b"\n\n", 0, end if end >= 0 else len(inbox))
-    if lf >= 0:
-        end, sep = lf, 2
+    # The headers end at the first empty line, whatever mix of CRLF and bare LF ends the lines around it
+    # (\r\n\r\n, \n\n, \r\n\n, \n\r\n): a client must never be left waiting for a terminator it sent.
+    blank = _BLANK_LINE.search(inbox, 0, MAX_HEADER_BYTES + 4)
+    end, stop = (blank.start(), blank.end()) if blank else (-1, -1)
     if (end if end >= 0 else len(inbox)) > MAX_HEADER_BYTES:
         raise _Refusal(Response.json(431, {"error": f"request line and headers over {MAX_HEADER_BYTES} bytes"}),
                        "too_large")
     if end < 0:
         return None
-    lines = bytes(inbox[:end]).decode("latin-1").replace("\r\n", "\n").lstrip("\n").split("\n")
+    lines = [line.removesuffix("\r") for line in bytes(inbox[:end]).decode("latin-1").lstrip("\r\n").split("\n")]
     parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[2].startswith("HTTP/1."):
-        raise _Refusal(Response.json(400, {"error": "malformed request line", "line": lines[0][:100]}), "bad_request")
+    if len(parts) != 3 or not parts[0].isalpha() or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise _Refusal(Response.json(400, {"error": "malformed request line (versions: HTTP/1.0, HTTP/1.1)",
+                                           "line": lines[0][:100]}), "bad_request")
     method, target, version = parts
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -496,14 +636,17 @@ def _parse(inbox: bytearray) -> _Request | None:
         raise _Refusal(Response.json(411, {"error": "chunked request bodies are not supported; send Content-Length"}),
                        "bad_request")
     length = headers.get("content-length", "0")
-    if not (length.isascii() and length.isdigit()):
-        raise _Refusal(Response.json(400, {"error": "Content-Length is not a number"}), "bad_request")
+    # Digits only, and few of them: int() of 4,301+ digits raises (CPython's int/str limit), and any
+    # length with more than 18 digits is absurd anyway.
+    if not (length.isascii() and length.isdigit()) or len(length) > 18:
+        raise _Refusal(Response.json(400, {"error": "Content-Length is not a number of at most 18 digits"}),
+                       "bad_request")
     if int(length) > MAX_BODY_BYTES:
         raise _Refusal(Response.json(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"}), "too_large")
-    total = end + sep + int(length)
+    total = stop + int(length)
     if len(inbox) < total:
         return None
-    body = bytes(inbox[end + sep:total])
+    body = bytes(inbox[stop:total])
     del inbox[:total]
     if target.startswith(("http://", "https://")):  # absolute form: keep the path
         target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"

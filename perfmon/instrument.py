@@ -30,8 +30,10 @@ from .phases import Signature, SignatureTable, batch_of, signature
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
 from .selfcost import AgentCpu, HttpShedding
+from .stages import MAX_STAGES, StageFn, stage_label
 
-__all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span"]
+__all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span", "Stages", "mark_for_dynamo",
+           "staged_path", "unwrap_module"]
 
 _Tensor = torch.Tensor
 _OOM = torch.cuda.OutOfMemoryError
@@ -79,16 +81,20 @@ class ModelState:
     """
 
     __slots__ = (
-        "_error_lock", "_error_names", "_items_lock", "_resolve_device", "calls", "capturable", "capture",
+        "_error_lock", "_error_names", "_items_lock", "_resolve_device", "attached", "calls", "capturable", "capture",
         "cuda_index", "device", "drops", "errors", "hub", "items_fn", "items_on", "items_padded", "items_q",
-        "items_total", "last_sample_ns", "name", "next_index", "padded_total", "sampled", "sampler", "sigs", "table",
-        "warmup",
+        "items_total", "last_sample_ns", "name", "next_index", "padded_total", "sampled", "sampler", "sigs", "stage",
+        "stages", "table", "warmup",
     )
 
     def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True,
-                 items: Any = None) -> None:
+                 items: Any = None, stage: str = "") -> None:
         cfg = hub.config
         self.name = name
+        #: "" for a model with one stage; "prefill"/"decode" (or a stage= label) for one stage of a model.
+        self.stage = stage
+        #: The model's stages (label -> state) when it has several, shared by all of them; else None.
+        self.stages: dict[str, ModelState] | None = None
         #: None: the batch dimension (counted through signatures); a callable: (args, kwargs) -> int or
         #: (effective, padded); False: not counted.
         self.items_fn: Callable[..., Any] | None = items if callable(items) else None
@@ -100,6 +106,8 @@ class ModelState:
         self.padded_total = 0
         #: False for track() blocks: a capture profiles calls of a wrapped model or function.
         self.capturable = capturable
+        #: False once its module was unwrapped (its name may be wrapped again and continue these counters).
+        self.attached = True
         self.hub = hub
         self.calls = itertools.count()
         self.sampled = itertools.count()  # timed attempts, drops included
@@ -182,6 +190,16 @@ class ModelState:
             return self.begin(index, True)
         return self.due(index) if index >= self.next_index else None
 
+    def new_dtype(self, entry: Signature, dtype: Any, token: Token) -> Token:
+        """A timed call of a known shape in a dtype not seen with it: a new signature, so a cold call.
+
+        Noticed on timed calls only (the unsampled path keys on the shape alone): a dtype switch is a
+        deployment event (fp32 to bf16), not per-request traffic, and its first timed call is cold.
+        """
+        entry.dtypes = entry.dtypes | {dtype}
+        self.table.distinct += 1
+        return (True, token[1], token[2])
+
     # -- items ---------------------------------------------------------------------------------
 
     def count_items(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
@@ -240,8 +258,9 @@ class ModelState:
         """Call ``index`` reached ``next_index``: a warm-up call (cold) or a steady-state sample."""
         warmup = self.warmup
         if index < warmup:
-            if index == warmup - 1:
-                # Warm-up ends: steady sampling starts at a random phase.
+            if index == warmup - 1 and self.capture is None:
+                # Warm-up ends: steady sampling starts at a random phase. (Not while a capture is pending:
+                # every call must reach it; releasing the capture restarts the stride.)
                 self.next_index = self.sampler.first_index(warmup)
             return self.begin(index, True)
         return self.begin(index, False)
@@ -346,9 +365,10 @@ class _Churn(Exception):
 def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Build the ``__call__`` of one monitored object: the per-call hot path.
 
-    A closure rather than a method: the state, the target and the constants are closure cells, read
-    without an attribute lookup (a proxy class that defines ``__getattr__`` pays extra for every
-    ``self.x``). On an unsampled call it does: one ``next()``, one comparison and, with signature
+    ``fn(self, *args, **kwargs)`` runs the call itself: for a module, its class's own ``__call__``
+    (``nn.Module.__call__``: hooks, then ``forward``); for a function, the function. A closure rather
+    than a method: the state, the target and the constants are closure cells, read without an
+    attribute lookup. On an unsampled call it does: one ``next()``, one comparison and, with signature
     tracking, the signature's dict lookup and one ``next()`` on its counter (which is also how items
     are counted). Everything else is on the rare paths.
     """
@@ -366,15 +386,23 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             token: Token | Any | None
             if sigs is not None:
                 if len(args) == 1 and not kwargs and type(a := args[0]) is tensor:
-                    key: Hashable = (a.shape, a.dtype)
+                    # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and
+                    # reading dtype costs ~50 ns more): the dtype is checked on timed calls below.
+                    key: Hashable = a.shape
                 else:
                     key = general_signature(args, kwargs)
+                    a = None
                 entry = sigs.get(key)
                 if entry is None or entry.warm_left:
                     token = st.new_signature(n, key, args, kwargs)
                 else:
                     next(entry.calls)
-                    token = st.due(n) if n >= st.next_index else None
+                    if n >= st.next_index:
+                        token = st.due(n)
+                        if a is not None and token.__class__ is tuple and a.dtype not in entry.dtypes:
+                            token = st.new_dtype(entry, a.dtype, token)  # type: ignore[arg-type]
+                    else:
+                        token = None
             else:
                 if st.items_q is not None and items_fn is None:
                     st.items_q.append(batch_of(args, kwargs))  # signatures churned: count items directly
@@ -386,13 +414,13 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             token = None
         if token is None:
             try:
-                return fn(*args, **kwargs)
+                return fn(self, *args, **kwargs)
             except BaseException as exc:
                 st.error(exc)
                 raise
         if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
             try:
-                return token.call(st, fn, args, kwargs)  # type: ignore[union-attr]
+                return token.call(st, fn, (self, *args), kwargs)  # type: ignore[union-attr]
             except BaseException as exc:
                 st.error(exc)
                 raise
@@ -406,7 +434,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                     items = None
         t0 = clock()
         try:
-            out = fn(*args, **kwargs)
+            out = fn(self, *args, **kwargs)
         except BaseException as exc:
             st.abort(token)
             st.error(exc)
@@ -417,8 +445,142 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     return __call__
 
 
+class Stages:
+    """The stages of one model (prefill/decode, or a ``stage=`` callable's labels): a state and a hot
+    path per stage, made on the (rare) first call of a new stage, at most ``MAX_STAGES``."""
+
+    def __init__(self, stage_fn: StageFn, make_state: Callable[[str], ModelState], fn: Callable[..., Any], *,
+                 first: ModelState, internal: InternalErrors) -> None:
+        self.stage_fn = stage_fn
+        self._make = make_state
+        self._fn = fn
+        self.internal = internal
+        #: label -> state; every state of the model holds this same dict as ``stages``.
+        self.states: dict[str, ModelState] = {}
+        #: label -> that stage's hot path (read without a lock by staged_path).
+        self.calls: dict[str, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+        for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
+            if st is not first:
+                self._register(st)
+        self.fallback = self._register(first)
+
+    def _register(self, st: ModelState) -> Callable[..., Any]:
+        pending = next((s.capture for s in self.states.values() if s.capture is not None), None)
+        if pending is not None and st.capture is None:  # a capture of the model is armed: this stage too
+            st.capture = pending
+            st.next_index = 0
+        st.stages = self.states
+        self.states[st.stage] = st
+        call = self.calls[st.stage] = hot_path(st, self._fn)
+        return call
+
+    def add(self, label: Any) -> Callable[..., Any]:
+        """The hot path for a stage label not seen before (validated; bounded; "other" beyond)."""
+        try:
+            label = stage_label(label)
+        except ValueError as exc:
+            self.internal.report("stage", exc)
+            return self.fallback
+        with self._lock:
+            call = self.calls.get(label)
+            if call is not None:
+                return call
+            if len(self.states) >= MAX_STAGES:
+                label = "other"
+                if label in self.calls:
+                    return self.calls[label]
+            return self._register(self._make(label))
+
+
+def staged_path(stages: Stages) -> Callable[..., Any]:
+    """``__call__`` of a model with stages: find the call's stage, then run that stage's hot path.
+
+    One more Python call and the stage function per call (for Hugging Face models: a kwargs lookup
+    and the cache's ``get_seq_length()``), on models whose forwards take milliseconds.
+    """
+    pick = stages.stage_fn
+    calls = stages.calls
+    add = stages.add
+    internal = stages.internal
+    local = _generating
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        label = None
+        try:
+            label = pick(args, kwargs)
+            call = calls.get(label) or add(label)
+        except Exception as exc:  # the stage function failed: count it, time the call under the fallback
+            internal.report("stage", exc)
+            call = stages.fallback
+        active = local.__dict__.get("requests")
+        if active is None or active[0] is not self:
+            return call(self, *args, **kwargs)
+        if active[2]:  # a timed request: every step of it is timed (CUDA events on GPU: device time per step)
+            st = stages.states.get(label)  # type: ignore[arg-type]
+            if st is not None:
+                st.next_index = 0
+        out = call(self, *args, **kwargs)
+        # Inside this model's own generate(): each forward of it makes one token per sequence.
+        for g in active[1]:
+            g.token()
+        return out
+
+    return __call__
+
+
+#: Per thread: (model, its requests, timed) while a monitored model's generate() runs on the thread.
+_generating = threading.local()
+
+
+def tracked_generate(generate: Callable[..., Any],
+                     start: Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[list[Any], bool]],
+                     internal: InternalErrors) -> Callable[..., Any]:
+    """A model's own ``generate()`` (Hugging Face's), tracked as generation requests, one per sequence.
+
+    ``start(args, kwargs)`` opens the requests (``GenerationTracker.start``); every forward of the
+    model during the call is one token of each (``staged_path``: host time when the forward
+    returned, the token is chosen right after), so the first gives the time to first token, the
+    next ones the inter-token latency. Works with or without a ``streamer=`` (tokens are timed by
+    the forwards, so no device-to-host copy is added) and never syncs. The outcome is ``ok``,
+    ``error`` (the exception passes through unchanged) or ``cancelled`` (KeyboardInterrupt and the like).
+    ``start`` also says whether this call is a timed request (the first, then one in 1/sample_rate):
+    every forward of a timed request is timed, so on CUDA each step gets device time from events
+    (``perfmon_forward_duration_seconds{stage}``, host time beside it), never a sync.
+    """
+
+    @functools.wraps(generate)
+    def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _generating.__dict__.get("requests") is not None:  # nested: the outer generate() tracks
+            return generate(self, *args, **kwargs)
+        try:
+            requests, timed = start(args, kwargs)
+        except Exception as exc:
+            internal.report("generation", exc)
+            requests, timed = [], False
+        _generating.requests = (self, requests, timed)
+        outcome = "ok"
+        try:
+            return generate(self, *args, **kwargs)
+        except Exception:
+            outcome = "error"
+            raise
+        except BaseException:
+            outcome = "cancelled"
+            raise
+        finally:
+            _generating.requests = None
+            for g in requests:
+                try:
+                    g.finish(outcome)
+                except Exception as exc:
+                    internal.report("generation", exc)
+
+    return generate_
+
+
 class Probe:
-    """Base of the objects ``Monitor.wrap``/``instrument`` return.
+    """Base of the objects ``Monitor.instrument`` returns (a monitored function).
 
     Each instance gets its own subclass whose ``__call__`` is ``hot_path(state, target)``
     (see ``Probe.create``); the bounded number of models keeps the number of classes bounded.
@@ -431,7 +593,11 @@ class Probe:
 
     @classmethod
     def create(cls, target: Callable[..., Any], state: ModelState) -> Any:
-        sub = type(cls.__name__, (cls,), {"__slots__": (), "__call__": hot_path(state, target),
+        def call(_probe: Any, *args: Any, **kwargs: Any) -> Any:
+            return target(*args, **kwargs)
+
+        mark_for_dynamo()
+        sub = type(cls.__name__, (cls,), {"__slots__": (), "__call__": hot_path(state, call),
                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         return sub(target, state)
 
@@ -439,92 +605,188 @@ class Probe:
         raise TypeError("use Probe.create()")
 
 
-_OWN = frozenset(("_pm", "_pm_fn"))
+class MonitoredModule:
+    """The mark of a monitored ``nn.Module``: a base of the per-model class ``Monitor.wrap`` gives it.
 
+    ``wrap`` does not return a proxy. It swaps the module's class for a subclass made for this one
+    model, with the same name, module and qualified name, whose ``__call__`` is the hot path in front
+    of the class's own ``__call__`` (hooks, then ``forward``). So every call is monitored, however it
+    comes: through the object ``wrap`` returned, from the model's own methods (Hugging Face
+    ``generate()`` calls ``self(...)``), from a parent module or a pipeline holding it. And it is the
+    user's object: ``isinstance`` holds, ``.to()``/``.eval()`` return it, ``state_dict`` is unchanged.
+    ``type(model) is Cls`` is the one check that no longer holds (``type(model).__name__`` still does).
 
-class MonitoredModule(Probe):
-    """A transparent proxy of an ``nn.Module`` whose calls are monitored.
-
-    Attribute reads and writes go to the module; ``isinstance(proxy, type(module))`` holds; methods
-    that return the module itself (``.eval()``, ``.to()``, ``.cuda()``, ``.half()``,
-    ``.requires_grad_()``...) return the proxy, so ``model = model.to(device).eval()`` stays
-    monitored. Pickling (``torch.save``) saves the bare module.
+    Pickling (``torch.save``), ``copy.copy`` and ``copy.deepcopy`` produce the bare class: a copy is a
+    new model, not the monitored one. ``Monitor.unwrap`` restores the class.
     """
 
     __slots__ = ()
 
-    def __init__(self, module: torch.nn.Module, state: ModelState) -> None:
-        object.__setattr__(self, "_pm_fn", module)
-        object.__setattr__(self, "_pm", state)
+    _perfmon_state: ModelState
+    _perfmon_base: type
 
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        return type(self._pm_fn)
+    @classmethod
+    def create(cls, module: torch.nn.Module, state: ModelState, stages: Callable[..., Stages] | None = None,
+               requests: Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[list[Any], bool]] | None = None
+               ) -> Any:
+        """Swap ``module``'s class for a monitored subclass (in place); returns ``module``.
 
-    def __getattr__(self, name: str) -> Any:
-        module = object.__getattribute__(self, "_pm_fn")
-        value = getattr(module, name)
-        if isinstance(value, types.MethodType) and value.__self__ is module:
-            return self._rebind(value)
-        return value
-
-    def _rebind(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        module = self._pm_fn
-
-        @functools.wraps(method)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            result = method(*args, **kwargs)
-            if result is module:
-                # The module may have moved (.to/.cuda/.cpu): re-read its device now.
-                try:
-                    self._pm.refresh_device()
-                except Exception as exc:
-                    self._pm.hub.internal.report("device", exc)
-                return self
-            return result
-
-        return call
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._pm_fn, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        delattr(self._pm_fn, name)
-
-    def __dir__(self) -> list[str]:
-        return dir(self._pm_fn)
-
-    def __repr__(self) -> str:
-        return repr(self._pm_fn)
-
-    # Containers (nn.Sequential, nn.ModuleList, nn.ModuleDict): special methods bypass __getattr__.
-    def __len__(self) -> int:
-        return len(self._pm_fn)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Any:
-        return iter(self._pm_fn)  # type: ignore[call-overload]
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._pm_fn[key]  # type: ignore[index]
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._pm_fn  # type: ignore[operator]
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self._pm_fn.__reduce_ex__(protocol)
+        ``stages``, for a model with stages, builds its ``Stages`` from the call target; ``state`` is
+        then its first stage's. ``requests`` opens the generation requests of a ``generate()`` call
+        (models with stages only: see ``tracked_generate``).
+        """
+        base = type(module)
+        mark_for_dynamo()
+        call = hot_path(state, base.__call__) if stages is None else staged_path(stages(base.__call__))
+        ns: dict[str, Any] = {
+            "__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__, "_perfmon_state": state, "_perfmon_base": base, "__call__": call,
+        }
+        if _is_torch_builtin(base.forward):
+            ns["forward"] = _compilable_forward(base.forward)
+        if stages is not None and requests is not None and callable(getattr(base, "generate", None)):
+            ns["generate"] = tracked_generate(base.generate, requests, state.hub.internal)  # type: ignore[attr-defined]
+        sub = type(base.__name__, (base, cls), ns)
+        sub.__reduce_ex__ = _reduce_as(sub, base)  # type: ignore[method-assign]
+        sub._apply = _apply_then_relabel(base, state)  # type: ignore[attr-defined]
+        module.__class__ = sub
+        return module
 
     @property
     def perfmon_name(self) -> str:
-        """The ``model`` label of this proxy's metrics."""
-        return self._pm.name
+        """The ``model`` label of this module's metrics."""
+        return type(self)._perfmon_state.name
 
-    @property
-    def unwrapped(self) -> torch.nn.Module:
-        """The bare module."""
-        return self._pm_fn  # type: ignore[return-value]
+
+def unwrap_module(module: Any) -> Any:
+    """Give a monitored module its own class back (exactly: the object is the same); returns it."""
+    cls = type(module)
+    if not isinstance(module, MonitoredModule):
+        raise TypeError(f"{cls.__name__!r} object is not a module monitored by perfmon")
+    module.__class__ = cls._perfmon_base
+    return module
+
+
+def _is_torch_builtin(forward: Any) -> bool:
+    return str(getattr(forward, "__module__", "")).startswith("torch.")
+
+
+def _compilable_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The builtin ``forward`` behind a frame of perfmon's own (one Python call, ~60 ns, builtins only).
+
+    ``torch.compile`` inlines the whole ``__call__`` of a module whose ``forward`` is torch's own
+    (``nn.Sequential``, ``nn.Linear``...) instead of compiling its frame; inlined, perfmon's hot path
+    would stop the graph and leave the model uncompiled. With a ``forward`` that is not torch's, the
+    module's ``__call__`` frame is compiled as for any user-defined model (tests/test_wrap.py).
+    """
+
+    @functools.wraps(forward)
+    def forward_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, **kwargs)
+
+    return forward_
+
+
+def _reduce_as(sub: type, base: type) -> Callable[..., Any]:
+    """``__reduce_ex__`` that pickles and copies a monitored module as its bare class.
+
+    The copy is then loadable where perfmon is not installed, and a deep copy is a new, unmonitored
+    model rather than a second object counting under the first one's name.
+    """
+    import copyreg
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        rv = super(sub, self).__reduce_ex__(protocol)  # type: ignore[arg-type]
+        if not isinstance(rv, tuple) or len(rv) < 2:
+            return rv
+        func, args = rv[0], rv[1]
+        if func is copyreg.__newobj__ and tuple(args) == (sub,):  # type: ignore[attr-defined]
+            # pickle insists that __newobj__'s class is type(obj); the reconstructor does the same job.
+            return (copyreg._reconstructor, (base, object, None), *rv[2:])  # type: ignore[attr-defined]
+        return (func, tuple(base if a is sub else a for a in args), *rv[2:])
+
+    return __reduce_ex__
+
+
+def _apply_then_relabel(base: type, state: ModelState) -> Callable[..., Any]:
+    """``nn.Module._apply`` (behind ``.to()``, ``.cuda()``, ``.half()``...), then re-read the device label."""
+    apply = base._apply  # type: ignore[attr-defined]
+
+    def _apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = apply(self, *args, **kwargs)
+        try:
+            for st in list((state.stages or {state.stage: state}).values()):
+                st.refresh_device()
+        except Exception as exc:
+            state.hub.internal.report("device", exc)
+        return result
+
+    return _apply
+
+
+_DYNAMO_MARKED = False
+
+
+def mark_for_dynamo() -> bool:
+    """Tell torch.compile (Dynamo) to run perfmon eagerly and compile only the model it calls.
+
+    Traced, the hot path would graph-break (locks, deques) or, worse, specialise on the call counter
+    and recompile on every call. So the hot path's frame is skipped (the frames it calls are still
+    compiled: the model's own ``__call__`` frame is compiled whole, zero graph breaks from perfmon) and
+    every other perfmon function is skipped with everything it calls (the slow paths, which hold
+    locks). Every call is still counted and sampled. The marks are on code objects, free at run time;
+    they need ``torch._dynamo`` (~1 s to import), so they are set once something else imported it:
+    here when a model is wrapped, and from the resolver's housekeeping tick (``Monitor`` calls it).
+    """
+    global _DYNAMO_MARKED
+    if _DYNAMO_MARKED:
+        return True
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return False
+    _DYNAMO_MARKED = True
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore[attr-defined]
+
+        for code in _HOT_CODES:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+        everything = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for code in _perfmon_code(sys.modules):
+            if code not in _HOT_CODES:
+                set_code_exec_strategy(code, everything)
+    except Exception:  # an older or newer torch without these: compile still works, it just traces us
+        pass
+    return True
+
+
+def _perfmon_code(modules: Mapping[str, Any]) -> list[types.CodeType]:
+    """The code objects of perfmon's functions and methods (module level and in classes)."""
+    out: list[types.CodeType] = []
+    for name, module in list(modules.items()):
+        if not (name == "perfmon" or name.startswith("perfmon.")) or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            if getattr(obj, "__module__", None) != name:
+                continue
+            members = vars(obj).values() if isinstance(obj, type) else (obj,)
+            for member in members:
+                fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                fn = fn.fget if isinstance(fn, property) else fn
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    out.append(code)
+    return out
+
+
+def _inner_code(fn: Any) -> types.CodeType:
+    """The code object of the ``__call__`` a closure factory builds."""
+    return next(c for c in fn.__code__.co_consts if getattr(c, "co_name", None) == "__call__")  # type: ignore[no-any-return]
+
+
+#: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them.
+_HOT_CODES = (_inner_code(hot_path), _inner_code(staged_path))
 
 
 class MonitoredFunction(Probe):

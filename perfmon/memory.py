@@ -120,7 +120,8 @@ class OomSnapshotter:
 
     Called on the request thread that saw the OOM (the allocator state is only meaningful right then);
     the snapshot is taken there, the file is written by a short-lived background thread, atomically
-    (temp file, fsync, rename) with mode 0600 in a 0700 directory.
+    (temp file, fsync, rename) with mode 0600 in a 0700 directory, through ``traces.write_private``: a
+    symlinked, foreign or group/other-writable directory is refused (``on_error``) as for captures.
     """
 
     def __init__(self, source: MemorySource, directory: str | os.PathLike[str], cooldown_seconds: float,

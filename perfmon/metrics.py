@@ -30,28 +30,41 @@ from ._version import __version__
 from .capture import CaptureController
 from .config import Config
 from .faults import InternalErrors, count_value
+from .generation import DROP_REASONS as GENERATION_DROP_REASONS
+from .generation import (
+    DURATION_BUCKETS,
+    ITL_BUCKETS,
+    OUTCOMES,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    GenerationEvent,
+    GenerationTracker,
+    TokenTiming,
+)
 from .instrument import ModelState
 from .memory import MemorySource, read_memory
 from .nvml import NvmlPoller, normalize_uuid
-from .records import DROP_REASONS, Sample
+from .records import DROP_REASONS, Sample, split_key
 from .regression import Detector
 from .selfcost import AgentCpu, HttpShedding
 
-__all__ = ["METRICS", "Metrics"]
+__all__ = ["METRICS", "GenerationCollector", "Metrics"]
 
 #: name (as exposed, without histogram suffixes) -> (type, unit, labels, help). docs/metrics.md
 #: lists the same; a test keeps the two and the registry in step.
 METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_forward_calls_total": (
-        "counter", "calls", ("model",), "Calls of the monitored model, every call, counted exactly."),
+        "counter", "calls", ("model", "stage"),
+        "Calls of the monitored model, every call, counted exactly; stage is prefill or decode for a generative "
+        "model (or a stage= callable's label), empty otherwise."),
     "perfmon_forward_errors_total": (
         "counter", "calls", ("model", "exception"),
         "Calls that raised, by exception class name (capped; the rest are 'other')."),
     "perfmon_forward_duration_seconds": (
-        "histogram", "seconds", ("model", "device", "phase"),
+        "histogram", "seconds", ("model", "device", "phase", "stage"),
         "Sampled call duration: device time from CUDA events on GPU, wall time on CPU."),
     "perfmon_forward_host_duration_seconds": (
-        "histogram", "seconds", ("model", "device", "phase"),
+        "histogram", "seconds", ("model", "device", "phase", "stage"),
         "Sampled call duration as seen by the calling thread, on CUDA devices (on CPU it equals the duration)."),
     "perfmon_forward_items_total": (
         "counter", "items", ("model",),
@@ -74,6 +87,29 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "signatures", ("model",), "Distinct input signatures (shapes, dtypes) seen by the model."),
     "perfmon_internal_errors_total": (
         "counter", "errors", ("stage",), "Faults inside the agent, by stage; none ever reaches a request."),
+    # -- generation requests (generation.py): monitor.generation / monitor.stream --------------
+    "perfmon_time_to_first_token_seconds": (
+        "histogram", "seconds", ("model",),
+        "From a generation request's start to its first token handed to the caller (host time)."),
+    "perfmon_inter_token_latency_seconds": (
+        "histogram", "seconds", ("model",),
+        "Gap between consecutive tokens handed to the caller (a chunk of n tokens: n gaps of gap/n)."),
+    "perfmon_generation_duration_seconds": (
+        "histogram", "seconds", ("model",), "From a generation request's start to its end, requests that ended ok."),
+    "perfmon_generation_requests_total": (
+        "counter", "requests", ("model", "outcome"),
+        "Generation requests that ended, by outcome (ok, error, cancelled)."),
+    "perfmon_prompt_tokens_total": (
+        "counter", "tokens", ("model",), "Prompt tokens of generation requests, counted when they start, exact."),
+    "perfmon_generated_tokens_total": (
+        "counter", "tokens", ("model",), "Tokens handed to callers by generation requests, counted as they go, exact."),
+    "perfmon_generation_prompt_tokens": (
+        "histogram", "tokens", ("model",), "Prompt tokens per generation request that ended ok (when given)."),
+    "perfmon_generation_output_tokens": (
+        "histogram", "tokens", ("model",), "Tokens generated per generation request that ended ok."),
+    "perfmon_generation_dropped_total": (
+        "counter", "records", ("model", "reason"),
+        "Generation timings never recorded: queue_full, live_limit (request counted, not timed), after_finish."),
     # -- torch allocator (memory.py), per CUDA device this process used ------------------------
     "perfmon_torch_memory_allocated_bytes": (
         "gauge", "bytes", ("device", "gpu", "UUID"), "Bytes in live tensors (torch caching allocator)."),
@@ -117,13 +153,15 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_nvml_errors_total": ("counter", "errors", ("call",), "Failed NVML calls, by function."),
     # -- regression detection (regression.py) and captures (capture.py) -----------------------
     "perfmon_latency_window_seconds": (
-        "gauge", "seconds", ("model", "quantile"), "Steady-state latency percentile of the last closed window."),
+        "gauge", "seconds", ("model", "stage", "quantile"),
+        "Steady-state latency percentile of the last closed window."),
     "perfmon_latency_baseline_seconds": (
-        "gauge", "seconds", ("model", "quantile"), "Learned baseline of that percentile (median of healthy windows)."),
+        "gauge", "seconds", ("model", "stage", "quantile"),
+        "Learned baseline of that percentile (median of healthy windows)."),
     "perfmon_latency_threshold_seconds": (
-        "gauge", "seconds", ("model", "quantile"), "Baseline x ratio: above it a window counts as regressed."),
-    "perfmon_regression_active": ("gauge", "boolean", ("model",), "1 while a latency regression is active."),
-    "perfmon_regressions_total": ("counter", "regressions", ("model",), "Latency regressions detected."),
+        "gauge", "seconds", ("model", "stage", "quantile"), "Baseline x ratio: above it a window counts as regressed."),
+    "perfmon_regression_active": ("gauge", "boolean", ("model", "stage"), "1 while a latency regression is active."),
+    "perfmon_regressions_total": ("counter", "regressions", ("model", "stage"), "Latency regressions detected."),
     "perfmon_captures_total": (
         "counter", "captures", ("model", "trigger", "outcome"), "Profiler captures finished, by trigger and outcome."),
     "perfmon_captures_suppressed_total": (
@@ -214,8 +252,8 @@ class Metrics:
         self._host_bounds = config.host_buckets
         self._les = tuple(_le(b) for b in (*config.buckets, math.inf))
         self._host_les = tuple(_le(b) for b in (*config.host_buckets, math.inf))
-        self._duration: dict[tuple[str, str, str], _Histogram] = {}
-        self._host: dict[tuple[str, str, str], _Histogram] = {}
+        self._duration: dict[tuple[str, str, str, str], _Histogram] = {}
+        self._host: dict[tuple[str, str, str, str], _Histogram] = {}
         self._batch: dict[str, _Histogram] = {}
         self._batch_les = tuple(_le(b) for b in (*BATCH_BUCKETS, math.inf))
         self._firsts: dict[str, tuple[float, float]] = {}
@@ -236,7 +274,7 @@ class Metrics:
 
     def observe(self, sample: Sample) -> None:
         """Sink: put one resolved sample into the histograms (resolver thread)."""
-        key = (sample.model, sample.device, sample.phase)
+        key = (sample.model, sample.device, sample.phase, sample.stage)
         with self._lock:
             hist = self._duration.get(key)
             if hist is None:
@@ -270,7 +308,7 @@ class Metrics:
                     for key, h in sorted(table.items())]
             batches = [(model, h.cumulative()) for model, h in sorted(self._batch.items())]
         for name in ("perfmon_forward_duration_seconds", "perfmon_forward_host_duration_seconds"):
-            fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model", "device", "phase"])
+            fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model", "device", "phase", "stage"])
             for row_name, key, (buckets, total) in rows:
                 if row_name == name:
                     fam.add_metric(list(key), buckets, total)
@@ -305,21 +343,26 @@ class _CountsCollector(Collector):
         sigs = _family("perfmon_input_signatures")
         items_fam = _family("perfmon_forward_items_total")
         padded_fam = _family("perfmon_forward_padded_items_total")
-        for st in list(self._states()):
-            m = st.name
-            items, padded = st.items_counts()
-            if items is not None:
-                items_fam.add_metric([m], items)
-            if padded is not None:
-                padded_fam.add_metric([m], padded)
-            calls.add_metric([m], count_value(st.calls))
-            sampled.add_metric([m], count_value(st.sampled))
-            for exc, n in sorted(st.error_counts().items()):
+        for m, group in _by_model(self._states()):
+            # A generative model has one state per stage: calls (and latency) by stage, the rest summed.
+            item_counts = [st.items_counts() for st in group]
+            if item_counts[0][0] is not None:
+                items_fam.add_metric([m], sum(i or 0 for i, _ in item_counts))
+            if item_counts[0][1] is not None:
+                padded_fam.add_metric([m], sum(p or 0 for _, p in item_counts))
+            for st in group:
+                calls.add_metric([m, st.stage], count_value(st.calls))
+            sampled.add_metric([m], sum(count_value(st.sampled) for st in group))
+            error_totals: dict[str, int] = {}
+            for st in group:
+                for exc, n in st.error_counts().items():
+                    error_totals[exc] = error_totals.get(exc, 0) + n
+            for exc, n in sorted(error_totals.items()):
                 errors.add_metric([m, exc], n)
             for reason in DROP_REASONS:
-                dropped.add_metric([m, reason], count_value(st.drops[reason]))
-            rate.add_metric([m], st.sampler.rate)
-            sigs.add_metric([m], st.table.distinct)
+                dropped.add_metric([m, reason], sum(count_value(st.drops[reason]) for st in group))
+            rate.add_metric([m], group[0].sampler.rate)
+            sigs.add_metric([m], sum(st.table.distinct for st in group))
             first = self._metrics.first_call(m)
             if first is not None:
                 cold.add_metric([m], first[0])
@@ -329,6 +372,14 @@ class _CountsCollector(Collector):
             internal.add_metric([stage], n)
         yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, items_fam, padded_fam, internal)
         yield from self._metrics.histograms()
+
+
+def _by_model(states: Iterable[ModelState]) -> list[tuple[str, list[ModelState]]]:
+    """States grouped by model name (one per stage for a generative model), in first-seen order."""
+    groups: dict[str, list[ModelState]] = {}
+    for st in list(states):
+        groups.setdefault(st.name, []).append(st)
+    return list(groups.items())
 
 
 #: GpuReading.values key -> metric name.
@@ -447,15 +498,16 @@ class CaptureCollector(Collector):
             ratio = self._detector.policy.ratio
             active = _family("perfmon_regression_active")
             total = _family("perfmon_regressions_total")
-            for model, last, base, is_active, n in self._detector.views():
+            for key, last, base, is_active, n in self._detector.views():
+                model, stage = split_key(key)
                 for q, level in (("p50", "0.5"), ("p99", "0.99")):
                     if last is not None:
-                        window.add_metric([model, level], last.seconds[q])
+                        window.add_metric([model, stage, level], last.seconds[q])
                     if base is not None:
-                        baseline.add_metric([model, level], base[q])
-                        threshold.add_metric([model, level], base[q] * ratio)
-                active.add_metric([model], 1.0 if is_active else 0.0)
-                total.add_metric([model], n)
+                        baseline.add_metric([model, stage, level], base[q])
+                        threshold.add_metric([model, stage, level], base[q] * ratio)
+                active.add_metric([model, stage], 1.0 if is_active else 0.0)
+                total.add_metric([model, stage], n)
             yield from (window, baseline, threshold, active, total)
         c = self._controller
         captures = _family("perfmon_captures_total")
@@ -540,3 +592,80 @@ def _register_process_collectors(registry: CollectorRegistry) -> None:
             make()
         except ValueError:
             pass  # already registered by the caller
+
+
+#: Generation histogram -> its bounds (fixed: dashboards and alert rules rely on them, docs/metrics.md).
+GENERATION_HISTOGRAMS: dict[str, tuple[float, ...]] = {
+    "perfmon_time_to_first_token_seconds": TTFT_BUCKETS,
+    "perfmon_inter_token_latency_seconds": ITL_BUCKETS,
+    "perfmon_generation_duration_seconds": DURATION_BUCKETS,
+    "perfmon_generation_prompt_tokens": TOKEN_BUCKETS,
+    "perfmon_generation_output_tokens": TOKEN_BUCKETS,
+}
+
+
+class GenerationCollector(Collector):
+    """Generation requests: exact counts read from the tracker at scrape time, histograms fed by its drain.
+
+    ``observe`` is the tracker's sink (resolver thread); the histograms are perfmon's own store, as
+    for forwards. An ITL observation can stand for n tokens (a chunk): it adds n to its bucket.
+    """
+
+    def __init__(self, tracker: GenerationTracker) -> None:
+        self._tracker = tracker
+        self._les = {name: tuple(_le(b) for b in (*bounds, math.inf)) for name, bounds in GENERATION_HISTOGRAMS.items()}
+        self._hists: dict[tuple[str, str], _Histogram] = {}  # (metric, model)
+        self._lock = threading.Lock()
+
+    def reset_after_fork(self) -> None:
+        self._hists = {}
+        self._lock = threading.Lock()
+
+    def _add(self, name: str, model: str, value: float, weight: int = 1) -> None:
+        """Lock held."""
+        h = self._hists.get((name, model))
+        if h is None:
+            h = self._hists[(name, model)] = _Histogram(GENERATION_HISTOGRAMS[name], self._les[name])
+        h.counts[bisect_left(h.bounds, value)] += weight
+        h.sum += value * weight
+
+    def observe(self, events: list[GenerationEvent]) -> None:
+        """Sink: a batch of generation events into the histograms (resolver thread)."""
+        with self._lock:
+            for event in events:
+                if isinstance(event, TokenTiming):
+                    if event.kind == "ttft":
+                        self._add("perfmon_time_to_first_token_seconds", event.model, event.seconds)
+                    else:
+                        self._add("perfmon_inter_token_latency_seconds", event.model, event.seconds, event.tokens)
+                elif event.outcome == "ok":  # as for forwards: a failed or cancelled request's length is not its speed
+                    self._add("perfmon_generation_duration_seconds", event.model, event.duration_seconds)
+                    self._add("perfmon_generation_output_tokens", event.model, float(event.output_tokens))
+                    if event.prompt_tokens is not None:
+                        self._add("perfmon_generation_prompt_tokens", event.model, float(event.prompt_tokens))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        requests = _family("perfmon_generation_requests_total")
+        prompt = _family("perfmon_prompt_tokens_total")
+        generated = _family("perfmon_generated_tokens_total")
+        dropped = _family("perfmon_generation_dropped_total")
+        for c in self._tracker.names():
+            m = c.name
+            for outcome in OUTCOMES:
+                requests.add_metric([m, outcome], count_value(c.requests[outcome]))
+            prompt.add_metric([m], c.prompt)
+            generated.add_metric([m], count_value(c.generated))
+            for reason in GENERATION_DROP_REASONS:
+                dropped.add_metric([m, reason], count_value(c.dropped[reason]))
+        yield from (requests, prompt, generated, dropped)
+        with self._lock:
+            rows = [(name, model, h.cumulative()) for (name, model), h in sorted(self._hists.items())]
+        for name in GENERATION_HISTOGRAMS:
+            fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model"])
+            for row_name, model, (buckets, total) in rows:
+                if row_name == name:
+                    fam.add_metric([model], buckets, total)
+            yield fam

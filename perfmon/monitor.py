@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Generator, Iterable
 from time import perf_counter_ns
 from typing import Any, TypeVar, overload
 
@@ -34,24 +34,37 @@ from .clocks import CudaBackend, NoCuda, TorchCuda
 from .config import Config
 from .exceptions import ConfigError, PortUnavailable, WrapError
 from .faults import count_value
+from .generation import Generation, GenerationTracker
 from .history import History
 from .httpd import AgentServer
-from .instrument import Hub, ModelState, MonitoredFunction, MonitoredModule, Probe, Span
+from .instrument import (
+    Hub,
+    ModelState,
+    MonitoredFunction,
+    MonitoredModule,
+    Probe,
+    Span,
+    Stages,
+    mark_for_dynamo,
+    unwrap_module,
+)
 from .logs import make_logger
 from .memory import MemorySource, OomSnapshotter, TorchMemory, read_memory
-from .metrics import AgentCollector, CaptureCollector, Metrics, TelemetryCollector
+from .metrics import AgentCollector, CaptureCollector, GenerationCollector, Metrics, TelemetryCollector
 from .nvml import NvmlPoller
-from .records import STEADY, Sample
+from .records import STEADY, Sample, series_key, split_key
 from .regression import Detector, Regression, RegressionPolicy
 from .resolver import Resolver
 from .roofline import Peaks, peaks_for
 from .server import Router, make_asgi_app, make_wsgi_app
+from .stages import PREFILL, generative_stage, is_generative
 from .traces import TraceStore
 from .windows import Windows
 
 __all__ = ["Monitor"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 _DEFAULT = object()
 
 
@@ -90,6 +103,13 @@ class Monitor:
         self.metrics = Metrics(self.registry, cfg, states=self._state_list, internal=self._hub.internal,
                                started_ns=lambda: self._hub.started_ns)
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
+        self.generations = GenerationTracker(
+            internal=self._hub.internal, timing=lambda: self._hub.timing, max_names=cfg.max_models,
+            max_live=cfg.max_live_generations, queue_size=cfg.generation_queue_size,
+            window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples)
+        self._generation_metrics = GenerationCollector(self.generations)
+        self.generations.sinks.append(self._generation_metrics.observe)
+        self.registry.register(self._generation_metrics)
         self.history = History()
         self.traces = TraceStore(cfg.trace_dir, max_files=cfg.trace_max_files, max_bytes=cfg.trace_max_bytes)
         policy = regression or RegressionPolicy()
@@ -98,7 +118,8 @@ class Monitor:
             log=make_logger(cfg.log_format, cfg.log_level, component="capture"),
             cooldown_seconds=policy.cooldown_seconds, max_auto_per_hour=policy.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
-            profiler_factory=profiler_factory or torch_profiler, cpu=self._hub.cpu, peaks=self._peaks)
+            profiler_factory=profiler_factory or torch_profiler, cpu=self._hub.cpu, peaks=self._peaks,
+            max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds)
         self.detector = Detector(regression) if regression is not None else None
         sinks: list[Any] = [self.metrics.observe, self.windows.add]
         if self.detector is not None:
@@ -152,9 +173,13 @@ class Monitor:
             self._hub.started_ns = perf_counter_ns()
             self._hub.timing = True
             try:
-                self.traces.sweep_temp()
+                unusable = self.traces.sweep_temp()
             except Exception as exc:  # an unusable trace_dir fails captures, never the start
                 self._hub.internal.report("trace_store", exc)
+                unusable = str(exc)
+            if unusable is not None:
+                self._log.error("trace_dir_refused", trace_dir=cfg.trace_dir, reason=unusable,
+                                note="captures are refused until it is fixed; monitoring goes on")
             self._prepare_profiler()
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
             self._resolver.start(cfg.resolve_interval_seconds)
@@ -291,7 +316,8 @@ class Monitor:
         self._hub.reset_after_fork()
         for st in self._state_list():
             st.reset_after_fork()
-        for part in (self.metrics, self.windows, self.history, self.captures, self._resolver):
+        for part in (self.metrics, self.windows, self.history, self.captures, self._resolver, self.generations,
+                     self._generation_metrics):
             part.reset_after_fork()
         if self.detector is not None:
             self.detector.reset_after_fork()
@@ -322,8 +348,13 @@ class Monitor:
 
     # -- instrumenting ------------------------------------------------------------------------
 
-    def wrap(self, model: Any, *, name: str | None = None, device: str = "auto", items: Any = None) -> Any:
-        """Monitor ``model``'s calls; returns a proxy usable exactly like it.
+    def wrap(self, model: Any, *, name: str | None = None, device: str = "auto", items: Any = None,
+             stage: Any = None) -> Any:
+        """Monitor ``model``'s calls; returns ``model`` itself (a module) or a monitored callable.
+
+        A module is monitored in place (its class becomes a per-model subclass, see
+        ``MonitoredModule``): every call counts, whichever way it comes — the returned object, the
+        model's own ``generate()``, a parent module, a pipeline holding it, ``torch.compile``.
 
         ``name`` is the ``model`` label (default: the class name). ``device`` is "auto" (follow the
         model's parameters) or a fixed label such as "cuda:0" or "cpu". ``items`` says what a call
@@ -331,9 +362,16 @@ class Monitor:
         signature table, at no extra cost; needs ``track_signatures``), a callable
         ``(args, kwargs) -> int | (effective, padded)`` counts in your units (e.g. tokens from an
         attention mask, padding excluded), False counts nothing.
+
+        ``stage`` splits a generative model's calls into stages, each with its own series
+        (``stage="prefill"``/``"decode"``): None (default) does so for a module whose ``forward`` takes
+        ``past_key_values`` (Hugging Face-style decoders; see ``perfmon.stages``), a callable
+        ``(args, kwargs) -> str`` labels a custom loop's calls (at most 8 labels), False keeps one stage.
         """
         _check_items(items)
-        if isinstance(model, Probe) or type(model) in (MonitoredModule, MonitoredFunction):
+        if stage is not None and stage is not False and not callable(stage):
+            raise ConfigError(f"stage={stage!r}: expected None (automatic), a callable or False")
+        if isinstance(model, (Probe, MonitoredModule)):
             raise WrapError("this object is already monitored")
         if not callable(model):
             raise WrapError(f"cannot monitor {type(model).__name__!r}: it is not callable")
@@ -341,7 +379,41 @@ class Monitor:
             return self.instrument(model, name=name, device=device, items=items)
         label = name if name is not None else type(model).__name__
         resolve = _fixed(device) if device != "auto" else _module_device(model)
-        return MonitoredModule.create(model, self._new_state(label, resolve, items=items))
+        if stage is None:
+            stage = generative_stage if is_generative(model) else False
+        if stage is False:
+            return MonitoredModule.create(model, self._new_state(label, resolve, items=items))
+        first = PREFILL if stage is generative_stage else "other"
+        state = self._new_state(label, resolve, items=items, stage=first)
+
+        def make(label_: str) -> ModelState:
+            return ModelState(label, self._hub, resolve, items=items, stage=label_)
+
+        every = max(1, round(1 / self.config.sample_rate))
+        calls_of_generate = itertools.count()
+
+        def requests(args: tuple[Any, ...], kwargs: Any) -> tuple[list[Any], bool]:
+            batch, prompt = _prompt_shape(args, kwargs)
+            # The first generate() call, then one in 1/sample_rate, has every step timed.
+            timed = next(calls_of_generate) % every == 0
+            return [self.generations.start(label, prompt) for _ in range(batch)], timed
+
+        return MonitoredModule.create(model, state, lambda fn: Stages(stage, make, fn, first=state,
+                                                                     internal=self._hub.internal),
+                                      requests=requests)
+
+    def unwrap(self, model: Any) -> Any:
+        """Stop monitoring a module wrapped by this monitor: its own class back, exactly; returns it.
+
+        Its metrics so far stay exported (counters never go backwards); wrapping it again under the
+        same name continues them.
+        """
+        st: ModelState | None = getattr(type(model), "_perfmon_state", None)
+        if st is None or not isinstance(model, MonitoredModule) or self._states.get(st.name) is not st:
+            raise WrapError("this object is not a module monitored by this monitor")
+        unwrap_module(model)
+        st.attached = False
+        return model
 
     @overload
     def instrument(self, fn: F, *, name: str | None = None, device: str = "auto", items: Any = None) -> F: ...
@@ -383,25 +455,65 @@ class Monitor:
                     state = self._states[name]  # created by a racing thread
         return Span(state)
 
+    def generation(self, name: str, *, prompt_tokens: int | None = None) -> Generation:
+        """One generation request under ``model=name``: call ``g.token(n=1)`` as tokens reach the caller.
+
+        ``with monitor.generation("chat", prompt_tokens=12) as g:`` ends it as ``ok`` (an Exception in the
+        block: ``error``, re-raised unchanged; another BaseException: ``cancelled``); without ``with``,
+        end it with ``g.finish(outcome)``. The first ``token()`` gives the time to first token (seconds,
+        host ``perf_counter``, from this call), the later ones the inter-token latency. ``name`` is
+        registered on first use (the same name as a wrapped model shares its label; at most
+        ``max_models`` names); a bad ``name`` or ``prompt_tokens`` raises ``ConfigError``. Costs one lock
+        and a few counters here and in ``finish()``; ``token()`` one clock read and one deque append.
+        """
+        return self.generations.start(name, prompt_tokens)
+
+    @overload
+    def stream(self, iterable: Iterable[T], *, name: str, prompt_tokens: int | None = None,
+               tokens: Callable[[T], int] | None = None) -> Generator[T, None, None]: ...
+
+    @overload
+    def stream(self, iterable: AsyncIterable[T], *, name: str, prompt_tokens: int | None = None,
+               tokens: Callable[[T], int] | None = None) -> AsyncGenerator[T, None]: ...
+
+    def stream(self, iterable: Any, *, name: str, prompt_tokens: int | None = None,
+               tokens: Callable[[Any], int] | None = None) -> Any:
+        """Yield ``iterable``'s items unchanged, timing them as one generation request under ``model=name``.
+
+        The request starts now; each item is one token, or ``tokens(item)`` tokens (text chunks; 0
+        records nothing; a failing callable is an internal error and counts 1). Exhaustion ends it
+        ``ok``, an exception from the iterable ``error`` (re-raised unchanged), ``close()``, a consumer
+        that breaks out, or garbage collection before the end ``cancelled``. An async iterable gives an
+        async generator (``async for``; task cancellation counts as ``cancelled``). Times are seconds of
+        host time at which each item is handed to the consumer.
+        """
+        return self.generations.stream(iterable, name=name, prompt_tokens=prompt_tokens, tokens=tokens)
+
     # -- regressions and captures ---------------------------------------------------------------
 
     def _detect(self, sample: Sample) -> None:
         """Sink: steady-state samples feed the regression detector (resolver thread)."""
         if sample.phase == STEADY and self.detector is not None:
-            self._fire(self.detector.add(sample.model, sample.duration_seconds, sample.end_ns))
+            # Each stage of a generative model has its own baseline: prefill and decode never mix.
+            self._fire(self.detector.add(series_key(sample.model, sample.stage), sample.duration_seconds,
+                                         sample.end_ns))
 
     def _tick(self, now_ns: int) -> None:
         """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history."""
         if self.detector is not None:
             self._fire(self.detector.tick(now_ns))
         self.captures.tick()
+        self.generations.drain(now_ns)
         self._retry_bind(now_ns)
+        mark_for_dynamo()  # torch.compile may have been imported since the models were wrapped
         if self.history.due(now_ns):
+            groups = {name: _group(st) for name, st in list(self._states.items())}
             self.history.record(
                 now_ns,
-                [(st.name, count_value(st.calls), sum(st.error_counts().values()), st.items_counts()[0])
-                 for st in self._state_list()],
-                lambda model, since: self.windows.since(model, STEADY, since),
+                [(name, sum(count_value(s.calls) for s in group), sum(sum(s.error_counts().values()) for s in group),
+                  _items_of(group)[0]) for name, group in groups.items()],
+                lambda model, since: [d for s in groups.get(model, ()) for d in
+                                      self.windows.since(model, STEADY, since, stage=s.stage)],
                 self.devices())
 
     def devices(self) -> dict[str, Any]:
@@ -427,15 +539,17 @@ class Monitor:
     def _fire(self, regressions: list[Regression]) -> None:
         policy = self.regression
         for r in regressions:
-            self._log.warning("latency_regression", **r.as_dict())
-            st = self._states.get(r.model)
+            model, stage = split_key(r.model)
+            details = {**r.as_dict(), "model": model, **({"stage": stage} if stage else {})}
+            self._log.warning("latency_regression", **details)
+            st = self._states.get(model)
             if st is None or policy is None or not st.capturable:
                 continue
             options = CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds,
                                      record_shapes=policy.capture_record_shapes,
                                      with_stack=policy.capture_with_stack,
                                      profile_memory=policy.capture_profile_memory)
-            self.captures.auto(st, options, r.as_dict())
+            self.captures.auto(st, options, details)
 
     def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
                 record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
@@ -500,7 +614,7 @@ class Monitor:
         return self.captures.view(capture_id) or self.traces.get(capture_id)
 
     def _new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True,
-                   items: Any = None) -> ModelState:
+                   items: Any = None, stage: str = "") -> ModelState:
         if not isinstance(name, str) or not name or len(name) > 128:
             raise ConfigError(f"model name {name!r}: expected a non-empty string of at most 128 characters")
         if not _printable_utf8(name):
@@ -508,17 +622,25 @@ class Monitor:
             raise ConfigError(f"model name {name!r}: expected printable characters that encode as UTF-8 "
                               "(no control characters, no lone surrogates)")
         with self._names_lock:
-            if name in self._states:
+            old = self._states.get(name)
+            if old is not None and not old.attached and capturable and old.capturable:
+                old.attached = True  # wrapped again after unwrap(): its counters continue
+                return old
+            if old is not None:
                 raise ConfigError(f"model name {name!r} is already monitored; pass a distinct name=")
             if len(self._states) >= self.config.max_models:
                 raise ConfigError(f"at most max_models={self.config.max_models} models per monitor "
                                   "(each name is a label value on every forward metric)")
-            state = ModelState(name, self._hub, resolve, capturable=capturable, items=items)
+            state = ModelState(name, self._hub, resolve, capturable=capturable, items=items, stage=stage)
             self._states[name] = state
         return state
 
     def _state_list(self) -> list[ModelState]:
-        return list(self._states.values())
+        """Every state that is called: one per model, or one per stage of a model with stages."""
+        out: list[ModelState] = []
+        for st in list(self._states.values()):
+            out.extend(list(st.stages.values()) if st.stages else (st,))
+        return out
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -539,25 +661,38 @@ class Monitor:
                 regression[model] = {"active": active, "regressions": n, "baseline_seconds": base,
                                      "last_window": None if last is None else
                                      {"samples": last.count, "seconds": last.seconds}}
-        models: dict[str, Any] = {}
-        for st in self._state_list():
-            first = self.metrics.first_call(st.name)
-            models[st.name] = {
-                "device": st.device,
+        def counts(st: ModelState) -> dict[str, Any]:
+            return {
                 "calls": count_value(st.calls),
                 "errors": st.error_counts(),
                 "sampled": count_value(st.sampled),
                 "dropped": {r: n for r, c in st.drops.items() if (n := count_value(c))},
-                "sample_rate": st.sampler.rate,
                 "input_signatures": st.table.distinct,
-                **_items_stats(st, (now - self._hub.started_ns) / 1e9),
                 "signature_tracking": st.sigs is not None,
+                "latency": self.windows.summary(st.name, now, stage=st.stage),
+                "regression": regression.get(series_key(st.name, st.stage)),
+            }
+
+        models: dict[str, Any] = {}
+        for name, st in list(self._states.items()):
+            first = self.metrics.first_call(name)
+            entry = models[name] = {
+                "device": st.device,
+                **counts(st),
+                "sample_rate": st.sampler.rate,
+                **_items_stats(_group(st), (now - self._hub.started_ns) / 1e9),
                 "cold_start_seconds": first[0] if first else None,
                 "time_to_first_forward_seconds": first[1] if first else None,
-                "latency": self.windows.summary(st.name, now),
                 "capturable": st.capturable,
-                "regression": regression.get(st.name),
             }
+            if st.stages:  # a generative model: totals here, latency and regressions per stage
+                stages = {label: counts(s) for label, s in sorted(st.stages.items())}
+                entry.update(calls=sum(s["calls"] for s in stages.values()),
+                             sampled=sum(s["sampled"] for s in stages.values()),
+                             errors=_sum_dicts(s["errors"] for s in stages.values()),
+                             dropped=_sum_dicts(s["dropped"] for s in stages.values()),
+                             input_signatures=sum(s["input_signatures"] for s in stages.values()),
+                             latency={}, regression=None, stages=stages)
         return {
             "version": __version__,
             "pid": os.getpid(),  # which worker of a multi-process server answered
@@ -566,6 +701,7 @@ class Monitor:
             "pending_samples": self._resolver.pending,
             "internal_errors": dict(self._hub.internal.counts()),
             "models": models,
+            "generation": self.generations.stats(now, self._hub.started_ns),
             "capture": {"state": self.captures.state, "current": self.captures.current.id
                         if self.captures.current else None, "suppressed": dict(self.captures.suppressed)},
             "devices": self.devices(),
@@ -668,8 +804,44 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_stop_at_exit)
 
 
-def _items_stats(st: ModelState, uptime_seconds: float) -> dict[str, Any]:
-    items, padded = st.items_counts()
+def _sum_dicts(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _prompt_shape(args: tuple[Any, ...], kwargs: Any) -> tuple[int, int | None]:
+    """(sequences, prompt tokens per sequence) of a generate() call, from the inputs' shape (no sync).
+
+    Padding is counted: the attention mask's sum would be a device read.
+    """
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    shape = getattr(inputs, "shape", None)
+    if shape is None or len(shape) == 0:
+        return 1, None
+    if len(shape) == 1:
+        return 1, int(shape[0])
+    return int(shape[0]), int(shape[1])
+
+
+def _group(st: ModelState) -> list[ModelState]:
+    """A model's states: its stages', or its own."""
+    return list(st.stages.values()) if st.stages else [st]
+
+
+def _items_of(group: list[ModelState]) -> tuple[int | None, int | None]:
+    counts = [s.items_counts() for s in group]
+    items = None if counts[0][0] is None else sum(i or 0 for i, _ in counts)
+    padded = None if counts[0][1] is None else sum(p or 0 for _, p in counts)
+    return items, padded
+
+
+def _items_stats(group: list[ModelState], uptime_seconds: float) -> dict[str, Any]:
+    items, padded = _items_of(group)
     out: dict[str, Any] = {"items": items, "items_per_second_since_start":
                            items / uptime_seconds if items is not None and uptime_seconds > 0 else None}
     if padded is not None:

@@ -25,7 +25,7 @@ import torch
 
 from .faults import count_value
 
-__all__ = ["Signature", "SignatureTable", "batch_of", "signature"]
+__all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "signature"]
 
 _Tensor = torch.Tensor
 
@@ -49,11 +49,21 @@ def _part_leaf(value: Any) -> Hashable:
     return type(value).__name__
 
 
+#: Keyword arguments that are bookkeeping, not work: in a decode loop the attention mask grows by one
+#: column every step (and positions move) while the step's work, one token per sequence against the
+#: cache, stays the same. Counted in a signature, every decode step would be a "new" input: half the
+#: calls cold and the table churning. The work's shape is in the inputs (``input_ids``: B x 1).
+BOOKKEEPING_KWARGS = frozenset({"attention_mask", "cache_position", "position_ids"})
+
+
 def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
-    """The general signature of a call. The hot path inlines the one-tensor case itself."""
+    """The general signature of a call: what work it does, not its bookkeeping (see BOOKKEEPING_KWARGS).
+
+    The hot path inlines the one-tensor case itself.
+    """
     key: tuple[Hashable, ...] = tuple(_part(a) for a in args)
     if kwargs:
-        key += tuple((k, _part(v)) for k, v in sorted(kwargs.items()))
+        key += tuple((k, _part(v)) for k, v in sorted(kwargs.items()) if k not in BOOKKEEPING_KWARGS)
     return key
 
 
@@ -68,13 +78,15 @@ def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
 class Signature:
     """One input signature: its calls (exact), the items each call carries, and cold calls still due."""
 
-    __slots__ = ("calls", "evicted_ns", "items", "warm_left")
+    __slots__ = ("calls", "dtypes", "evicted_ns", "items", "warm_left")
 
-    def __init__(self, items: int | None, warm_left: int) -> None:
+    def __init__(self, items: int | None, warm_left: int, dtypes: frozenset[Any] = frozenset()) -> None:
         self.calls = itertools.count()
         self.items = items  # per call (the batch dimension), None when unknown or counted elsewhere
         self.warm_left = warm_left
         self.evicted_ns = 0
+        #: Dtypes seen with a shape-only key (one tensor argument: the hot path keys on its shape).
+        self.dtypes = dtypes
 
 
 class SignatureTable:
@@ -115,7 +127,8 @@ class SignatureTable:
                         except (StopIteration, KeyError, RuntimeError):
                             pass
                     items = batch_of(args, kwargs) if self.count_items else None
-                    entry = seen[key] = Signature(items, self.warm_calls)
+                    dtypes = frozenset((args[0].dtype,)) if isinstance(key, torch.Size) and args else frozenset()
+                    entry = seen[key] = Signature(items, self.warm_calls, dtypes)
         next(entry.calls)
         if entry.warm_left > 0:
             entry.warm_left -= 1

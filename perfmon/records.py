@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from .clocks import EventPair
 
-__all__ = ["COLD", "DROP_REASONS", "STEADY", "Pending", "Sample"]
+__all__ = ["COLD", "DROP_REASONS", "STEADY", "Pending", "Sample", "series_key", "split_key"]
 
 COLD = "cold"
 STEADY = "steady"
@@ -50,3 +50,15 @@ class Sample(NamedTuple):
     host_seconds: float  # time the calling thread spent inside the call
     end_ns: int  # perf_counter_ns() when the call returned (a monotonic clock)
     items: int | None = None  # items (batch size by default) the call carried, when known
+    stage: str = ""  # "prefill" / "decode" (or a stage= callable's label) for a staged model; "" otherwise
+
+
+def series_key(model: str, stage: str) -> str:
+    """One string for (model, stage): the model itself when it has one stage."""
+    return f"{model}\x00{stage}" if stage else model
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(model, stage) back from ``series_key`` (model names cannot hold NUL: they are printable)."""
+    model, _, stage = key.partition("\x00")
+    return model, stage

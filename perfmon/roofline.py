@@ -17,12 +17,13 @@ CUDA-core peaks for 32-bit), or from ``peak_flops``/``peak_bandwidth`` settings,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "op_summary", "peaks_for"]
+from .trace_summary import input_bytes
+
+__all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "aggregate", "op_summary", "peaks_for", "summarise"]
 
 LAUNCH_BOUND_SECONDS = 10e-6
 
@@ -41,11 +42,6 @@ GPU_PEAKS: dict[str, tuple[float, float, float]] = {
     "V100": (125e12, 15.7e12, 0.9e12),
 }
 
-_ITEMSIZE = {
-    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "long": 8, "int": 4,
-    "short int": 2, "short": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
-    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
-}
 _HALF = {"c10::Half", "c10::BFloat16", "c10::Float8_e4m3fn", "c10::Float8_e5m2"}
 
 
@@ -76,21 +72,12 @@ def peaks_for(device_name: str | None, *, peak_flops: float | None = None,
     return None
 
 
-def _input_bytes(shapes: Any, dtypes: Any) -> int:
-    total = 0
-    for shape, dtype in zip(shapes or (), dtypes or ()):
-        size = _ITEMSIZE.get(str(dtype))
-        if size is None or not isinstance(shape, (list, tuple)) or not shape:
-            continue
-        total += math.prod(int(d) for d in shape) * size
-    return total
+def aggregate(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Rows per (op name, input shapes) from torch.profiler FunctionEvents (``prof.events()``).
 
-
-def op_summary(events: Iterable[Any], *, cuda: bool, peaks: Peaks | None, window_seconds: float | None,
-               limit: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Per-op rows (top ``limit`` by self device time on CUDA, else self CPU time) and window totals.
-
-    ``events`` are torch.profiler FunctionEvents (``prof.events()``); times in seconds.
+    The same rows ``perfmon.trace_summary`` computes from a Chrome trace in a child process (the
+    exporter's path); kept for callers that hold FunctionEvents already, and to check one against
+    the other. Times in seconds; ``dtypes`` lists the input dtype names seen.
     """
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for e in events:
@@ -103,7 +90,7 @@ def op_summary(events: Iterable[Any], *, cuda: bool, peaks: Peaks | None, window
             row = rows[key] = {"name": e.name, "calls": 0, "cpu_time_total_seconds": 0.0,
                                "self_cpu_time_total_seconds": 0.0, "device_time_total_seconds": 0.0,
                                "self_device_time_total_seconds": 0.0, "input_shapes": [str(s) for s in shapes] or None,
-                               "flops": 0, "input_bytes_estimate": 0, "_dtypes": set()}
+                               "flops": 0, "input_bytes_estimate": 0, "dtypes": set()}
         row["calls"] += 1
         row["cpu_time_total_seconds"] += e.cpu_time_total / 1e6
         row["self_cpu_time_total_seconds"] += e.self_cpu_time_total / 1e6
@@ -111,13 +98,34 @@ def op_summary(events: Iterable[Any], *, cuda: bool, peaks: Peaks | None, window
         row["self_device_time_total_seconds"] += getattr(e, "self_device_time_total", 0) / 1e6
         row["flops"] += int(getattr(e, "flops", 0) or 0)
         dtypes = getattr(e, "input_dtypes", None) or []
-        row["input_bytes_estimate"] += _input_bytes(shapes, dtypes)
-        row["_dtypes"].update(str(d) for d in dtypes if d)
+        row["input_bytes_estimate"] += input_bytes(shapes, dtypes)
+        row["dtypes"].update(str(d) for d in dtypes if d)
+    out = list(rows.values())
+    for row in out:
+        row["dtypes"] = sorted(row["dtypes"])
+    return out
+
+
+def op_summary(events: Iterable[Any], *, cuda: bool, peaks: Peaks | None, window_seconds: float | None,
+               limit: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``summarise(aggregate(events), ...)``: the summary straight from FunctionEvents."""
+    return summarise(aggregate(events), cuda=cuda, peaks=peaks, window_seconds=window_seconds, limit=limit)
+
+
+def summarise(rows: Iterable[Mapping[str, Any]], *, cuda: bool, peaks: Peaks | None, window_seconds: float | None,
+              limit: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-op rows (top ``limit`` by self device time on CUDA, else self CPU time) and window totals.
+
+    ``rows`` come from ``aggregate`` or ``perfmon.trace_summary``; times in seconds. Each output row
+    gains achieved FLOP/s, arithmetic intensity and a verdict, and loses its ``dtypes``.
+    """
     time_key = "self_device_time_total_seconds" if cuda else "self_cpu_time_total_seconds"
     total_flops = 0
     flop_dtypes: set[str] = set()
-    for row in rows.values():
-        dtypes = row.pop("_dtypes")
+    out: list[dict[str, Any]] = []
+    for src in rows:
+        row = dict(src)
+        dtypes = set(row.pop("dtypes", ()) or ())
         seconds = row[time_key]
         row["achieved_flops_per_second"] = row["flops"] / seconds if seconds > 0 and row["flops"] else None
         row["arithmetic_intensity"] = (row["flops"] / row["input_bytes_estimate"]
@@ -126,7 +134,8 @@ def op_summary(events: Iterable[Any], *, cuda: bool, peaks: Peaks | None, window
         total_flops += row["flops"]
         if row["flops"]:
             flop_dtypes |= dtypes
-    ordered = sorted(rows.values(), key=lambda r: r[time_key], reverse=True)[:limit]
+        out.append(row)
+    ordered = sorted(out, key=lambda r: r[time_key], reverse=True)[:limit]
     totals: dict[str, Any] = {"flops": total_flops, "window_seconds": window_seconds,
                               "achieved_flops_per_second": (total_flops / window_seconds
                                                             if window_seconds and total_flops else None)}

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import gzip
 import hmac
+import ipaddress
 import json
 import math
 import threading
@@ -27,7 +28,8 @@ from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["MAX_BODY_BYTES", "REASONS", "Response", "Router", "make_asgi_app", "make_wsgi_app"]
+__all__ = ["CONTROL_HEADER", "MAX_BODY_BYTES", "REASONS", "Response", "Router", "host_names_agent", "is_loopback",
+           "make_asgi_app", "make_wsgi_app", "owner_without_token"]
 
 _JSON = "application/json"
 
@@ -47,7 +49,8 @@ class Response:
 
 REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
            404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 411: "Length Required",
-           413: "Payload Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+           413: "Payload Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
+           431: "Request Header Fields Too Large",
            500: "Internal Server Error", 503: "Service Unavailable"}
 
 #: Largest request body accepted (a capture request is a few fields of JSON).
@@ -57,7 +60,58 @@ _CAPTURE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str, "steps": int, "max_seconds": (int, float), "record_shapes": bool, "with_stack": bool,
     "profile_memory": bool,
 }
-_LOOPBACK = ("127.", "::1", "localhost")
+#: Sent by perfmon's own clients (the CLI, the status page) on every control and trace request when no
+#: token is set: a cross-site page cannot send it without a CORS preflight, which the agent never grants.
+CONTROL_HEADER = "X-Perfmon"
+
+
+def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``text`` spells (brackets, an IPv6 zone and IPv4-mapped IPv6 unwrapped), else None."""
+    if not text:
+        return None
+    try:
+        addr = ipaddress.ip_address(text.strip("[]").partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def is_loopback(address: str | None) -> bool:
+    """True only for an IP address on the loopback network; a name (``localhost.corp.example``) is never."""
+    addr = _ip(address)
+    return addr is not None and addr.is_loopback
+
+
+def owner_without_token(bound: str | None, peer: str | None) -> bool:
+    """Whether a request may use the control API with no token: the socket is bound to a loopback address
+    and the peer connected from one (addresses as the sockets report them, never the configured string)."""
+    return is_loopback(bound) and is_loopback(peer)
+
+
+def host_names_agent(host: str, bound: str | None, allowed: tuple[str, ...] = ()) -> bool:
+    """Whether a ``Host`` header value names this agent (what stops DNS rebinding).
+
+    Accepted: ``localhost``, a loopback address, the bound address, any IP address when bound to all
+    addresses (or when mounted: the bound address is the host server's), and the ``allowed_hosts``
+    names. A rebinding attack needs a DNS name of the attacker's, which none of these is.
+    """
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    name = name.rstrip(".")
+    if not name:
+        return False
+    if "*" in allowed or name in {a.lower().rstrip(".") for a in allowed} or name == "localhost":
+        return True
+    addr = _ip(name)
+    if addr is None:
+        return False
+    bound_addr = _ip(bound)
+    return addr.is_loopback or bound_addr is None or bound_addr.is_unspecified or addr == bound_addr
 
 
 class Router:
@@ -65,13 +119,18 @@ class Router:
 
     ``/metrics``, ``/healthz`` and ``/stats`` are open. The control and trace routes (``/profile``,
     ``/profiles...``) need ``Authorization: Bearer <token>`` when a token is set; with no token they
-    are served only by the agent's own server on a loopback address, and answer 403 otherwise
-    (a non-loopback bind, or the app mounted in someone else's server).
+    are served only by the agent's own server bound to a loopback address, to a peer connecting from
+    a loopback address, with the ``X-Perfmon`` header, and answer 403 otherwise (a non-loopback bind
+    or peer, or the app mounted in someone else's server). Either way a ``Host`` must name the agent,
+    an ``Origin`` must be the agent's own, and a POST must be ``application/json`` (415): a web page
+    in a browser on the machine can neither rebind a name to the agent nor send a simple request.
     """
 
     def __init__(self, monitor: Monitor, *, mounted: bool = True) -> None:
         self.monitor = monitor
         self.mounted = mounted
+        #: The address the agent's own server is bound to (set by it once bound; None when mounted).
+        self.bound: str | None = None
         self._flights: dict[str, _Flight] = {}
         self._flight_lock = threading.Lock()
         self.open_routes: dict[str, Callable[[Mapping[str, str]], Response]] = {
@@ -82,15 +141,18 @@ class Router:
             "/stats": self._stats,
         }
 
-    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"") -> Response:
-        """Answer one request; internal failures become a 500 JSON body and are counted."""
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"",
+               peer: str | None = None) -> Response:
+        """Answer one request (``peer``: the client's address as its socket reports it, None when unknown);
+        internal failures become a 500 JSON body and are counted."""
         try:
-            return self._route(method, path, headers, body)
+            return self._route(method, path, headers, body, peer)
         except Exception as exc:
             self.monitor._hub.internal.report("http", exc)
             return Response.json(500, {"error": "internal error", "detail": type(exc).__name__})
 
-    def _route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+    def _route(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
+               peer: str | None = None) -> Response:
         clean = path.rstrip("/") or path
         view = self.open_routes.get(clean)
         if view is not None:
@@ -103,12 +165,16 @@ class Router:
             return resp
         parts = clean.split("/")
         if clean == "/profile" or clean == "/profiles" or (len(parts) in (3, 4) and parts[1] == "profiles"):
-            denied = self._authorize(headers)
+            denied = self._authorize(headers, peer)
             if denied is not None:
                 return denied
             if clean == "/profile":
                 if method != "POST":
                     return _not_allowed(method, "POST")
+                media = headers.get("content-type", "").partition(";")[0].strip().lower()
+                if media != _JSON:
+                    return Response.json(415, {"error": "send the capture request as JSON",
+                                               "detail": "POST /profile needs 'Content-Type: application/json'"})
                 return self._post_profile(headers, body)
             if method not in ("GET", "HEAD"):
                 return _not_allowed(method, "GET, HEAD")
@@ -180,18 +246,32 @@ class Router:
 
     # -- control routes --------------------------------------------------------------------------
 
-    def _authorize(self, headers: Mapping[str, str]) -> Response | None:
+    def _authorize(self, headers: Mapping[str, str], peer: str | None) -> Response | None:
         token = self.monitor.config.token
+        if token is None and self.mounted:
+            return _forbidden("control API disabled", "the agent is mounted in another server and no token is set; "
+                              "set PERFMON_TOKEN (or token=) and send 'Authorization: Bearer <token>'")
+        host = headers.get("host")
+        if host is not None and not host_names_agent(host, self.bound, self.monitor.config.allowed_hosts):
+            return _forbidden("forbidden Host", f"Host {host[:100]!r} does not name this agent; use its address or "
+                              "localhost, or add the name to allowed_hosts (PERFMON_ALLOWED_HOSTS)")
+        origin = headers.get("origin")
+        if origin is not None and (host is None or origin.lower().partition("://")[2] != host.lower()
+                                   or not origin.lower().startswith(("http://", "https://"))):
+            return _forbidden("cross-origin request refused",
+                              f"Origin {origin[:100]!r} is not this agent's own origin")
         if token is None:
-            host = self.monitor.config.host
-            if not self.mounted and host.startswith(_LOOPBACK):
-                return None
-            where = "mounted in another server" if self.mounted else f"listening on {host}"
-            return Response.json(403, {
-                "error": "control API disabled",
-                "detail": f"the agent is {where} and no token is set; set PERFMON_TOKEN (or token=) and send "
-                          "'Authorization: Bearer <token>'",
-            })
+            if not owner_without_token(self.bound, peer):
+                where = (f"listening on {self.monitor.config.host}" if not is_loopback(self.bound)
+                         else f"asked from {peer or 'an unknown address'}, not loopback")
+                return _forbidden("control API disabled",
+                                  f"the agent is {where} and no token is set; set PERFMON_TOKEN (or token=) and "
+                                  "send 'Authorization: Bearer <token>'")
+            if not headers.get(CONTROL_HEADER.lower()):
+                return _forbidden(f"missing {CONTROL_HEADER} header",
+                                  f"send '{CONTROL_HEADER}: 1' (perfmon's CLI and status page do): a request without "
+                                  "it could come from a web page in a browser on this machine")
+            return None
         scheme, _, credential = headers.get("authorization", "").partition(" ")
         # Constant-time comparison: the response time must not reveal how much of a guess was right.
         if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), token.encode()):
@@ -237,12 +317,13 @@ class Router:
         meta = self.monitor.profile(capture_id)
         if meta is None:
             return _unknown_capture(capture_id)
-        path = self.monitor.traces.trace_path(capture_id)
-        if path is None:
+        # Read through the checked directory's descriptor, never following a link (traces.py).
+        found = self.monitor.traces.read_trace(capture_id)
+        if found is None:
             return Response.json(404, {"error": "this capture has no trace", "status": meta.get("status"),
                                        "outcome": meta.get("outcome")})
-        return Response(200, path.read_bytes(), "application/gzip",
-                        [("Content-Disposition", f'attachment; filename="{path.name}"')])
+        name, data = found
+        return Response(200, data, "application/gzip", [("Content-Disposition", f'attachment; filename="{name}"')])
 
 
 class _Flight:
@@ -271,6 +352,11 @@ def openapi_document() -> dict[str, Any]:
     capture_id = {"name": "id", "in": "path", "required": True,
                   "schema": {"type": "string", "pattern": "^[0-9a-f]{22}$"}}
     auth: list[dict[str, list[str]]] = [{"bearer": []}]
+    control = {"name": CONTROL_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+               "description": "Required (any value, e.g. 1) when the agent has no token: with no token the control "
+                              "routes answer only a loopback peer of an agent bound to loopback that sends it. "
+                              "On every control route a Host that does not name the agent (localhost, its "
+                              "addresses, allowed_hosts) or an Origin other than the agent's own is refused 403."}
     return {
         "openapi": "3.1.0",
         "info": {"title": "perfmon agent", "version": __version__,
@@ -283,7 +369,8 @@ def openapi_document() -> dict[str, Any]:
             "/stats": {"get": {"summary": "Counts, exact percentiles, devices, short time series (JSON)",
                                "responses": {"200": {"description": "OK", "content": {_JSON: {}}}}}},
             "/profile": {"post": {
-                "summary": "Arm a profiler capture of a model's next calls", "security": auth,
+                "summary": "Arm a profiler capture of a model's next calls (Content-Type: application/json, "
+                           "else 415)", "security": auth, "parameters": [control],
                 "requestBody": {"required": False, "content": {_JSON: {"schema": {
                     "type": "object", "additionalProperties": False,
                     "properties": {"model": {"type": "string"}, "steps": {"type": "integer", "minimum": 1,
@@ -292,17 +379,17 @@ def openapi_document() -> dict[str, Any]:
                                    "record_shapes": {"type": "boolean"}, "with_stack": {"type": "boolean"},
                                    "profile_memory": {"type": "boolean"}}}}}},
                 "responses": {"202": {"description": "Armed", "content": {_JSON: {}}},
-                              **errors(400, 401, 403, 404, 409, 413, 429)}}},
-            "/profiles": {"get": {"summary": "Captures, newest first", "security": auth,
+                              **errors(400, 401, 403, 404, 409, 413, 415, 429)}}},
+            "/profiles": {"get": {"summary": "Captures, newest first", "security": auth, "parameters": [control],
                                   "responses": {"200": {"description": "OK", "content": {_JSON: {}}},
                                                 **errors(401, 403)}}},
             "/profiles/{id}": {"get": {"summary": "A capture's metadata and op summary", "security": auth,
-                                       "parameters": [capture_id],
+                                       "parameters": [capture_id, control],
                                        "responses": {"200": {"description": "OK", "content": {_JSON: {}}},
                                                      **errors(401, 403, 404)}}},
             "/profiles/{id}/trace": {"get": {
                 "summary": "The capture's Chrome trace (gzip; Perfetto, TensorBoard)", "security": auth,
-                "parameters": [capture_id],
+                "parameters": [capture_id, control],
                 "responses": {"200": {"description": "OK", "content": {"application/gzip": {}}},
                               **errors(401, 403, 404)}}},
         },
@@ -317,6 +404,10 @@ def openapi_document() -> dict[str, Any]:
 @functools.cache
 def _status_page() -> bytes:
     return resources.files("perfmon").joinpath("static/index.html").read_bytes()
+
+
+def _forbidden(error: str, detail: str) -> Response:
+    return Response.json(403, {"error": error, "detail": detail})
 
 
 def _not_allowed(method: str, allow: str) -> Response:

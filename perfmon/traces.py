@@ -3,49 +3,179 @@
 Files are written to a temp name and renamed, so a crash never leaves a half-written file under its
 final name; the directory is created 0700 and files 0600 (traces and allocator snapshots reveal
 model structure and input shapes). Names are generated here, never taken from a caller.
+
+The directory may be shared with other local users (a path in /tmp, a volume), so nothing in it is
+trusted:
+
+* it must be a real directory, not a symbolic link, owned by this process's user and not writable by
+  group or others; otherwise every operation refuses it with ``UnsafeTraceDir`` (no repair: files
+  another user planted while it was open would stay). Symbolic links in its *parent* path are the
+  administrator's choice and are followed;
+* every file is opened relative to a descriptor of that checked directory (``dir_fd``), with
+  ``O_NOFOLLOW``; new files are created ``O_CREAT | O_EXCL`` under unpredictable temp names and moved
+  into place with ``os.replace(src_dir_fd=, dst_dir_fd=)``, which replaces a planted link itself,
+  never its target;
+* only names matching the store's own patterns (``{id}.meta.json``, ``{worker}.{time_ns}.pt.trace.json.gz``,
+  its temp names) are ever read, served or deleted, and only regular files owned by this user.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TraceStore", "new_id", "valid_id", "worker_name", "write_private"]
+from .exceptions import ConfigError
+
+__all__ = [
+    "TRACE_NAME", "TraceStore", "UnsafeTraceDir", "new_id", "open_private_dir", "valid_id", "worker_name",
+    "write_private",
+]
+
+#: Metadata files: a capture id (see ``new_id``) and the suffix.
+META_NAME = re.compile(r"^(?P<id>[0-9a-f]{22})\.meta\.json$")
+#: Trace files: ``{hostname}_{pid}.{time_ns}.pt.trace.json.gz`` as ``worker_name`` spells the hostname.
+TRACE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}_[0-9]{1,10}\.[0-9]{1,20}\.pt\.trace\.json\.gz$")
+#: Temp files: ``.tmp.{pid}.{16 hex}.{suffix}``; the pid says whose they are (see ``sweep_temp``).
+TEMP_NAME = re.compile(r"^\.tmp\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{16}\.[a-z.]{1,16}$")
+#: A temp file older than this is swept even if its pid is alive (a reused pid, another host's).
+TEMP_MAX_AGE_SECONDS = 3600.0
+#: Metadata files are small (an op summary of <= 25 rows); a bigger one is not ours.
+META_MAX_BYTES = 4 * 2**20
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeTraceDir(ConfigError):
+    """``trace_dir`` is a symbolic link, not a directory, owned by another user or writable by others."""
 
 
 def worker_name() -> str:
-    """``{hostname}_{pid}``, the worker part of torch's trace file names."""
-    return f"{socket.gethostname()}_{os.getpid()}"
+    """``{hostname}_{pid}``, the worker part of torch's trace file names (hostname reduced to [A-Za-z0-9._-])."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:200].lstrip("._-") or "host"
+    return f"{host}_{os.getpid()}"
 
 
-def write_private(directory: Path, name: str, data: bytes) -> Path:
-    """Write ``data`` to ``directory/name`` atomically; directory 0700, file 0600."""
-    if os.sep in name or name.startswith("."):
+def _problem(st: os.stat_result, uid: int) -> str | None:
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by this process's uid {uid}"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def open_private_dir(directory: str | os.PathLike[str], *, create: bool, uid: int | None = None) -> int | None:
+    """A descriptor of ``directory`` after checking it is safe to use; None if absent and not ``create``.
+
+    ``create`` makes it (and missing parents) first, the directory itself 0700. Raises
+    ``UnsafeTraceDir`` for a symbolic link, a non-directory, another owner, or group/other write
+    permission; other ``OSError`` as they come. The caller closes the descriptor.
+    """
+    path = Path(directory)
+    uid = os.geteuid() if uid is None else uid
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, _OPEN_DIR)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            what = "a symbolic link" if path.is_symlink() else "not a directory"
+            raise UnsafeTraceDir(f"trace_dir {str(path)!r} is {what}; perfmon refuses it "
+                                 "(set trace_dir to a real directory of this user)") from exc
+        raise
+    try:
+        problem = _problem(os.fstat(fd), uid)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise UnsafeTraceDir(f"trace_dir {str(path)!r} is {problem}; perfmon refuses it (another local user "
+                             f"could plant or swap files there). Fix: `chmod 700` it as its owner, or point "
+                             f"trace_dir at a path that does not exist yet: perfmon creates it 0700")
+    return fd
+
+
+def temp_name(suffix: str) -> str:
+    """An unpredictable dot-prefixed name (never listed) that ``sweep_temp`` recognises as ours."""
+    return f".tmp.{os.getpid()}.{secrets.token_hex(8)}.{suffix}"
+
+
+def write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``data`` to ``name`` in the directory ``dir_fd`` atomically: a fresh 0600 temp file, fsync, rename."""
+    if "/" in name or name.startswith(".") or not name:
         raise ValueError(f"not a plain file name: {name!r}")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    final = directory / name
-    tmp = directory / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = temp_name("write")
+    fd = os.open(tmp, _OPEN_NEW, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
         raise
-    return final
+
+
+def write_private(directory: str | os.PathLike[str], name: str, data: bytes) -> Path:
+    """Write ``data`` to ``directory/name`` atomically; directory checked (or created 0700), file 0600."""
+    dfd = open_private_dir(directory, create=True)
+    assert dfd is not None
+    try:
+        write_at(dfd, name, data)
+    finally:
+        os.close(dfd)
+    return Path(directory) / name
+
+
+def open_regular(dir_fd: int, name: str) -> int | None:
+    """Open ``name`` for reading if it is a regular file of this user (never through a link); else None."""
+    try:
+        fd = os.open(name, _OPEN_READ, dir_fd=dir_fd)
+    except OSError:
+        return None  # absent, a symbolic link (ELOOP), unreadable
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_at(dir_fd: int, name: str, limit: int | None) -> bytes | None:
+    fd = open_regular(dir_fd, name)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if limit is not None and os.fstat(f.fileno()).st_size > limit:
+            return None
+        return f.read()
 
 
 _ID = re.compile(r"^[0-9a-f]{22}$")
@@ -66,7 +196,8 @@ class TraceStore:
 
     The metadata file is written last, so a capture is listed only once everything it names exists.
     Retention keeps at most ``max_files`` captures and ``max_bytes`` of traces; the oldest go first,
-    and the newest capture is kept whatever its size.
+    and the newest capture is kept whatever its size. Reads of an unsafe directory see nothing;
+    writes raise ``UnsafeTraceDir`` (see the module docstring).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_files: int, max_bytes: int) -> None:
@@ -75,72 +206,203 @@ class TraceStore:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
 
-    def temp_path(self, capture_id: str, suffix: str) -> Path:
-        """A private scratch path for an export in progress (dot-prefixed: never listed)."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return self.directory / f".{capture_id}.{suffix}.tmp"
+    @contextmanager
+    def opened(self, *, create: bool = True) -> Iterator[int | None]:
+        """The checked directory's descriptor for the duration of the block (None: absent, not created)."""
+        dfd = open_private_dir(self.directory, create=create)
+        try:
+            yield dfd
+        finally:
+            if dfd is not None:
+                os.close(dfd)
 
-    def save(self, meta: dict[str, Any], trace: bytes | None, trace_name: str | None) -> dict[str, Any]:
-        """Write the trace (if any) then the metadata; apply retention; returns the stored metadata."""
-        with self._lock:
-            if trace is not None and trace_name is not None:
-                write_private(self.directory, trace_name, trace)
+    def problem(self) -> str | None:
+        """Why the directory cannot be used, or None (absent is fine: it is created on first write)."""
+        try:
+            with self.opened(create=False):
+                return None
+        except OSError as exc:
+            return f"trace_dir {str(self.directory)!r}: {exc}"
+        except UnsafeTraceDir as exc:
+            return str(exc)
+
+    def new_temp(self, suffix: str) -> tuple[str, Path]:
+        """Create an empty private temp file for an export in progress; returns (name, path).
+
+        The path is for writers that only take a path (``export_chrome_trace``): the directory is
+        checked private, so nobody else can swap the entry the name points at.
+        """
+        name = temp_name(suffix)
+        with self.opened() as dfd:
+            os.close(os.open(name, _OPEN_NEW, 0o600, dir_fd=dfd))
+        return name, self.directory / name
+
+    def open_temp(self, name: str, flags: int) -> int:
+        """Open one of this store's temp files (``os.O_RDONLY`` or ``os.O_WRONLY``) without following links."""
+        if not TEMP_NAME.fullmatch(name):
+            raise ValueError(f"not a temp name of this store: {name!r}")
+        with self.opened() as dfd:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+
+    def remove_temp(self, name: str) -> None:
+        """Delete one of this store's temp files; never raises."""
+        if not TEMP_NAME.fullmatch(name):
+            return
+        try:
+            with self.opened(create=False) as dfd:
+                if dfd is not None:
+                    os.unlink(name, dir_fd=dfd)
+        except (OSError, ValueError):
+            pass
+
+    def save(self, meta: dict[str, Any], trace: bytes | None, trace_name: str | None,
+             *, trace_temp: str | None = None) -> dict[str, Any]:
+        """Write the trace (``trace`` bytes, or the finished temp file ``trace_temp`` moved into place),
+        then the metadata; apply retention; returns the stored metadata."""
+        if trace_name is not None and not TRACE_NAME.fullmatch(trace_name):
+            raise ValueError(f"not a trace name of this store: {trace_name!r}")
+        with self._lock, self.opened() as dfd:
+            assert dfd is not None
+            if trace_name is not None and trace is not None:
+                write_at(dfd, trace_name, trace)
                 meta = {**meta, "trace_file": trace_name, "trace_bytes": len(trace)}
+            elif trace_name is not None and trace_temp is not None:
+                if not TEMP_NAME.fullmatch(trace_temp):
+                    raise ValueError(f"not a temp name of this store: {trace_temp!r}")
+                size = os.stat(trace_temp, dir_fd=dfd, follow_symlinks=False).st_size
+                os.replace(trace_temp, trace_name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                meta = {**meta, "trace_file": trace_name, "trace_bytes": size}
             body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
-            write_private(self.directory, f"{meta['id']}.meta.json", body)
-            self._retain()
+            write_at(dfd, f"{meta['id']}.meta.json", body)
+            self._retain(dfd)
         return meta
 
     def list(self) -> list[dict[str, Any]]:
-        """Stored captures, newest first."""
+        """Stored captures, newest first (none while the directory is absent or unsafe)."""
         out = []
         try:
-            names = sorted((p.name for p in self.directory.glob("*.meta.json")), reverse=True)
-        except OSError:
+            with self.opened(create=False) as dfd:
+                if dfd is None:
+                    return []
+                for name in _meta_names(dfd):
+                    meta = self._meta(dfd, name)
+                    if meta is not None:
+                        out.append(meta)
+        except (UnsafeTraceDir, OSError):
             return []
-        for name in names:
-            meta = self.get(name[: -len(".meta.json")])
-            if meta is not None:
-                out.append(meta)
         return out
 
     def get(self, capture_id: str) -> dict[str, Any] | None:
+        """A stored capture's metadata, or None (unknown or malformed id, unsafe directory)."""
         if not valid_id(capture_id):
             return None
         try:
-            meta: dict[str, Any] = json.loads((self.directory / f"{capture_id}.meta.json").read_bytes())
-        except (OSError, ValueError):
+            with self.opened(create=False) as dfd:
+                return None if dfd is None else self._meta(dfd, f"{capture_id}.meta.json")
+        except (UnsafeTraceDir, OSError):
             return None
-        return meta
 
-    def trace_path(self, capture_id: str) -> Path | None:
-        """The trace file of a stored capture, or None (unknown id, failed capture, file gone)."""
+    def _meta(self, dfd: int, name: str) -> dict[str, Any] | None:
+        body = _read_at(dfd, name, META_MAX_BYTES)
+        try:
+            meta = json.loads(body) if body is not None else None
+        except ValueError:
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def _trace_name(self, capture_id: str) -> str | None:
         meta = self.get(capture_id)
         name = meta.get("trace_file") if meta else None
-        if not isinstance(name, str) or "/" in name or name.startswith("."):
-            return None
-        path = self.directory / name
-        return path if path.is_file() else None
+        return name if isinstance(name, str) and TRACE_NAME.fullmatch(name) else None
 
-    def _retain(self) -> None:
-        metas = sorted(self.directory.glob("*.meta.json"), key=lambda p: p.name, reverse=True)
+    def read_trace(self, capture_id: str) -> tuple[str, bytes] | None:
+        """(file name, gzipped bytes) of a stored capture's trace, or None; never through a link."""
+        name = self._trace_name(capture_id)
+        if name is None:
+            return None
+        try:
+            with self.opened(create=False) as dfd:
+                data = None if dfd is None else _read_at(dfd, name, None)
+        except (UnsafeTraceDir, OSError):
+            return None
+        return None if data is None else (name, data)
+
+    def trace_path(self, capture_id: str) -> Path | None:
+        """The trace file of a stored capture, or None (unknown id, failed capture, file gone or not
+        a regular file of this user). Prefer ``read_trace``, which reads through the checked descriptor."""
+        name = self._trace_name(capture_id)
+        if name is None:
+            return None
+        try:
+            with self.opened(create=False) as dfd:
+                fd = None if dfd is None else open_regular(dfd, name)
+        except (UnsafeTraceDir, OSError):
+            return None
+        if fd is None:
+            return None
+        os.close(fd)
+        return self.directory / name
+
+    def _retain(self, dfd: int) -> None:
         kept_bytes = 0
-        for i, meta_path in enumerate(metas):
-            try:
-                meta = json.loads(meta_path.read_bytes())
-            except (OSError, ValueError):
-                meta = {}
-            size = int(meta.get("trace_bytes") or 0)
+        for i, meta_name in enumerate(_meta_names(dfd)):
+            meta = self._meta(dfd, meta_name) or {}
+            size = meta.get("trace_bytes")
+            size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else 0
             # The newest capture is always kept: the one an operator just asked for must be fetchable.
             if i == 0 or (i < self.max_files and kept_bytes + size <= self.max_bytes):
                 kept_bytes += size
                 continue
             name = meta.get("trace_file")
-            if isinstance(name, str) and "/" not in name and not name.startswith("."):
-                (self.directory / name).unlink(missing_ok=True)
-            meta_path.unlink(missing_ok=True)
+            if isinstance(name, str) and TRACE_NAME.fullmatch(name):
+                self._unlink_own(dfd, name)
+            self._unlink_own(dfd, meta_name)
 
-    def sweep_temp(self) -> None:
-        """Remove scratch files an interrupted export left behind."""
-        for p in self.directory.glob(".*.tmp"):
-            p.unlink(missing_ok=True)
+    @staticmethod
+    def _unlink_own(dfd: int, name: str) -> None:
+        """Delete ``name`` if it is a regular file of this user (a link or someone else's file stays)."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(name, dir_fd=dfd)
+        except OSError:
+            pass
+
+    def sweep_temp(self) -> str | None:
+        """Remove temp files an interrupted export left (their process is gone, or they are over an
+        hour old); never raises. Returns why the directory is unusable, or None."""
+        try:
+            with self.opened(create=False) as dfd:
+                if dfd is None:
+                    return None
+                now = time.time()
+                for name in os.listdir(dfd):
+                    m = TEMP_NAME.fullmatch(name)
+                    if m is None:
+                        continue
+                    try:
+                        age = now - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime
+                    except OSError:
+                        continue
+                    if age > TEMP_MAX_AGE_SECONDS or not _alive(int(m["pid"])):
+                        self._unlink_own(dfd, name)
+        except (UnsafeTraceDir, OSError) as exc:
+            return str(exc)
+        return None
+
+
+def _meta_names(dfd: int) -> list[str]:
+    """Metadata file names in the directory, newest first (ids are time-ordered)."""
+    return sorted((n for n in os.listdir(dfd) if META_NAME.fullmatch(n)), reverse=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    return True

@@ -37,7 +37,12 @@ def make_monitor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
 
 def value(monitor: perfmon.Monitor, name: str, **labels: str) -> float | None:
-    """One sample's value from the monitor's registry."""
+    """One sample's value from the monitor's registry (``stage`` defaults to "": a model with one stage)."""
+    from perfmon.metrics import METRICS
+
+    family = next((f for f in (name, name.rsplit("_", 1)[0]) if f in METRICS), None)
+    if family is not None and "stage" in METRICS[family][2] and family != "perfmon_internal_errors_total":
+        labels.setdefault("stage", "")
     return monitor.registry.get_sample_value(name, labels)
 
 

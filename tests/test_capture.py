@@ -86,6 +86,8 @@ def test_latency_jump_triggers_exactly_one_capture_with_a_valid_trace(make_monit
 
 def _post(url: str, body: bytes | None = None, token: str | None = TOKEN, method: str = "POST",
           headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    if method == "POST":  # the control API takes JSON only (415 otherwise)
+        headers = {"Content-Type": "application/json", **(headers or {})}
     return http(url, body, method=method, headers=headers, token=token)
 
 
@@ -201,7 +203,8 @@ def test_control_routes_forbidden_without_token_off_loopback_or_mounted(make_mon
     resp = Router(exposed, mounted=False).handle("GET", "/profiles", {})
     assert resp.status == 403 and "0.0.0.0" in json.loads(resp.body)["detail"]
     local = Router(mon, mounted=False)  # the agent's own server on 127.0.0.1: open without a token
-    assert local.handle("GET", "/profiles", {}).status == 200
+    local.bound = "127.0.0.1"  # (to a loopback peer sending X-Perfmon; tests/test_http.py has the rest)
+    assert local.handle("GET", "/profiles", {"x-perfmon": "1"}, peer="127.0.0.1").status == 200
 
 
 def test_403_over_real_http_when_mounted_without_a_token(make_monitor) -> None:
@@ -304,7 +307,9 @@ def test_users_own_profiler_is_never_nested_or_wiped(make_monitor) -> None:
 def test_armed_capture_expires_and_stop_aborts(make_monitor) -> None:
     """An armed capture with no call expires as aborted; stop() aborts an armed one; the slot frees."""
     mon = make_monitor(capture_arm_timeout_seconds=0.05).start()
-    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    lin = torch.nn.Linear(4, 4)
+    want = lin(torch.ones(1, 4))  # computed before wrapping
+    model = mon.wrap(lin, name="m")
     cap = mon.capture("m")
     meta = wait_outcome(mon, cap["id"])
     assert meta["outcome"] == "aborted" and "no call" in meta["error"]
@@ -313,7 +318,7 @@ def test_armed_capture_expires_and_stop_aborts(make_monitor) -> None:
     cap2 = mon2.capture("m")
     mon2.stop()
     assert mon2.profile(cap2["id"])["outcome"] == "aborted" and mon2.captures.state == "idle"
-    assert torch.equal(model(torch.ones(1, 4)), model.unwrapped(torch.ones(1, 4)))
+    assert torch.equal(model(torch.ones(1, 4)), want)
 
 
 def test_profiler_start_failure_fails_the_capture_not_the_call(make_monitor) -> None:
@@ -323,10 +328,12 @@ def test_profiler_start_failure_fails_the_capture_not_the_call(make_monitor) -> 
         raise RuntimeError("kineto unavailable")
 
     mon = make_monitor(profiler_factory=broken)
-    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
-    cap = mon.capture("m")
+    lin = torch.nn.Linear(4, 4)
     x = torch.randn(1, 4)
-    assert torch.equal(model(x), model.unwrapped(x))
+    want = lin(x)  # computed before wrapping
+    model = mon.wrap(lin, name="m")
+    cap = mon.capture("m")
+    assert torch.equal(model(x), want)
     meta = mon.profile(cap["id"])
     assert meta["outcome"] == "failed" and "kineto unavailable" in meta["error"]
     assert value(mon, "perfmon_internal_errors_total", stage="capture") == 1
@@ -379,3 +386,102 @@ def test_cli_profile_and_profiles_against_a_live_agent(agent, tmp_path: Path, ca
     assert "manual" in capsys.readouterr().out
     assert cli_main(["profiles", "--url", mon.url, "--token", "bad-token-xyz"]) == 1
     assert "401" in capsys.readouterr().err
+
+
+class _GrowingMemory:
+    """A resident-memory reader whose value grows 10 MiB per read (the profiler's buffers, simulated)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self) -> int:
+        self.reads += 1
+        return 100 * 2**20 + 10 * 2**20 * self.reads
+
+    def close(self) -> None:
+        pass
+
+
+class _ModelState:
+    """The parts of a ModelState the capture controller touches."""
+
+    def __init__(self) -> None:
+        self.name, self.device, self.capture, self.next_index = "m", "cpu", None, 10
+
+
+def test_capture_ends_early_at_its_memory_bound(tmp_path: Path) -> None:
+    """RSS growing 10 MiB a step, a 50 MiB bound (25 MiB while recording): 50 steps asked, 3 recorded, 'ok'."""
+    from perfmon.capture import CaptureController
+    from perfmon.faults import InternalErrors
+    from perfmon.traces import TraceStore
+
+    ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=InternalErrors(),
+                            max_bytes=50 * 2**20, memory=_GrowingMemory)
+    st = _ModelState()
+    lin = torch.nn.Linear(4, 4)
+    cap = ctl.arm(st, CaptureOptions(steps=50), trigger="manual", reason={})
+    x = torch.randn(1, 4)
+    want = lin(x)
+    for _ in range(10):  # more calls than the bound allows; the extra ones run unprofiled
+        assert torch.equal(ctl.call(st, lin, (x,), {}), want)
+    ctl.stop(30.0)
+    meta = ctl.store.get(cap.id)
+    assert meta["outcome"] == "ok" and meta["steps_recorded"] == 3 and meta["ended_by"] == "max_bytes"
+    assert meta["memory_growth_bytes"] == 30 * 2**20 and meta["trace_file"]
+    assert any(op["name"] == "aten::linear" and op["calls"] == 3 for op in meta["summary"])
+    assert ctl.state == "idle" and st.capture is None
+
+
+def test_export_child_killed_at_its_timeout_fails_the_capture(make_monitor) -> None:
+    """An export child past capture_export_timeout_seconds is killed: 'failed', counted, only the meta stays."""
+    mon = make_monitor(capture_export_timeout_seconds=0.001)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    cap = mon.capture("m", steps=1)
+    meta = wait_outcome(mon, cap["id"], drive=lambda: model(torch.randn(1, 4)))
+    assert meta["outcome"] == "failed" and "child killed" in meta["error"] and "trace_file" not in meta
+    assert [p.name for p in mon.traces.directory.iterdir()] == [f"{cap['id']}.meta.json"]
+    assert value(mon, "perfmon_captures_total", model="m", trigger="manual", outcome="failed") == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="capture_export") == 1
+
+
+def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
+    """Profiler start/stop through quiet_kineto print no USDT line; other fd-2 output in the window still appears."""
+    import os
+
+    from perfmon.capture import quiet_kineto
+
+    prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
+    prof.start()
+    prof.stop()
+    assert "USDT:" in capfd.readouterr().err  # what Kineto prints unfiltered
+
+    def start() -> None:
+        os.write(2, b"app line before\n")
+        prof.start()
+        os.write(2, b"app line after\n")
+
+    prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
+    quiet_kineto(start)
+    quiet_kineto(prof.stop)
+    err = capfd.readouterr().err
+    assert "USDT:" not in err and "app line before\napp line after\n" in err
+
+
+def test_export_child_over_its_memory_cap_fails_the_capture(tmp_path: Path) -> None:
+    """An export child that runs out of its address-space cap fails the capture with its error; no trace listed."""
+    from perfmon.capture import CaptureController
+    from perfmon.faults import InternalErrors
+    from perfmon.traces import TraceStore
+
+    internal = InternalErrors()
+    ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=internal,
+                            export_max_memory_bytes=2**20)  # below what an interpreter already maps
+    st = _ModelState()
+    lin = torch.nn.Linear(4, 4)
+    cap = ctl.arm(st, CaptureOptions(steps=1), trigger="manual", reason={})
+    ctl.call(st, lin, (torch.randn(1, 4),), {})
+    ctl.stop(30.0)
+    meta = ctl.store.get(cap.id)
+    assert meta["outcome"] == "failed" and "trace summary child failed" in meta["error"], meta["error"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{cap.id}.meta.json"]
+    assert dict(internal.counts()).get("capture_export") == 1

@@ -211,3 +211,23 @@ def test_calls_after_stop_are_counted_not_timed(make_monitor) -> None:
         model(x)
     assert value(mon, "perfmon_forward_calls_total", model="lin") == 11
     assert len(mon._hub.queue) == 0
+
+
+def test_a_dtype_switch_is_cold_at_its_first_timed_call(make_monitor) -> None:
+    """The unsampled path keys on the shape alone; a known shape in a new dtype is a new signature, and the
+    first timed call in it is cold (then steady), while every call stays counted."""
+    mon = make_monitor(sample_rate=1e-6, warmup_calls=1, sample_floor_seconds=3600)
+    model = mon.wrap(_lin(), name="lin")
+    x = torch.randn(2, 8)
+    model(x)  # warm-up: cold, timed
+    model.double()
+    for _ in range(5):
+        model(x.double())  # unsampled: counted, not timed
+    st = mon._states["lin"]
+    for _ in range(2):
+        st.next_index = 0  # what the sampling floor does: time the next call
+        model(x.double())
+    mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="lin") == 8
+    assert hist_count(mon, "lin", "cold") == 2 and hist_count(mon, "lin", "steady") == 1
+    assert value(mon, "perfmon_input_signatures", model="lin") == 2

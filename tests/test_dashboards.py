@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,10 @@ def test_every_metric_a_dashboard_or_rule_names_is_registered() -> None:
                      "perfmon_internal_errors_total", "perfmon_torch_memory_fragmentation_ratio",
                      "perfmon_gpu_process_memory_used_bytes", "perfmon_gpu_clocks_event_reasons",
                      "perfmon_captures_suppressed_total", "perfmon_capture_in_progress",
-                     "perfmon_latency_baseline_seconds", "perfmon_regression_active"):
+                     "perfmon_latency_baseline_seconds", "perfmon_regression_active",
+                     "perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds",
+                     "perfmon_generated_tokens_total", "perfmon_prompt_tokens_total",
+                     "perfmon_generation_requests_total"):
         assert required in used, required
 
 
@@ -112,6 +116,16 @@ def test_promtool_checks_and_unit_tests_the_rules() -> None:
     test = subprocess.run([promtool(), "test", "rules", "perfmon.rules.test.yml"], cwd=RULES.parent,
                           capture_output=True, timeout=120)
     assert test.returncode == 0, test.stdout.decode() + test.stderr.decode()
+
+
+def test_every_alert_links_a_runbook_section() -> None:
+    """Each alert's runbook annotation names a section of docs/runbook.md that exists."""
+    sections = set(re.findall(r"^## (\S+)$", (ROOT / "docs" / "runbook.md").read_text(), flags=re.M))
+    alerts = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    assert {"PerfmonTimeToFirstTokenSLO", "PerfmonInterTokenLatencyRegression"} <= {r["alert"] for r in alerts}
+    for rule in alerts:
+        page, _, anchor = rule["annotations"]["runbook"].partition("#")
+        assert page == "docs/runbook.md" and anchor in sections, rule["alert"]
 
 
 def _substitute(expr: str, values: dict[str, str]) -> str:
@@ -126,7 +140,7 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 
 @pytest.mark.prometheus
 def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_monitor, tmp_path: Path) -> None:
-    """A real Prometheus scrapes a live agent (real model + fake GPU); every panel query and rule has data."""
+    """A real Prometheus scrapes a live agent (models, a decode stream, fake GPU): every panel and rule has data."""
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus not installed (make test installs Debian's prometheus package when it can)")
     gpu = FakeGpu()
@@ -139,8 +153,17 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
                    name="encoder")
     on_gpu = mon.wrap(GpuWork(gpu, ms=2.0), name="gpu_model", device="cuda:0")
     tokenize = mon.instrument(lambda n: n, name="tokenize", items=lambda args, kwargs: (args[0], 16))
+    # A custom decode loop: a stage= callable labels its forwards, monitor.stream times its tokens.
+    decoder = mon.wrap(torch.nn.Linear(32, 32), name="decoder",
+                       stage=lambda args, kwargs: "prefill" if args[0].shape[1] > 1 else "decode")
     mon._hub.internal.report("test", RuntimeError("one internal fault, so its panel has a series"))
     stop = threading.Event()
+
+    def decode_loop(prompt: int, new: int) -> Iterator[int]:
+        decoder(torch.randn(1, prompt, 32))
+        for i in range(new):
+            yield i
+            decoder(torch.randn(1, 1, 32))
 
     def drive() -> None:
         deadline = time.monotonic() + 120
@@ -152,6 +175,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
             on_gpu(torch.zeros(1))
             tokenize(1 + i % 16)
             gpu.finish()
+            if i % 10 == 0:
+                for _ in mon.stream(decode_loop(8 + i % 3, 4), name="decoder", prompt_tokens=8 + i % 3):
+                    pass
             if i % 50 == 0:
                 try:
                     enc(torch.randn(1, 7))  # wrong width: a user error, counted by class
@@ -169,7 +195,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
         instance = mon.url.removeprefix("http://")
         with running_prometheus(tmp_path, [instance], rule_files=[str(rules)]) as prom:
             values = {"$__rate_interval": "10s", "$job": "perfmon", "$instance": instance,
-                      "$model": "encoder|gpu_model|tokenize", "$gpu": "0|1"}
+                      "$model": "encoder|gpu_model|tokenize|decoder", "$gpu": "0|1"}
             queries = [(f"{p.name}: {title}", _substitute(e, values)) for p in DASHBOARDS
                        for title, e in _targets(_load(p))]
             queries += [(f"rule {name}", expr) for name, expr in _rule_exprs() if ":" in name]

@@ -137,7 +137,7 @@ def test_example_server_serves_predictions_and_mounted_metrics(monkeypatch: pyte
             assert status == 200 and len(json.loads(body)["embedding"]) == server.D_MODEL
         assert _http(base + "/predict", {"tokens": [[0.1] * 3]})[0] == 400
         status, body = _http(base + "/perfmon/metrics")
-        assert status == 200 and b'perfmon_forward_calls_total{model="encoder"} 3.0' in body
+        assert status == 200 and b'perfmon_forward_calls_total{model="encoder",stage=""} 3.0' in body
         assert _http(base + "/perfmon/profiles")[0] == 401  # mounted: the token is required
         status, body = _http(base + "/perfmon/profiles", headers={"Authorization": "Bearer example-token-123"})
         assert status == 200 and json.loads(body) == {"profiles": []}
@@ -153,3 +153,65 @@ def _http(url: str, payload: Any = None, headers: dict[str, str] | None = None) 
     data = None if payload is None else json.dumps(payload).encode()
     status, _, body = http(url, data, headers={"Content-Type": "application/json", **(headers or {})}, timeout=30)
     return status, body
+
+
+def test_streaming_example_counts_requests_tokens_and_a_client_that_leaves(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """The FastAPI streaming example under uvicorn: a full stream is one ok request with its TTFT and tokens,
+    prefill and decode forwards apart; a client that disconnects mid-stream is counted cancelled."""
+    import http.client
+    import re
+
+    import uvicorn
+
+    from .conftest import wait_until
+    from .prom import free_port
+
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("PERFMON_PORT", "off")
+    monkeypatch.setenv("PERFMON_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("PERFMON_PREPARE_PROFILER", "false")
+    monkeypatch.setenv("PERFMON_LOG_LEVEL", "error")
+    monkeypatch.syspath_prepend(str(ROOT))
+    sys.modules.pop("examples.streaming", None)
+    example = importlib.import_module("examples.streaming")
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(example.app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
+    thread = threading.Thread(target=uv.run)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+
+    def sample(name: str) -> float | None:
+        status, body = _http(base + "/perfmon/metrics")
+        assert status == 200
+        found = re.search(rf"^{re.escape(name)} (\S+)$", body.decode(), flags=re.M)
+        return float(found.group(1)) if found else None
+
+    try:
+        wait_until(lambda: uv.started, what="uvicorn to start")
+        status, body = _http(base + "/generate?prompt_tokens=12&max_new_tokens=8")
+        assert status == 200 and len(body.decode().split()) == 8
+        assert sample('perfmon_generation_requests_total{model="gpt2",outcome="ok"}') == 1
+        assert sample('perfmon_generated_tokens_total{model="gpt2"}') == 8
+        assert sample('perfmon_prompt_tokens_total{model="gpt2"}') == 12
+        assert sample('perfmon_forward_calls_total{model="gpt2",stage="prefill"}') == 1
+        assert sample('perfmon_forward_calls_total{model="gpt2",stage="decode"}') == 7
+        wait_until(lambda: sample('perfmon_time_to_first_token_seconds_count{model="gpt2"}') == 1,
+                   what="the TTFT observation (histograms lag by a resolver tick)")
+        assert sample('perfmon_inter_token_latency_seconds_count{model="gpt2"}') == 7
+
+        # A client that reads the first token of a long stream, then goes away.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/generate?prompt_tokens=4&max_new_tokens=380")
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().strip().isdigit()
+        response.close()
+        conn.close()
+        wait_until(lambda: sample('perfmon_generation_requests_total{model="gpt2",outcome="cancelled"}') == 1,
+                   what="the abandoned stream counted cancelled")
+        assert sample('perfmon_generation_requests_total{model="gpt2",outcome="ok"}') == 1
+        assert sample('perfmon_generated_tokens_total{model="gpt2"}') < 8 + 380  # it stopped early
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+    assert not example.monitor.running

@@ -41,7 +41,7 @@ def _free_range(n: int) -> int:
 def _scrape_calls(port: int, model: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for line in body.splitlines():
-        if line.startswith(f'perfmon_forward_calls_total{{model="{model}"}}'):
+        if line.startswith(f'perfmon_forward_calls_total{{model="{model}",stage=""}}'):
             return float(line.split()[-1])
     raise AssertionError(f"no calls series on port {port}")
 

@@ -43,7 +43,7 @@ def test_metrics_over_http_pass_promtool(served) -> None:
     status, headers, body = _get(served.url + "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     text = body.decode()
-    assert 'perfmon_forward_calls_total{model="lin"} 6.0' in text
+    assert 'perfmon_forward_calls_total{model="lin",stage=""} 6.0' in text
     assert 'perfmon_forward_errors_total{exception="RuntimeError",model="lin"} 1.0' in text
     assert "process_resident_memory_bytes" in text and "perfmon_info{" in text
     result = promtool_check(body)
@@ -115,7 +115,7 @@ def test_wsgi_app_serves_the_same_routes(make_monitor) -> None:
         seen["status"], seen["headers"] = status, dict(headers)
 
     body = b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics"}, start_response))
-    assert seen["status"] == "200 OK" and b'perfmon_forward_calls_total{model="w"} 1.0' in body
+    assert seen["status"] == "200 OK" and b'perfmon_forward_calls_total{model="w",stage=""} 1.0' in body
     b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/x"}, start_response))
     assert seen["status"].startswith("404")
 
@@ -142,3 +142,100 @@ def test_asgi_app_serves_the_same_routes(make_monitor) -> None:
     assert status == 200 and json.loads(body)["models"]["a"]["calls"] == 1
     status, body = asyncio.run(call("/metrics"))
     assert status == 200 and b"perfmon_forward_calls_total" in body
+
+
+def _control(port: int, method: str, path: str, headers: dict[str, str],
+             body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """One request to the agent with exactly these headers (http.client adds none but Host when not given)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest(method, path, skip_host="Host" in headers, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_control_routes_refuse_rebinding_cross_site_and_simple_requests(make_monitor) -> None:
+    """No token, loopback: a foreign Host or Origin, a missing X-Perfmon header and a non-JSON POST are refused."""
+    mon = make_monitor(port=0).start()
+    port = int(mon.url.rsplit(":", 1)[1])
+    own = f"127.0.0.1:{port}"
+    ok = {"Host": own, "X-Perfmon": "1"}
+    assert _control(port, "GET", "/profiles", ok)[0] == 200
+    assert _control(port, "GET", "/profiles", {**ok, "Origin": f"http://{own}"})[0] == 200  # its own page
+    assert _control(port, "GET", "/profiles", {**ok, "Host": f"localhost:{port}"})[0] == 200
+    status, body = _control(port, "GET", "/profiles", {**ok, "Host": f"attacker.example:{port}"})  # DNS rebinding
+    assert status == 403 and body["error"] == "forbidden Host"
+    status, body = _control(port, "GET", "/profiles", {**ok, "Host": f"localhost.corp.example:{port}"})
+    assert status == 403 and body["error"] == "forbidden Host"
+    status, body = _control(port, "POST", "/profile", {**ok, "Origin": "http://evil.example",
+                                                        "Content-Type": "application/json"}, b"{}")
+    assert status == 403 and "cross-origin" in body["error"]
+    assert _control(port, "GET", "/profiles", {**ok, "Origin": "null"})[0] == 403
+    # what a no-cors fetch from a web page can send: no custom header, a text/plain body
+    status, body = _control(port, "POST", "/profile", {"Host": own, "Content-Type": "text/plain"}, b'{"steps": 100}')
+    assert status == 403 and "X-Perfmon" in body["error"]
+    status, body = _control(port, "GET", f"/profiles/{'f' * 22}/trace", {"Host": own})
+    assert status == 403 and "X-Perfmon" in body["error"]
+    status, body = _control(port, "POST", "/profile", {**ok, "Content-Type": "text/plain"}, b'{"model": "zzz"}')
+    assert status == 415 and "JSON" in body["error"]
+    status, body = _control(port, "POST", "/profile", {**ok, "Content-Type": "application/json; charset=utf-8"},
+                            b'{"model": "zzz"}')
+    assert status == 404 and "zzz" in body["error"]  # past every check: the model is unknown
+    doc = json.loads(_get(mon.url + "/openapi.json")[2])
+    assert {"403", "415"} <= set(doc["paths"]["/profile"]["post"]["responses"])
+
+
+def test_with_a_token_host_and_origin_are_still_checked(make_monitor) -> None:
+    """With a token no X-Perfmon is needed, but Host must still name the agent (allowed_hosts adds names)."""
+    mon = make_monitor(port=0, token="token-12345678", allowed_hosts=("perfmon.example.svc",)).start()
+    port = int(mon.url.rsplit(":", 1)[1])
+    auth = {"Authorization": "Bearer token-12345678"}
+    assert _control(port, "GET", "/profiles", {"Host": f"127.0.0.1:{port}", **auth})[0] == 200
+    assert _control(port, "GET", "/profiles", {"Host": f"perfmon.example.svc:{port}", **auth})[0] == 200
+    assert _control(port, "GET", "/profiles", {"Host": "attacker.example", **auth})[0] == 403
+    assert _control(port, "GET", "/profiles", {"Host": f"127.0.0.1:{port}"})[0] == 401
+    assert perfmon.Config.from_env({"PERFMON_ALLOWED_HOSTS": "a.svc, b.svc"}).allowed_hosts == ("a.svc", "b.svc")
+
+
+def test_the_no_token_decision_uses_socket_addresses_not_names() -> None:
+    """Loopback means a loopback IP as the sockets report it: names that merely start like one never count."""
+    from perfmon.server import host_names_agent, owner_without_token
+
+    assert owner_without_token("127.0.0.1", "127.0.0.1") and owner_without_token("::1", "::1")
+    assert owner_without_token("127.0.0.1", "::ffff:127.0.0.5")
+    for bound, peer in [("127.0.0.1", "10.0.0.7"), ("0.0.0.0", "127.0.0.1"), ("localhost.corp.example", "127.0.0.1"),
+                        ("127.evil.example", "127.0.0.1"), ("localhost", "127.0.0.1"), ("127.0.0.1", None),
+                        ("127.0.0.1", "localhost")]:
+        assert not owner_without_token(bound, peer), (bound, peer)
+    assert host_names_agent("127.0.0.1:9478", "127.0.0.1") and host_names_agent("[::1]:9478", "127.0.0.1")
+    assert host_names_agent("LOCALHOST:1", "127.0.0.1") and host_names_agent("10.1.2.3:9478", "0.0.0.0")
+    assert not host_names_agent("10.1.2.3:9478", "10.9.9.9") and not host_names_agent("127.0.0.1.nip.io", "127.0.0.1")
+    assert not host_names_agent("attacker.example", None) and host_names_agent("svc", "10.0.0.1", ("svc",))
+
+
+def test_mounted_apps_need_a_token_and_then_check_host(make_monitor) -> None:
+    """Mounted: 403 on control routes without a token; with one, a foreign Host is refused like the agent's own."""
+    import io
+
+    def call(app: Any, host: str, token: str | None) -> str:
+        got: list[str] = []
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/profiles", "HTTP_HOST": host, "wsgi.input": io.BytesIO()}
+        if token:
+            environ["HTTP_AUTHORIZATION"] = f"Bearer {token}"
+        b"".join(app(environ, lambda status, headers: got.append(status)))
+        return got[0].split()[0]
+
+    bare = make_monitor()
+    assert call(perfmon.make_wsgi_app(bare), "127.0.0.1:8000", None) == "403"
+    guarded = make_monitor(token="token-12345678")
+    app = perfmon.make_wsgi_app(guarded)
+    assert call(app, "127.0.0.1:8000", "token-12345678") == "200"
+    assert call(app, "attacker.example:8000", "token-12345678") == "403"

@@ -88,12 +88,17 @@ def _get_metrics(conn: http.client.HTTPConnection) -> bytes:
     (b"GET healthz HTTP/1.1\r\n\r\n", b"400", "bad_request"),
     (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", b"400", "bad_request"),
     (b"POST /profile HTTP/1.1\r\nContent-Length: ten\r\n\r\n", b"400", "bad_request"),
+    (b"POST /profile HTTP/1.1\r\nContent-Length: " + b"1" * 4301 + b"\r\n\r\n", b"400", "bad_request"),
+    (b"GET /healthz HTTP/1.x\r\n\r\n", b"400", "bad_request"),
+    (b"GET /healthz HTTP/1.2\r\n\r\n", b"400", "bad_request"),
     (b"POST /profile HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"411", "bad_request"),
     (b"POST /profile HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"413", "too_large"),
     (b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * MAX_HEADER_BYTES + b"\r\n\r\n", b"431", "too_large"),
 ])
 def test_malformed_requests_get_a_json_error_and_are_counted(make_monitor, request_bytes: bytes, status: bytes,
                                                             reason: str) -> None:
+    """Each malformed request (including a 4,301-digit Content-Length and versions other than HTTP/1.0 and
+    HTTP/1.1) is answered with its status and a JSON error, closed, and counted; nothing is an internal error."""
     mon = make_monitor(port=0).start()
     answer = _raw(_port(mon), request_bytes)
     head, _, body = answer.partition(b"\r\n\r\n")
@@ -101,6 +106,16 @@ def test_malformed_requests_get_a_json_error_and_are_counted(make_monitor, reque
     assert b"Connection: close" in head
     assert json.loads(body)["error"]
     assert value(mon, "perfmon_agent_http_refused_total", reason=reason) == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="http") in (None, 0.0)
+
+
+@pytest.mark.parametrize("ending", [b"\r\n\n", b"\n\r\n", b"\n\n", b"\r\n\r\n"])
+def test_any_blank_line_ends_the_headers(make_monitor, ending: bytes) -> None:
+    """A header block ending in a mix of CRLF and LF is answered at once, not left to the connection timeout."""
+    mon = make_monitor(port=0, http_connection_timeout_seconds=20).start()
+    with socket.create_connection(("127.0.0.1", _port(mon)), timeout=5) as s:  # old server: recv timed out
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x" + ending)
+        assert s.recv(100).startswith(b"HTTP/1.1 200 OK")
 
 
 def test_a_scrape_after_a_call_always_sees_it(make_monitor) -> None:
@@ -111,12 +126,12 @@ def test_a_scrape_after_a_call_always_sees_it(make_monitor) -> None:
     for i in range(1, 31):
         model(torch.randn(1, 2))
         text = _get_metrics(conn).decode()
-        assert f'perfmon_forward_calls_total{{model="m"}} {float(i)}' in text, i
+        assert f'perfmon_forward_calls_total{{model="m",stage=""}} {float(i)}' in text, i
     conn.close()
 
 
 def test_scrapes_that_queued_together_share_one_render(make_monitor) -> None:
-    """50 scrapes that arrive while the server pauses for its budget are answered from one render."""
+    """50 scrapes that arrive while the work budget is in debt are read, queued, and answered from one render."""
     mon = make_monitor(port=0, http_cpu_budget=0.1).start()
     mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
     server = mon._server
@@ -129,11 +144,8 @@ def test_scrapes_that_queued_together_share_one_render(make_monitor) -> None:
         return handle(method, path, *args)
 
     server.router.handle = counting  # type: ignore[method-assign]
-    paused = value(mon, "perfmon_agent_http_paused_seconds_total")
-    server.budget.resume = server.budget.burst  # resume with 0.1 s of CPU: reading 50 requests fits one turn
-    server.budget.charge(0.3)  # the next turn pauses for about 3 s
-    wait_until(lambda: value(mon, "perfmon_agent_http_paused_seconds_total") > paused, timeout=10,
-               what="the server to pause")
+    server.budget.resume = server.budget.burst  # resume with 0.1 s of CPU: answering 50 requests fits one turn
+    server.budget.charge(0.3)  # in debt for about 3 s: triage reads and queues the 50 scrapes meanwhile
     socks = [socket.create_connection(("127.0.0.1", _port(mon)), timeout=30) for _ in range(50)]
     for s in socks:
         s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
@@ -327,3 +339,63 @@ def test_serves_on_ipv6_loopback(make_monitor) -> None:
     with socket.create_connection(("::1", _port(mon)), timeout=10) as s:
         s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 200 OK")
+
+
+def _probe(port: int) -> float:
+    """Seconds for a /healthz on a new connection (as the kubelet sends it); raises if not answered 200."""
+    t0 = time.monotonic()
+    answer = _raw(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=20)
+    assert answer.startswith(b"HTTP/1.1 200 OK"), answer[:100]
+    return time.monotonic() - t0
+
+
+def test_health_is_answered_while_the_budget_is_in_debt(make_monitor) -> None:
+    """With the work budget 30 s in debt and 20 clients flooding /metrics and unknown paths, each /healthz is
+    still answered (the old server answered nothing until the debt was paid)."""
+    mon = make_monitor(port=0).start()
+    port = _port(mon)
+    assert mon._server is not None
+    stop = threading.Event()
+
+    def flood(path: str) -> None:
+        while not stop.is_set():
+            try:
+                _raw(port, f"GET {path} HTTP/1.0\r\n\r\n".encode(), timeout=2)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=flood, args=(p,)) for p in ["/metrics", "/nope"] * 10]
+    for t in threads:
+        t.start()
+    try:
+        mon._server.budget.charge(0.3)  # 1% of a core: about 30 s before work resumes
+        took = [_probe(port) for _ in range(10)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert max(took) < 0.5, took
+    assert mon._server.budget.wait_seconds() > 0  # the flood was still waiting for the work budget
+
+
+def test_a_scrape_is_answered_ahead_of_queued_junk(make_monitor) -> None:
+    """Requests for unknown paths queued first, then a scrape: when work resumes the scrape is answered while
+    the junk still waits for the share of the budget above the scrapes' reserve."""
+    mon = make_monitor(port=0).start()
+    port = _port(mon)
+    assert mon._server is not None
+    mon._server.budget.charge(0.12)  # from its 0.1 s burst into debt: work resumes in about 3 s, below the reserve
+    junk = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(20)]
+    try:
+        for s in junk:
+            s.sendall(b"GET /nope HTTP/1.0\r\n\r\n")
+        wait_until(lambda: len(mon._server._others) == 20, timeout=10, what="the junk to be read and queued")
+        assert _raw(port, b"GET /metrics HTTP/1.0\r\n\r\n", timeout=20).startswith(b"HTTP/1.1 200 OK")
+        for s in junk:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):  # not answered yet
+                s.recv(100)
+    finally:
+        for s in junk:
+            s.close()
+

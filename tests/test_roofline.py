@@ -75,3 +75,49 @@ def test_peak_table_matches_gpu_names_and_settings_win() -> None:
     assert custom.flops_32bit == 1e15 and custom.source.startswith("settings")
     assert peaks_for("NVIDIA H100 PCIe").flops(["c10::BFloat16"]) == 756e12
     assert peaks_for("NVIDIA H100 PCIe").flops(["float"]) == 51e12
+
+
+class _Mixed(torch.nn.Module):
+    """Every op torch counts FLOPs for (conv2d, mm, addmm, bmm, baddbmm, mul, add), a record_function and a sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("block"):
+            y = self.lin(x) * 2.0 + 1.0
+        z = torch.bmm(y.view(2, 4, 16), y.view(2, 16, 4))
+        return (torch.sigmoid(y).sum() + self.conv(img).sum() + torch.mm(y, y.t()).sum()
+                + torch.baddbmm(z, z, z).sum() + torch.add(y, y).sum())
+
+
+@pytest.mark.parametrize("with_stack", [False, True])
+def test_trace_summary_matches_torch_function_events(tmp_path, with_stack: bool) -> None:
+    """The child's summary from the Chrome trace has the rows, counts, FLOPs, bytes and times of prof.events()."""
+    from perfmon.capture import CaptureOptions, torch_profiler
+    from perfmon.roofline import aggregate
+    from perfmon.trace_summary import summarise
+
+    model = _Mixed()
+    prof = torch_profiler(CaptureOptions(record_shapes=True, with_stack=with_stack), cuda=False)
+    prof.start()
+    for _ in range(3):
+        model(torch.randn(8, 16), torch.randn(2, 3, 9, 9))
+    prof.stop()
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as f:
+        got = {(r["name"], str(r["input_shapes"])): r for r in summarise(f.read)["rows"]}
+    want = {(r["name"], str(r["input_shapes"])): r for r in aggregate(prof.events())}
+    assert got.keys() == want.keys()
+    assert sum(r["flops"] for r in want.values()) > 0
+    for key, w in want.items():
+        g = got[key]
+        assert (g["calls"], g["flops"], g["input_bytes_estimate"], g["dtypes"]) == (
+            w["calls"], w["flops"], w["input_bytes_estimate"], w["dtypes"]), key
+        if key[0].startswith("aten::") or key[0] == "block":
+            # Ops and annotations; Python-function events open at the window's edges end differently.
+            for field in ("cpu_time_total_seconds", "self_cpu_time_total_seconds"):
+                assert g[field] == pytest.approx(w[field], rel=1e-3, abs=1e-6), (key, field)

@@ -60,7 +60,7 @@ def _get_json(url: str) -> Any:
 def _calls(port: int) -> float:
     text = http(f"http://127.0.0.1:{port}/metrics", timeout=5)[2].decode()
     for line in text.splitlines():
-        if line.startswith('perfmon_forward_calls_total{model="mlp"}'):
+        if line.startswith('perfmon_forward_calls_total{model="mlp",stage=""}'):
             return float(line.split()[-1])
     return 0.0
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +71,8 @@ def _finished_row_text(browser, By) -> str | None:
 
 @pytest.fixture
 def live_agent(make_monitor):
-    """An agent with a CPU model, a fake-GPU model, a hostile model name, fake NVML and allocator, under load."""
+    """An agent with a CPU model, a fake-GPU model, a streamed decode loop, a hostile model name, fake NVML and
+    allocator, under load."""
 
     def start(**kw):
         gpu = FakeGpu()
@@ -80,16 +83,33 @@ def live_agent(make_monitor):
         gpu_model = mon.wrap(GpuWork(gpu, ms=3.0), name="gpu_model", device="cuda:0")
         hostile = mon.instrument(lambda x: x, name=XSS_NAME)
         tokens = mon.instrument(lambda n: n, name="tokenizer", items=lambda args, kwargs: (args[0], 16))
+        # A custom decode loop: prefill/decode forwards (stage= callable), its tokens streamed (monitor.stream).
+        decoder = mon.wrap(torch.nn.Linear(16, 16), name="decoder",
+                           stage=lambda args, kwargs: "prefill" if args[0].shape[1] > 1 else "decode")
+
+        def decode_loop(new: int) -> Iterator[int]:
+            decoder(torch.randn(1, 8, 16))
+            for i in range(new):
+                yield i
+                decoder(torch.randn(1, 1, 16))
+
         stop = threading.Event()
 
         def drive() -> None:
             deadline = time.monotonic() + 120
+            i = 0
             while not stop.is_set() and time.monotonic() < deadline:
+                i += 1
                 enc(torch.randn(4, 16))
                 gpu_model(torch.zeros(1))
                 gpu.finish()
                 hostile(1)
                 tokens(12)
+                if i % 10 == 0:
+                    for _ in mon.stream(decode_loop(4), name="decoder", prompt_tokens=8):
+                        pass
+                    for _ in mon.stream(iter("ab"), name=XSS_NAME):
+                        pass
                 stop.wait(0.005)
 
         t = threading.Thread(target=drive, daemon=True)
@@ -105,7 +125,8 @@ def live_agent(make_monitor):
 
 
 def test_status_page_shows_live_data_takes_a_capture_and_escapes_names(browser, live_agent) -> None:
-    """Charts draw with data, GPU rows show, a capture taken from the page appears with its ops, names stay text."""
+    """Charts draw with data, GPU rows and generation figures show, a capture taken from the page appears with
+    its ops, names stay text."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -122,9 +143,19 @@ def test_status_page_shows_live_data_takes_a_capture_and_escapes_names(browser, 
     assert "effective / padded items" in tok and "padding 25.0 %" in tok
     devices = _wait(lambda: browser.find_element(By.ID, "devices").text, what="devices")
     assert "cuda:0" in devices and "GiB" in devices and "sw_power_cap" in devices  # fake GPU 1 is power capped
+    # the generation section: requests, TTFT/ITL percentiles, tokens, and the decoder's prefill vs decode
+    def generation_card() -> str | None:
+        text = browser.find_element(By.CSS_SELECTOR, '[data-generation="decoder"]').text
+        return text if re.search(r"time to first token p50 / p95 / p99", text) and "prefill: calls" in text else None
+
+    gen = _wait(generation_card, what="generation card")
+    assert re.search(r"\d+ / 0 / 0\s+requests ok / error / cancelled", gen), gen
+    assert re.search(r"[\d.]+ (ms|µs) / [\d.]+ (ms|µs) / [\d.]+ (ms|µs)\s+inter-token latency", gen), gen
+    assert "decode: calls" in gen and "prompt vs generated tokens" in gen and "tokens/s" in gen
     # hostile model names are shown as text, never parsed as HTML
     assert not browser.find_elements(By.ID, "xss") and browser.title == "perfmon"
     assert XSS_NAME in _wait(lambda: browser.find_element(By.ID, "models").text, what="models")
+    assert XSS_NAME in _wait(lambda: browser.find_element(By.ID, "generation").text, what="generation names")
     # take a capture from the page
     _wait(lambda: Select(browser.find_element(By.ID, "cap-model")).select_by_value("encoder") or True, what="select")
     browser.find_element(By.ID, "cap-now").click()
@@ -162,7 +193,7 @@ def test_status_page_with_a_token_asks_for_it_and_keeps_it_in_memory(browser, li
 
 
 def test_page_says_no_gpu_on_a_cpu_only_agent(browser, make_monitor) -> None:
-    """Without GPU telemetry the memory section says so instead of showing empty tables."""
+    """Without GPU telemetry or generation requests, those sections say so instead of showing empty tables."""
     from selenium.webdriver.common.by import By
 
     mon = make_monitor(port=0, nvml=FakeNvml(library_missing=True)).start()
@@ -170,3 +201,4 @@ def test_page_says_no_gpu_on_a_cpu_only_agent(browser, make_monitor) -> None:
     browser.get(mon.url + "/")
     _wait(lambda: browser.find_elements(By.ID, "no-gpu"), what="no-GPU message")
     assert "No GPU" in browser.find_element(By.ID, "no-gpu").text
+    assert "No generation request yet" in browser.find_element(By.ID, "no-generation").text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import traceback
@@ -73,7 +74,7 @@ def test_user_exceptions_pass_through_unchanged(make_monitor) -> None:
 
 
 def test_module_api_is_preserved(make_monitor) -> None:
-    """eval/train/to/state_dict/attributes/isinstance/containers work on the proxy, and stay monitored."""
+    """eval/train/to/state_dict/attributes/isinstance/containers work on the wrapped module, and stay monitored."""
     mon = make_monitor()
     bare = _mlp()
     model = mon.wrap(bare, name="mlp")
@@ -89,14 +90,15 @@ def test_module_api_is_preserved(make_monitor) -> None:
     assert [type(m) for m in model] == [type(m) for m in bare]
     model.custom_flag = 7  # attribute writes land on the module
     assert bare.custom_flag == 7 and model.custom_flag == 7
-    assert model.unwrapped is bare and model.perfmon_name == "mlp"
-    assert repr(model) == repr(bare)
+    assert model is bare and model.perfmon_name == "mlp"
+    assert type(model).__name__ == "Sequential" and type(model).__qualname__ == "Sequential"
+    assert repr(model) == repr(torch.nn.Sequential(*bare))
     model(torch.randn(2, 16))
     mon.flush()
     assert mon.stats()["models"]["mlp"]["calls"] == 1
 
 
-def test_torch_save_of_proxy_saves_the_bare_module(make_monitor) -> None:
+def test_torch_save_of_a_wrapped_model_saves_the_bare_module(make_monitor) -> None:
     """torch.save/pickle of a monitored model round-trips to an equivalent bare module."""
     mon = make_monitor()
     bare = _mlp()
@@ -108,6 +110,8 @@ def test_torch_save_of_proxy_saves_the_bare_module(make_monitor) -> None:
     assert type(loaded) is torch.nn.Sequential
     x = torch.randn(2, 16)
     assert torch.equal(loaded(x), bare(x))
+    mon.flush()
+    assert mon.stats()["models"]["mlp"]["calls"] == 1  # the loaded copy is not monitored
     assert type(pickle.loads(pickle.dumps(model))) is torch.nn.Sequential
 
 
@@ -145,3 +149,45 @@ def test_instrumented_method_binds_to_its_instance(make_monitor) -> None:
     assert Pipeline.step.__wrapped__.__name__ == "step"
     mon.flush()
     assert mon.stats()["models"]["pipeline.step"]["calls"] == 1
+
+
+class _Small(torch.nn.Module):
+    """A user-defined model (torch.compile compiles its __call__ frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("make", [_Small, lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())],
+                         ids=["user-module", "nn.Sequential"])
+@pytest.mark.parametrize("order", ["compile(wrap(m))", "wrap(compile(m))"])
+def test_torch_compile_in_both_orders_counts_every_call_with_no_graph_break(make_monitor, make, order) -> None:
+    """torch.compile around a wrapped model, or a wrapped compiled model: every call counted and timed, outputs
+    unchanged, one graph per input shape and zero graph breaks from perfmon."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    mon = make_monitor(sample_rate=1.0)
+    torch.manual_seed(0)
+    bare = make()
+    reference = copy.deepcopy(bare)
+    if order == "compile(wrap(m))":
+        model = torch.compile(mon.wrap(bare, name="m"), backend="eager")
+    else:
+        model = mon.wrap(torch.compile(bare, backend="eager"), name="m")
+    with torch.inference_mode():
+        for i in range(8):
+            x = torch.randn(2 + i % 2, 8)
+            assert torch.allclose(model(x), reference(x))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2  # one per input shape: no recompiles on the call counter
+    mon.flush()
+    stats = mon.stats()["models"]["m"]
+    assert stats["calls"] == 8 and stats["sampled"] == 8

@@ -1,0 +1,555 @@
+"""Generation requests: time to first token, inter-token latency, token counts and outcomes.
+
+    request thread   Generation.token(): one clock read, a few ints, one deque append ─► Tracker.queue
+                     Generation.finish(): one lock (live table), one counter, one deque append
+    resolver thread  GenerationTracker.drain() (Monitor._tick) ─► sinks: GenerationCollector.observe
+                     (metrics.py histograms) and the /stats rings kept here
+
+Times are host time (``perf_counter_ns``) at which a token was handed to the caller: what a user of a
+streaming endpoint sees. Counts (requests by outcome, prompt and generated tokens) are exact at any
+moment: ``itertools.count`` objects (and one int under a lock) read at scrape time. Percentiles and
+histogram updates happen on the resolver thread, never on the request thread.
+
+Bounds: the record queue holds at most ``generation_queue_size`` records (a full queue drops the
+record, counted ``reason="queue_full"``); at most ``max_live_generations`` requests are timed at once
+(the rest are counted but not timed, ``reason="live_limit"``). A request's own state is one
+``Generation`` (``__slots__``, 112 bytes) held by the caller; the tracker keeps only its start time in
+the live table until it ends. The number of distinct names is capped by ``max_models``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+import threading
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from time import perf_counter_ns
+from types import TracebackType
+from typing import Any, NamedTuple, TypeVar
+
+from .config import log_buckets
+from .exceptions import ConfigError
+from .faults import InternalErrors, count_value
+from .windows import summarize
+
+__all__ = [
+    "CANCELLED",
+    "DROP_REASONS",
+    "DURATION_BUCKETS",
+    "ERROR",
+    "ITL_BUCKETS",
+    "OK",
+    "OUTCOMES",
+    "TOKEN_BUCKETS",
+    "TTFT_BUCKETS",
+    "Generation",
+    "GenerationCounts",
+    "GenerationEvent",
+    "GenerationTracker",
+    "RequestDone",
+    "TokenTiming",
+]
+
+T = TypeVar("T")
+
+OK = "ok"  # the request ran to its end (a stream was exhausted, a block exited normally)
+ERROR = "error"  # an Exception passed through (re-raised unchanged)
+CANCELLED = "cancelled"  # the consumer stopped early: close(), break + garbage collection, GeneratorExit,
+# asyncio.CancelledError or any other BaseException that is not an Exception, or an unfinished
+# Generation garbage-collected
+OUTCOMES = (OK, ERROR, CANCELLED)
+
+#: Why a timing record never reached the histograms (the ``reason`` label; all always exported).
+DROP_REASONS = (
+    "queue_full",  # the resolver fell behind: a token or request record found the queue full
+    "live_limit",  # a request started while max_live_generations were being timed: counted, not timed
+    "after_finish",  # token() on a request that had already ended: ignored
+)
+
+#: TTFT buckets (s): 24 per decade (adjacent bounds 10% apart, histogram_quantile within ~5%) from
+#: 1 ms to 60 s: a prefill on a warm GPU is milliseconds, a long prompt queued behind others is seconds.
+TTFT_BUCKETS: tuple[float, ...] = log_buckets(0.001, 60.0, 24)
+#: Inter-token latency buckets (s): 24 per decade from 0.5 ms to 1 s (a modern GPU's decode step is
+#: 3-5 ms, which vLLM's and OpenTelemetry's 10 ms first bucket cannot resolve), coarse tails below for
+#: chunks divided into tokens and above for stalls.
+ITL_BUCKETS: tuple[float, ...] = (0.0001, 0.0002, 0.0003) + log_buckets(0.0005, 1.0, 24) + (2.0, 5.0, 10.0)
+#: Request duration buckets (s): 1-2-5 from 10 ms to 10 min. Coarse on purpose: a request's duration is
+#: mostly its output length times the ITL, so its distribution follows the traffic mix, not the model's
+#: speed (TTFT and ITL are the latency signals); it answers "how long does a request hold a slot".
+DURATION_BUCKETS: tuple[float, ...] = tuple(
+    float(f"{m * 10.0**e:.4g}") for e in range(-2, 3) for m in (1, 2, 5)
+) + (600.0,)
+#: Tokens per request: powers of two from 1 to 128 Ki (131072).
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(18))
+
+_FIRST, _NEXT, _DONE = 0, 1, 2  # record kinds on the queue
+_BATCH = 4096  # records turned into events at a time: bounds the resolver's transient memory
+
+
+class TokenTiming(NamedTuple):
+    """One TTFT or inter-token observation, as the resolver hands it to the sinks."""
+
+    model: str
+    kind: str  # "ttft" or "itl"
+    seconds: float
+    tokens: int  # how many tokens this observation stands for (its histogram weight; 1 for TTFT)
+    end_ns: int  # perf_counter_ns() when the token(s) were handed over
+
+
+class RequestDone(NamedTuple):
+    """A request that ended."""
+
+    model: str
+    outcome: str  # one of OUTCOMES
+    duration_seconds: float  # from the request's start to its end
+    prompt_tokens: int | None
+    output_tokens: int
+    end_ns: int
+
+
+GenerationEvent = TokenTiming | RequestDone
+#: A stage that consumes a batch of generation events (resolver thread).
+GenerationSink = Callable[[list[GenerationEvent]], None]
+
+
+class GenerationCounts:
+    """Exact counts for one name, written on the request path and read at scrape time."""
+
+    __slots__ = ("dropped", "generated", "name", "prompt", "requests", "started")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests = {o: itertools.count() for o in OUTCOMES}
+        self.started = itertools.count()
+        self.generated = itertools.count()
+        self.prompt = 0  # an int, not a count: a prompt adds up to 128 Ki at once (under the tracker's lock)
+        self.dropped = {r: itertools.count() for r in DROP_REASONS}
+
+    def request_counts(self) -> dict[str, int]:
+        return {o: count_value(c) for o, c in self.requests.items()}
+
+
+class Generation:
+    """One generation request: ``token()`` as tokens are handed to the caller, then ``finish()``.
+
+    Use it as a context manager (``with monitor.generation("chat", prompt_tokens=12) as g:``; an
+    Exception inside the block ends it as ``error`` and is re-raised unchanged, another BaseException as
+    ``cancelled``) or by hand (``g = monitor.generation(...)``, ``g.token()``, ``g.finish()``). One thread
+    at a time per request, like any iterator. An unfinished Generation that is garbage-collected ends
+    as ``cancelled``.
+    """
+
+    __slots__ = ("__weakref__", "_counts", "_key", "_tracker", "first_ns", "last_ns", "outcome",
+                 "prompt_tokens", "start_ns", "tokens")
+
+    def __init__(self, tracker: GenerationTracker, counts: GenerationCounts, key: int, start_ns: int,
+                 prompt_tokens: int | None) -> None:
+        self._tracker = tracker
+        self._counts = counts
+        self._key = key  # > 0: timed (in the tracker's live table); 0: counted only
+        self.start_ns = start_ns  # perf_counter_ns() when the request started
+        self.first_ns: int | None = None  # ... when its first token was handed over
+        self.last_ns: int | None = None  # ... when its latest token was handed over
+        self.tokens = 0  # tokens handed over so far
+        self.prompt_tokens = prompt_tokens
+        self.outcome: str | None = None  # set once, by finish()
+
+    @property
+    def name(self) -> str:
+        """The ``model`` label this request is counted under."""
+        return self._counts.name
+
+    def token(self, n: int = 1) -> None:
+        """Record that ``n`` tokens were handed to the caller now.
+
+        The first call gives the time to first token (from the request's start); each later call gives
+        the inter-token latency, the gap since the previous call. A chunk of ``n > 1`` tokens counts
+        ``n`` tokens: in the first call they all belong to the first token's TTFT (one observation);
+        later, the gap is divided evenly among them (``n`` ITL observations of ``gap / n``), so the ITL
+        histogram's count is the tokens after the first chunk and its sum the time from first to last.
+        ``n == 0`` records nothing. An invalid ``n`` is an internal error (stage ``generation``) and
+        counts as 1. Calls after ``finish()`` are ignored (counted ``reason="after_finish"``).
+        """
+        now = perf_counter_ns()
+        if self.outcome is not None:
+            next(self._counts.dropped["after_finish"])
+            return
+        if n != 1:
+            n = self._tracker._count_of(n)
+            if n == 0:
+                return
+        counts = self._counts
+        last = self.last_ns
+        self.last_ns = now
+        self.tokens += n
+        if n == 1:
+            next(counts.generated)
+        else:
+            _advance(counts.generated, n)
+        if self._key:
+            tracker = self._tracker
+            queue = tracker.queue
+            if len(queue) >= tracker.queue_size:  # racy by at most one record per thread: still bounded
+                next(counts.dropped["queue_full"])
+            elif last is None:
+                self.first_ns = now
+                queue.append((counts, _FIRST, now - self.start_ns, n, now))
+            else:
+                queue.append((counts, _NEXT, now - last, n, now))
+        elif last is None:
+            self.first_ns = now
+
+    def finish(self, outcome: str = OK) -> None:
+        """End the request with ``outcome`` (``ok``, ``error`` or ``cancelled``). Idempotent: the first wins."""
+        if self.outcome is not None:
+            return
+        if outcome not in OUTCOMES:
+            raise ConfigError(f"outcome={outcome!r}: expected one of {', '.join(OUTCOMES)}")
+        self._tracker._finish(self, outcome, perf_counter_ns())
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.finish(_outcome_of(exc))
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.finish(_outcome_of(exc))
+
+    def __del__(self) -> None:
+        # Backstop for the manual form and for a stream whose generator never ran (a generator closed
+        # before its first next() runs no finally): a request nobody can finish any more was abandoned.
+        try:
+            if self.outcome is None:
+                self.finish(CANCELLED)
+        except Exception:  # pragma: no cover - never raise from a finalizer (e.g. at interpreter exit)
+            pass
+
+    def __repr__(self) -> str:
+        return (f"<Generation {self.name!r} tokens={self.tokens} "
+                f"outcome={self.outcome or 'in flight'}>")
+
+
+class GenerationTracker:
+    """Names, the live table, the record queue and the /stats rings for generation requests."""
+
+    def __init__(self, *, internal: InternalErrors, timing: Callable[[], bool] = lambda: True,
+                 max_names: int = 64, max_live: int = 10_000, queue_size: int = 65_536,
+                 window_seconds: float = 60.0, max_samples: int = 10_000) -> None:
+        self._internal = internal
+        self._timing = timing  # False while the monitor is stopped: count, do not time
+        self.max_names = max_names
+        self.max_live = max_live
+        self.queue_size = queue_size
+        self.window_ns = int(window_seconds * 1e9)
+        self.max_samples = max_samples
+        self.sinks: list[GenerationSink] = []
+        # Keys survive a fork: a request started in the parent and ended in the child must not match a
+        # child's request in the live table.
+        self._keys = itertools.count(1)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._names: dict[str, GenerationCounts] = {}
+        # Names, the live table, prompt totals. Reentrant: a cyclic garbage Generation can be collected
+        # (and finish itself in __del__) at any allocation, including one made while this thread holds it.
+        self._lock = threading.RLock()
+        #: key -> (counts, start_ns) of the requests being timed. No reference to the Generation itself,
+        #: so an abandoned one is still garbage-collected (and ends as cancelled).
+        self._live: dict[int, tuple[GenerationCounts, int]] = {}
+        self.queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
+        self._rings_lock = threading.Lock()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's requests are the parent's; a lock held at fork() is replaced.
+
+        A request started in the parent and finished in the child lands in counts nobody reads.
+        """
+        self._reset()
+
+    # -- request path -------------------------------------------------------------------------
+
+    def start(self, name: str, prompt_tokens: int | None = None) -> Generation:
+        """A new request under ``name`` (registered on first use); raises ConfigError for a bad argument."""
+        counts = self._names.get(name) if name.__class__ is str else None
+        if counts is None:
+            counts = self._register(name)
+        prompt = None if prompt_tokens is None else _check_prompt(prompt_tokens)
+        timing = self._timing()
+        now = perf_counter_ns()
+        key = 0
+        with self._lock:
+            if timing and len(self._live) < self.max_live:
+                key = next(self._keys)
+                self._live[key] = (counts, now)
+            if prompt:
+                counts.prompt += prompt
+        next(counts.started)
+        if timing and not key:
+            next(counts.dropped["live_limit"])
+        return Generation(self, counts, key, now, prompt)
+
+    def _register(self, name: str) -> GenerationCounts:
+        _check_name(name)
+        with self._lock:
+            counts = self._names.get(name)
+            if counts is None:
+                if len(self._names) >= self.max_names:
+                    raise ConfigError(f"at most max_models={self.max_names} generation names per monitor "
+                                      f"(each is a label value on every generation metric); {name!r} is one more")
+                counts = self._names[name] = GenerationCounts(name)
+        return counts
+
+    def _finish(self, g: Generation, outcome: str, now: int) -> None:
+        with self._lock:  # check-and-set under the lock: finish() racing __del__ or another thread counts once
+            if g.outcome is not None:
+                return
+            g.outcome = outcome
+            live = self._live.pop(g._key, None) if g._key else None
+        counts = g._counts
+        next(counts.requests[outcome])
+        if live is None:  # counted only (live limit, monitor stopped, or started before a fork)
+            return
+        if len(self.queue) >= self.queue_size:
+            next(counts.dropped["queue_full"])
+        else:
+            self.queue.append((counts, _DONE, now - g.start_ns, g.tokens, now, outcome, g.prompt_tokens))
+
+    def _count_of(self, n: Any) -> int:
+        """A token count other than 1, checked (the slow path of token())."""
+        try:
+            if isinstance(n, bool):
+                raise TypeError("bool is not a token count")
+            v = operator.index(n)
+            if v < 0:
+                raise ValueError(f"negative token count {v}")
+            return v
+        except Exception as exc:
+            self._internal.report("generation", exc)
+            return 1
+
+    # -- streams ------------------------------------------------------------------------------
+
+    def stream(self, iterable: Any, *, name: str, prompt_tokens: int | None = None,
+               tokens: Callable[[Any], int] | None = None) -> Any:
+        """Wrap a sync or async iterable (see ``Monitor.stream``); the request starts now."""
+        if tokens is not None and not callable(tokens):
+            raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
+        if hasattr(iterable, "__iter__"):
+            it = iter(iterable)
+            return _sync_stream(it, self.start(name, prompt_tokens), self._measure(tokens))
+        if hasattr(iterable, "__aiter__"):
+            ait = iterable.__aiter__()
+            return _async_stream(ait, self.start(name, prompt_tokens), self._measure(tokens))
+        raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
+
+    def _measure(self, tokens: Callable[[Any], int] | None) -> Callable[[Any], int] | None:
+        """The item -> token count function, made fail-soft (an error counts the item as 1 token)."""
+        if tokens is None:
+            return None
+        internal = self._internal
+
+        def measure(item: Any) -> int:
+            try:
+                n = tokens(item)
+                if n.__class__ is int and n >= 0:
+                    return n
+                if isinstance(n, bool):
+                    raise TypeError("bool is not a token count")
+                v = operator.index(n)
+                if v < 0:
+                    raise ValueError(f"negative token count {v}")
+                return v
+            except Exception as exc:
+                internal.report("generation_tokens", exc)
+                return 1
+
+        return measure
+
+    # -- resolver thread ----------------------------------------------------------------------
+
+    def drain(self, now_ns: int | None = None) -> int:
+        """Turn queued records into events for the sinks and the /stats rings; returns how many. Never raises.
+
+        Works in batches (one lock per batch and stage, not per record): ~1 µs a record on this machine.
+        """
+        queue = self.queue
+        done = 0
+        while queue:
+            batch: list[GenerationEvent] = []
+            while len(batch) < _BATCH:
+                try:
+                    rec = queue.popleft()
+                except IndexError:
+                    break
+                try:
+                    batch.append(_event(rec))
+                except Exception as exc:  # pragma: no cover - records are built by this module
+                    self._internal.report("generation", exc)
+            if not batch:
+                break
+            done += len(batch)
+            for stage in (self._remember, *self.sinks):
+                try:
+                    stage(batch)
+                except Exception as exc:
+                    self._internal.report("generation", exc)
+        return done
+
+    def _remember(self, events: list[GenerationEvent]) -> None:
+        """The /stats rings: (end_ns, value) per name and kind, bounded by max_samples."""
+        rings = self._rings
+        cap = self.max_samples
+
+        def ring(model: str, kind: str) -> collections.deque[tuple[int, float]]:
+            r = rings.get((model, kind))
+            if r is None:
+                r = rings[(model, kind)] = collections.deque(maxlen=cap)
+            return r
+
+        with self._rings_lock:
+            for ev in events:
+                if isinstance(ev, TokenTiming):
+                    if ev.tokens == 1:
+                        ring(ev.model, ev.kind).append((ev.end_ns, ev.seconds))
+                    else:  # a chunk's n tokens are n observations, as in the histogram
+                        ring(ev.model, ev.kind).extend(itertools.repeat((ev.end_ns, ev.seconds), min(ev.tokens, cap)))
+                else:
+                    if ev.outcome == OK:
+                        ring(ev.model, "duration").append((ev.end_ns, ev.duration_seconds))
+                    ring(ev.model, "output").append((ev.end_ns, float(ev.output_tokens)))
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def names(self) -> list[GenerationCounts]:
+        """Every name's counts, in registration order."""
+        return list(self._names.values())
+
+    def live(self) -> int:
+        """Requests being timed now (in the live table)."""
+        return len(self._live)
+
+    def stats(self, now_ns: int | None = None, started_ns: int | None = None) -> dict[str, Any]:
+        """Per name, for /stats: exact counts, and exact percentiles (seconds) over the stats window."""
+        now = perf_counter_ns() if now_ns is None else now_ns
+        cutoff = now - self.window_ns
+        if started_ns is not None:
+            cutoff = max(cutoff, started_ns)
+        span_s = (now - cutoff) / 1e9
+        with self._lock:
+            live = list(self._live.values())
+        with self._rings_lock:
+            rings = {key: [v for end, v in ring if end >= cutoff] for key, ring in self._rings.items()}
+        oldest: dict[str, int] = {}
+        for counts, start in live:
+            oldest[counts.name] = min(start, oldest.get(counts.name, start))
+        out: dict[str, Any] = {}
+        for c in self.names():
+            requests = c.request_counts()
+            output = rings.get((c.name, "output"), [])
+            out[c.name] = {
+                "requests": requests,
+                "in_flight": max(0, count_value(c.started) - sum(requests.values())),
+                "oldest_in_flight_seconds": (now - oldest[c.name]) / 1e9 if c.name in oldest else None,
+                "prompt_tokens": c.prompt,
+                "generated_tokens": count_value(c.generated),
+                "dropped": {r: n for r, d in c.dropped.items() if (n := count_value(d))},
+                "time_to_first_token": summarize(rings.get((c.name, "ttft"), [])),
+                "inter_token_latency": summarize(rings.get((c.name, "itl"), [])),
+                "duration": summarize(rings.get((c.name, "duration"), [])),
+                # Tokens of the requests that ended in the window, any outcome, per second of the window.
+                "tokens_per_second": sum(output) / span_s if span_s > 0 else None,
+            }
+        return out
+
+
+def _event(rec: tuple[Any, ...]) -> GenerationEvent:
+    counts, kind = rec[0], rec[1]
+    if kind == _FIRST:
+        return TokenTiming(counts.name, "ttft", rec[2] / 1e9, 1, rec[4])
+    if kind == _NEXT:
+        n = rec[3]
+        return TokenTiming(counts.name, "itl", rec[2] / 1e9 / n, n, rec[4])
+    _, _, duration_ns, output, end, outcome, prompt = rec
+    return RequestDone(counts.name, outcome, duration_ns / 1e9, prompt, output, end)
+
+
+def _sync_stream(it: Iterator[T], g: Generation, measure: Callable[[T], int] | None) -> Generator[T, None, None]:
+    try:
+        for item in it:
+            # Stamped just before the item is handed over: the time the caller gets it.
+            g.token(1 if measure is None else measure(item))
+            yield item
+    except GeneratorExit:  # close(), or a consumer that broke out and dropped the generator
+        g.finish(CANCELLED)
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()  # the wrapped generator's own cleanup runs now, not whenever it is collected
+        raise
+    except BaseException as exc:
+        g.finish(_outcome_of(exc))
+        raise
+    g.finish(OK)
+
+
+async def _async_stream(ait: Any, g: Generation, measure: Callable[[Any], int] | None) -> AsyncGenerator[Any, None]:
+    try:
+        async for item in ait:
+            g.token(1 if measure is None else measure(item))
+            yield item
+    except GeneratorExit:  # aclose(), or the event loop finalizing a dropped generator
+        g.finish(CANCELLED)
+        aclose = getattr(ait, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        raise
+    except BaseException as exc:  # asyncio.CancelledError (client went away) is cancelled, not error
+        g.finish(_outcome_of(exc))
+        raise
+    g.finish(OK)
+
+
+def _outcome_of(exc: BaseException | None) -> str:
+    if exc is None:
+        return OK
+    return ERROR if isinstance(exc, Exception) else CANCELLED
+
+
+def _advance(counter: itertools.count[int], n: int) -> None:
+    """Advance an itertools.count by n in C (each step atomic; other threads' steps may interleave)."""
+    collections.deque(itertools.islice(counter, n), maxlen=0)
+
+
+def _check_name(name: Any) -> None:
+    # The same rule as Monitor._new_state: the name is the ``model`` label on every render.
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise ConfigError(f"generation name {name!r}: expected a non-empty string of at most 128 characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        ok = False
+    else:
+        ok = name.isprintable()
+    if not ok:
+        raise ConfigError(f"generation name {name!r}: expected printable characters that encode as UTF-8 "
+                          "(no control characters, no lone surrogates)")
+
+
+def _check_prompt(prompt_tokens: Any) -> int:
+    try:
+        if isinstance(prompt_tokens, bool):
+            raise TypeError
+        v = operator.index(prompt_tokens)
+    except TypeError:
+        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None") from None
+    if v < 0:
+        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None")
+    return v
+

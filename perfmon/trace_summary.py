@@ -1,0 +1,364 @@
+"""A capture's op summary from its Chrome trace, streamed; run in a child process by the exporter.
+
+The trace is read once, in chunks: each chunk is gzipped to the output file and fed to a JSON
+decoder that takes one event at a time (``raw_decode``), so memory holds a chunk, a few numbers per
+event and one row per (op, input shapes) — never the whole trace or a Python object per event.
+This replaces ``prof.events()``, which built a FunctionEvent per event in the serving process
+(measured: gigabytes and tens of seconds of GIL for 100 steps of a 200-layer MLP).
+
+Rows carry what ``perfmon.roofline.op_summary`` aggregates from FunctionEvents, computed the same
+way from the trace's own fields:
+
+* times from each op's ``dur`` (µs); self time is the duration minus that of the ops nested in it on
+  the same thread (the interval nesting of ``EventList._populate_cpu_children``);
+* device time from the kernels, copies and memsets whose ``External id`` is the op's (the op that
+  launched them); an op's total adds the device time of the ops nested in it;
+* input shapes and dtypes from ``Input Dims`` / ``Input type``;
+* FLOPs from the shapes, with the formulas of torch's ``computeFlops`` (torch/csrc/profiler/util.cpp)
+  for the ops it counts (conv2d, mm, addmm, bmm, baddbmm, mul, add); the Chrome trace does not carry
+  the FLOPs torch computed.
+
+Standard library only, and started as a script (``python -I trace_summary.py``), not as
+``-m perfmon...``: importing the package would import torch. The child lowers its priority and
+caps its own address space before reading. Output: one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import codecs
+import gzip
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+#: Event categories that are host-side (CPU) FunctionEvents in ``prof.events()``.
+HOST_CATEGORIES = frozenset({"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"})
+#: Categories whose events carry an op's own ``External id`` (runtime calls share their op's).
+OWN_ID_CATEGORIES = frozenset({"cpu_op", "user_annotation"})
+#: Device activity attributed to the op that launched it.
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+CHUNK_BYTES = 1 << 20
+
+Row = dict[str, Any]
+
+
+def _numel(dims: Any) -> int:
+    return math.prod(int(d) for d in dims)
+
+
+def _is_tensor(types: list[Any], i: int) -> bool:
+    return i < len(types) and types[i] not in ("Scalar", "ScalarList", "", None, "GenericList", "TensorList")
+
+
+def _int_list(text: Any) -> list[int] | None:
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return None
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return value
+    return None
+
+
+def flops(name: str, dims: list[Any], types: list[Any], concrete: list[Any]) -> int:
+    """torch's ``computeFlops`` for one op call, from its trace fields; 0 for ops torch does not count."""
+    try:
+        if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+            first = 1 if name in ("aten::addmm", "aten::baddbmm") else 0
+            if not (_is_tensor(types, first) and _is_tensor(types, first + 1)):
+                return 0
+            m1, m2 = dims[first], dims[first + 1]
+            if not m1 or not m1[-1]:
+                return 0
+            total = _numel(m1) // int(m1[-1])
+            if name in ("aten::bmm", "aten::baddbmm"):
+                if not m1[0]:
+                    return 0
+                total //= int(m1[0])
+            return int(2 * total * _numel(m2))
+        if name in ("aten::mul", "aten::add"):
+            return _numel(dims[0]) if _is_tensor(types, 0) else 0
+        if name == "aten::conv2d":
+            x, w = dims[0], dims[1]
+            stride, padding, dilation = (_int_list(concrete[i]) for i in (3, 4, 5))
+            groups = _int_list(concrete[6])
+            if len(x) != 4 or len(w) != 4 or not groups or not groups[0]:
+                return 0
+            if not stride or not padding or not dilation or len(stride) != 2 or stride[0] * stride[1] == 0:
+                return 0
+            if len(padding) != 2 or len(dilation) != 2:
+                return 0
+            out_h = (x[2] + 2 * padding[0] - dilation[0] * (w[2] - 1) - 1) // stride[0] + 1
+            out_w = (x[3] + 2 * padding[1] - dilation[1] * (w[3] - 1) - 1) // stride[1] + 1
+            return int(2 * x[0] * out_h * out_w * w[2] * w[3] * x[1] * w[0] // groups[0])
+    except (IndexError, TypeError, ValueError):
+        return 0
+    return 0
+
+
+def iter_events(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | None = None
+                ) -> Iterator[dict[str, Any]]:
+    """The objects of the trace's ``traceEvents`` array, one at a time, reading ``CHUNK_BYTES`` at a time.
+
+    ``on_chunk`` sees every byte read (the gzip writer); the rest of the file is read through to the
+    end after the array so that it gets them all.
+    """
+    decoder = json.JSONDecoder()
+    text = codecs.getincrementaldecoder("utf-8")()
+    buf = ""
+    eof = False
+
+    def more() -> bool:
+        nonlocal buf, eof
+        if eof:
+            return False
+        chunk = read(CHUNK_BYTES)
+        if on_chunk is not None and chunk:
+            on_chunk(chunk)
+        eof = not chunk
+        buf += text.decode(chunk, final=eof)
+        return True
+
+    # Find the array: everything before it (schema, device properties) is small.
+    while True:
+        at = buf.find('"traceEvents"')
+        if at >= 0:
+            bracket = buf.find("[", at)
+            if bracket >= 0:
+                pos = bracket + 1
+                break
+        if not more():
+            raise ValueError("no traceEvents array in the trace")
+    while True:
+        n = len(buf)
+        while pos < n and buf[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= n:
+            buf, pos = "", 0
+            if not more():
+                raise ValueError("trace ends inside traceEvents")
+            continue
+        if buf[pos] == "]":
+            break
+        try:
+            event, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            buf, pos = buf[pos:], 0
+            if not more():
+                raise
+            continue
+        pos = end
+        if isinstance(event, dict):
+            yield event
+        if pos > CHUNK_BYTES:  # drop what has been decoded, keep memory at about a chunk
+            buf, pos = buf[pos:], 0
+    while more():  # the trailer (traceName...): read for the gzip copy, not parsed
+        buf = ""
+
+
+class _Thread:
+    """One thread's host events, a few numbers each (arrays, not objects: a trace can hold millions)."""
+
+    __slots__ = ("bytes", "ends", "exts", "flops", "keys", "starts")
+
+    def __init__(self) -> None:
+        self.starts = array.array("d")
+        self.ends = array.array("d")
+        self.keys = array.array("q")
+        self.exts = array.array("q")
+        self.flops = array.array("q")
+        self.bytes = array.array("q")
+
+
+def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | None = None) -> dict[str, Any]:
+    """Rows per (op name, input shapes), as ``roofline.aggregate`` builds them from FunctionEvents,
+    plus the number of host events; times in seconds."""
+    rows: dict[tuple[str, str], Row] = {}
+    order: list[Row] = []  # key index -> row
+    threads: dict[Any, _Thread] = {}
+    device_us: dict[int, float] = {}
+    events = 0
+    for e in iter_events(read, on_chunk):
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        args = e.get("args")
+        args = args if isinstance(args, dict) else {}
+        if cat in DEVICE_CATEGORIES:
+            ext = args.get("External id")
+            if isinstance(ext, int):
+                device_us[ext] = device_us.get(ext, 0.0) + float(e.get("dur") or 0.0)
+            continue
+        if cat not in HOST_CATEGORIES:
+            continue
+        events += 1
+        name = str(e.get("name"))
+        dims = args.get("Input Dims") or []
+        types = args.get("Input type") or []
+        key = (name, str(dims) if dims else "")
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = {"name": name, "calls": 0, "cpu_time_total_seconds": 0.0,
+                               "self_cpu_time_total_seconds": 0.0, "device_time_total_seconds": 0.0,
+                               "self_device_time_total_seconds": 0.0,
+                               "input_shapes": [str(s) for s in dims] or None, "flops": 0,
+                               "input_bytes_estimate": 0, "dtypes": set(), "_i": len(order)}
+            order.append(row)
+        row["dtypes"].update(str(t) for t in types if t)
+        tkey = (e.get("pid"), e.get("tid"))
+        t = threads.get(tkey)
+        if t is None:
+            t = threads[tkey] = _Thread()
+        ts = float(e.get("ts") or 0.0)
+        ext = args.get("External id") if cat in OWN_ID_CATEGORIES else None
+        t.starts.append(ts)
+        t.ends.append(ts + float(e.get("dur") or 0.0))
+        t.keys.append(row["_i"])
+        t.exts.append(ext if isinstance(ext, int) else -1)
+        t.flops.append(flops(name, dims, types, args.get("Concrete Inputs") or []))
+        t.bytes.append(input_bytes(dims, types))
+    for t in threads.values():
+        _attribute(t, order, device_us)
+    out = []
+    for row in order:
+        del row["_i"]
+        row["dtypes"] = sorted(row["dtypes"])
+        if row["calls"]:  # every event of it was a duplicate torch drops
+            out.append(row)
+    return {"rows": out, "events": events}
+
+
+def _attribute(t: _Thread, order: list[Row], device_us: dict[int, float]) -> None:
+    """Add one thread's events to their rows, with self CPU time and device times from the nesting.
+
+    Mirrors ``EventList._build_tree``: sorted by (start, -end), an event's parent is the innermost
+    open interval that contains it; then ``_remove_dup_nodes``: an event that is the only child of
+    a parent of the same name is dropped, its children and kernels lifted to that parent.
+    """
+    n = len(t.starts)
+    starts, ends = t.starts, t.ends
+    idx = sorted(range(n), key=lambda i: (starts[i], -ends[i]))
+    parent = array.array("q", bytes(8 * n))
+    nchild = array.array("q", bytes(8 * n))
+    child_us = array.array("d", bytes(8 * n))
+    direct = array.array("d", (device_us.get(x, 0.0) if x >= 0 else 0.0 for x in t.exts))
+    dropped = bytearray(n)
+    stack: list[int] = []
+    for i in idx:
+        while stack and (starts[i] >= ends[stack[-1]] or ends[i] > ends[stack[-1]]):
+            stack.pop()
+        p = stack[-1] if stack else -1
+        parent[i] = p
+        if p >= 0:
+            nchild[p] += 1
+            child_us[p] += ends[i] - starts[i]
+        stack.append(i)
+
+    def up(i: int) -> int:
+        p = parent[i]
+        while p >= 0 and dropped[p]:
+            p = parent[p]
+        return p
+
+    for i in idx:  # parents first, so a chain a > a > a folds into its top
+        p = up(i)
+        if p >= 0 and nchild[p] == 1 and order[t.keys[p]]["name"] == order[t.keys[i]]["name"]:
+            dropped[i] = 1
+            nchild[p], child_us[p], direct[p] = nchild[i], child_us[i], direct[i]
+    dev = array.array("d", direct)
+    for i in reversed(idx):  # children after parents in idx: a reverse walk finishes each subtree first
+        if dropped[i]:
+            continue
+        row = order[t.keys[i]]
+        row["calls"] += 1
+        row["cpu_time_total_seconds"] += (ends[i] - starts[i]) / 1e6
+        row["self_cpu_time_total_seconds"] += (ends[i] - starts[i] - child_us[i]) / 1e6
+        row["self_device_time_total_seconds"] += direct[i] / 1e6
+        row["device_time_total_seconds"] += dev[i] / 1e6
+        row["flops"] += t.flops[i]
+        row["input_bytes_estimate"] += t.bytes[i]
+        p = up(i)
+        if p >= 0:
+            dev[p] += dev[i]
+
+
+_ITEMSIZE = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "long": 8, "int": 4,
+    "short int": 2, "short": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
+    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}
+
+
+def input_bytes(shapes: Any, dtypes: Any) -> int:
+    """Bytes of an op's tensor inputs from their shapes and dtype names (unknown dtypes count 0)."""
+    total = 0
+    for shape, dtype in zip(shapes or (), dtypes or ()):
+        size = _ITEMSIZE.get(str(dtype))
+        if size is None or not isinstance(shape, (list, tuple)) or not shape:
+            continue
+        total += math.prod(int(d) for d in shape) * size
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--in-fd", type=int, required=True, help="descriptor of the Chrome trace JSON")
+    p.add_argument("--gz-fd", type=int, help="descriptor to write the gzipped trace to")
+    p.add_argument("--max-memory-bytes", type=int, default=0, help="address-space cap (RLIMIT_AS); 0: none")
+    p.add_argument("--compresslevel", type=int, default=6)
+    args = p.parse_args(argv)
+    try:
+        os.nice(10)  # the serving threads of the parent come first
+    except OSError:
+        pass
+    if args.max_memory_bytes:
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (args.max_memory_bytes, args.max_memory_bytes))
+        except (ImportError, ValueError, OSError):
+            pass
+    src: IO[bytes] = os.fdopen(args.in_fd, "rb", buffering=0)
+    raw: IO[bytes] | None = os.fdopen(args.gz_fd, "wb") if args.gz_fd is not None else None
+    gz = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=args.compresslevel, mtime=0) if raw else None
+    def write(chunk: bytes) -> None:
+        assert gz is not None
+        gz.write(chunk)
+
+    result = summarise(src.read, write if gz is not None else None)
+    if gz is not None and raw is not None:
+        gz.close()  # writes the gzip trailer; the file object stays open
+        raw.flush()
+        os.fsync(raw.fileno())
+        raw.close()
+    try:
+        import resource
+
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        result["cpu_seconds"] = use.ru_utime + use.ru_stime
+        # ru_maxrss: KiB on Linux (bytes on macOS); on Linux it carries the parent's peak across
+        # fork+exec, so /proc's VmHWM (this address space only) is preferred where it exists.
+        result["max_rss_bytes"] = use.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    except (ImportError, OSError):
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    result["max_rss_bytes"] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    json.dump(result, sys.stdout)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Generate loops: every forward counted however it is called, prefill apart from decode, requests tracked.
+
+A randomly initialised Hugging Face GPT-2 (a tiny config: nothing is downloaded) is the ground truth:
+a counting hook on the bare module says how many forwards really ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+import perfmon
+
+from .conftest import value, wait_capture
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = 5
+NEW = 6
+
+
+def _gpt2() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=101, n_positions=64,
+                                  bos_token_id=100, eos_token_id=100, pad_token_id=100)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _generate(model: Any, batch: int = 2, new: int = NEW, **kw: Any) -> torch.Tensor:
+    ids = torch.randint(0, 100, (batch, PROMPT))
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, **kw)
+
+
+def _counting(model: Any) -> itertools.count[int]:
+    """Ground truth: a forward pre-hook on the module counts every forward that really ran."""
+    seen = itertools.count()
+
+    def hook(module: Any, args: Any) -> None:
+        next(seen)
+
+    model.register_forward_pre_hook(hook)
+    return seen
+
+
+def test_generate_counts_every_forward_split_prefill_decode(make_monitor) -> None:
+    """After generate(max_new_tokens=k), perfmon counts exactly the forwards that ran: 1 prefill + k-1 decode each."""
+    mon = make_monitor(sample_rate=1.0)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = _counting(model)
+    for _ in range(3):
+        out = _generate(model)
+        assert out.shape == (2, PROMPT + NEW)
+    ran = next(truth)
+    assert ran == 3 * NEW
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == 3
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == 3 * (NEW - 1)
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="") is None
+    assert mon.flush()
+    stats = mon.stats()["models"]["gpt2"]
+    assert stats["calls"] == ran and set(stats["stages"]) == {"prefill", "decode"}
+    # Decode steps are one signature (B x 1 tokens + a cache): the growing attention mask is bookkeeping.
+    decode = stats["stages"]["decode"]
+    assert decode["input_signatures"] == 1
+    cold = decode["latency"]["cold"]["duration"]["count"]
+    steady = decode["latency"]["steady"]["duration"]["count"]
+    assert cold <= 3 and cold + steady == 3 * (NEW - 1)  # warm-up + the signature's first call, no churn
+    assert stats["stages"]["prefill"]["latency"]["cold"]["duration"]["count"] >= 1
+
+
+def test_generate_is_tracked_as_requests_with_ttft_and_itl(make_monitor) -> None:
+    """A monitored model's own generate() counts one request per sequence, its prompt and generated tokens,
+    one TTFT per request and one ITL per later token."""
+    mon = make_monitor(sample_rate=0.01)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    for _ in range(2):
+        _generate(model, batch=3)
+    mon.flush()
+    mon.generations.drain()
+    assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="ok") == 6
+    assert value(mon, "perfmon_prompt_tokens_total", model="gpt2") == 6 * PROMPT
+    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == 6 * NEW
+    assert value(mon, "perfmon_time_to_first_token_seconds_count", model="gpt2") == 6
+    assert value(mon, "perfmon_inter_token_latency_seconds_count", model="gpt2") == 6 * (NEW - 1)
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["time_to_first_token"]["count"] == 6 and gen["time_to_first_token"]["p50_seconds"] > 0
+
+
+def test_generate_with_a_streamer_and_a_failing_generate(make_monitor) -> None:
+    """generate(streamer=...) is tracked the same way (the streamer still gets every token); a generate() that
+    raises counts its requests as errors and the exception passes through unchanged."""
+    mon = make_monitor()
+    model = mon.wrap(_gpt2(), name="gpt2")
+
+    class Collect(transformers.generation.streamers.BaseStreamer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.puts = 0
+            self.ended = False
+
+        def put(self, value: Any) -> None:
+            self.puts += 1
+
+        def end(self) -> None:
+            self.ended = True
+
+    streamer = Collect()
+    _generate(model, batch=1, streamer=streamer)
+    assert streamer.puts == 1 + NEW and streamer.ended  # the prompt, then each new token
+    with pytest.raises(ValueError) as caught:
+        _generate(model, batch=1, num_beams=2, streamer=Collect())  # transformers refuses streaming beams
+    assert "beam" in str(caught.value)
+    mon.generations.drain()
+    assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="ok") == 1
+    assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="error") == 1
+    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == NEW
+
+
+def test_calls_through_a_parent_a_pipeline_and_forward_are_counted(make_monitor) -> None:
+    """The wrapped module is monitored in place: calls from a parent module or an object holding it count."""
+    mon = make_monitor()
+    inner = torch.nn.Linear(4, 4)
+    parent = torch.nn.Sequential(inner, torch.nn.ReLU())
+    wrapped = mon.wrap(inner, name="inner")
+    assert wrapped is inner
+
+    class Pipeline:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+    x = torch.ones(2, 4)
+    parent(x)
+    Pipeline(inner)(x)
+    wrapped(x)
+    assert value(mon, "perfmon_forward_calls_total", model="inner") == 3
+
+
+def test_wrapped_model_survives_save_load_deepcopy_state_dict_and_unwrap(make_monitor) -> None:
+    """torch.save/load and deepcopy give the bare class; state_dict round-trips; unwrap restores it exactly."""
+    mon = make_monitor()
+    bare_cls = transformers.GPT2LMHeadModel
+    model = mon.wrap(_gpt2(), name="gpt2")
+    assert isinstance(model, bare_cls) and isinstance(model, torch.nn.Module)
+    assert isinstance(model, perfmon.MonitoredModule) and type(model).__name__ == "GPT2LMHeadModel"
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded) is bare_cls
+    twin = copy.deepcopy(model)
+    assert type(twin) is bare_cls
+    ids = torch.randint(0, 100, (1, PROMPT))
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+    model.load_state_dict(loaded.state_dict())
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == 2  # the copies count nothing
+    same = mon.unwrap(model)
+    assert same is model and type(model) is bare_cls and not isinstance(model, perfmon.MonitoredModule)
+    _generate(model, batch=1)
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == 2
+    assert mon.wrap(model, name="gpt2") is model  # wrapped again: the counters continue
+    _generate(model, batch=1)
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == 3
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == NEW - 1
+
+
+def test_custom_stage_callable_labels_a_custom_loop(make_monitor) -> None:
+    """wrap(stage=callable) labels a custom decode loop's calls; labels are bounded and a failing callable
+    never breaks the call."""
+    mon = make_monitor()
+
+    def stage(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        x = args[0]
+        if x.shape[0] == 99:
+            raise RuntimeError("boom")
+        return "prefill" if x.shape[1] > 1 else f"step{x.shape[0]}"
+
+    model = mon.wrap(torch.nn.Linear(4, 4), name="loop", stage=stage)
+    model(torch.ones(1, 3, 4))
+    for batch in range(1, 12):  # 11 distinct decode labels: beyond 8 stages they become "other"
+        model(torch.ones(batch, 1, 4))
+    model(torch.ones(99, 1, 4))  # the callable fails: the call still runs, under the first stage
+    labels = {k: v for k, v in mon.stats()["models"]["loop"]["stages"].items()}
+    assert len(labels) == 8 and "other" in labels and sum(s["calls"] for s in labels.values()) == 13
+    assert value(mon, "perfmon_internal_errors_total", stage="stage") == 1
+    with pytest.raises(perfmon.ConfigError, match="stage="):
+        mon.wrap(torch.nn.Linear(2, 2), name="bad", stage="decode")
+
+
+def test_a_capture_of_a_generative_model_records_prefill_and_decode_steps(make_monitor) -> None:
+    """Arming a capture of a model with stages arms every stage: a generate() call's forwards are its steps."""
+    mon = make_monitor()
+    model = mon.wrap(_gpt2(), name="gpt2")
+    cap = mon.capture("gpt2", steps=NEW)
+    _generate(model, batch=1)
+    meta = wait_capture(mon, cap["id"], timeout=60)
+    assert meta["outcome"] == "ok", meta
+    assert meta["steps_recorded"] == NEW
+    assert all(s.capture is None for s in mon._states["gpt2"].stages.values())  # released: timing goes on
+
+
+def test_a_timed_request_gets_device_time_for_every_step_from_events(make_monitor) -> None:
+    """On CUDA (the fake GPU), every step of a timed generate() request is timed with an event pair: device time
+    per step by stage, while the host never waited; later untimed requests keep the normal sampling."""
+    from perfmon.testing import FakeCuda, FakeGpu
+
+    gpu = FakeGpu()
+
+    class Cache:
+        def __init__(self) -> None:
+            self.length = 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+    class Decoder(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: Cache | None = None) -> torch.Tensor:
+            gpu.launch(8.0 if input_ids.shape[1] > 1 else 2.0)  # prefill 8 ms, a decode step 2 ms
+            if past_key_values is not None:
+                past_key_values.length += input_ids.shape[1]
+            return input_ids[:, -1:]
+
+        def generate(self, ids: torch.Tensor, steps: int) -> torch.Tensor:
+            cache = Cache()
+            out = self(ids, past_key_values=cache)
+            for _ in range(steps - 1):
+                out = self(out, past_key_values=cache)
+            return out
+
+    mon = make_monitor(cuda=FakeCuda(gpu), sample_rate=0.001, warmup_calls=1)
+    model = mon.wrap(Decoder(), name="dec", device="cuda:0")
+    model.generate(torch.ones(1, 7, dtype=torch.long), steps=NEW)
+    assert mon._resolver.step() == 0  # the host returned before the device finished: nothing resolved yet
+    gpu.finish()
+    assert mon.flush()
+
+    def steps(stage: str) -> tuple[float, float]:
+        count = sum(value(mon, "perfmon_forward_duration_seconds_count", model="dec", device="cuda:0", phase=p,
+                          stage=stage) or 0 for p in ("cold", "steady"))
+        total = sum(value(mon, "perfmon_forward_duration_seconds_sum", model="dec", device="cuda:0", phase=p,
+                          stage=stage) or 0 for p in ("cold", "steady"))
+        return count, total
+
+    assert steps("prefill") == (1, pytest.approx(0.008))
+    assert steps("decode") == (NEW - 1, pytest.approx(0.002 * (NEW - 1)))
+    model.generate(torch.ones(1, 7, dtype=torch.long), steps=NEW)  # not a timed request
+    gpu.finish()
+    mon.flush()
+    assert steps("decode")[0] == NEW - 1  # its decode steps were not timed (past warm-up, 1-in-1000 sampling)

@@ -1,0 +1,190 @@
+"""The trace directory is not trusted: each attack another local user tried, reproduced against the store."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import perfmon
+from perfmon.memory import OomSnapshotter
+from perfmon.traces import TraceStore, UnsafeTraceDir, new_id, open_private_dir, write_private
+
+from .conftest import http, value, wait_capture
+
+TOKEN = "s3cret-token-for-tests"
+TRACE = "attackerhost_1.1700000000000000000.pt.trace.json.gz"  # matches the store's trace pattern
+
+
+def _private(tmp_path: Path, name: str = "traces") -> Path:
+    d = tmp_path / name
+    d.mkdir(mode=0o700)
+    return d
+
+
+def _secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "root-only.txt"
+    secret.write_bytes(b"TOP SECRET")
+    secret.chmod(0o600)
+    return secret
+
+
+def _meta(capture_id: str, trace_file: str | None) -> bytes:
+    return json.dumps({"id": capture_id, "status": "done", "outcome": "ok", "trace_file": trace_file,
+                       "trace_bytes": 10}).encode()
+
+
+def test_planted_symlinks_are_never_served(make_monitor, tmp_path: Path) -> None:
+    """A meta file that is a link, and a trace name that is a link to a secret, answer 404 over HTTP."""
+    secret = _secret(tmp_path)
+    d = _private(tmp_path)
+    outside = tmp_path / "outside.meta.json"
+    linked_id, planted_id = new_id(), new_id()
+    outside.write_bytes(_meta(linked_id, TRACE))
+    (d / f"{linked_id}.meta.json").symlink_to(outside)
+    (d / f"{planted_id}.meta.json").write_bytes(_meta(planted_id, TRACE))
+    (d / TRACE).symlink_to(secret)
+    mon = make_monitor(trace_dir=str(d), port=0, token=TOKEN).start()
+    assert mon.traces.get(linked_id) is None and mon.profile(linked_id) is None
+    assert mon.traces.trace_path(planted_id) is None and mon.traces.read_trace(planted_id) is None
+    for cid in (linked_id, planted_id):
+        status, _, body = http(mon.url + f"/profiles/{cid}/trace", token=TOKEN)
+        assert status == 404 and b"TOP SECRET" not in body, (cid, status, body)
+    assert secret.read_bytes() == b"TOP SECRET"
+
+
+def test_planted_symlinks_at_write_names_leave_their_targets_untouched(tmp_path: Path) -> None:
+    """Links planted at the temp and final names of a write are replaced, never written through."""
+    secret = _secret(tmp_path)
+    d = _private(tmp_path)
+    cid = new_id()
+    for name in (f".{cid}.meta.json.tmp", f"{cid}.meta.json", ".snap.pickle.tmp", "snap.pickle"):
+        (d / name).symlink_to(secret)  # the old writer's predictable temp names, and the final names
+    store = TraceStore(d, max_files=5, max_bytes=10**9)
+    store.save({"id": cid, "status": "done", "outcome": "failed"}, None, None)
+    write_private(d, "snap.pickle", b"snapshot")
+    assert secret.read_bytes() == b"TOP SECRET"
+    assert not (d / f"{cid}.meta.json").is_symlink() and store.get(cid)["outcome"] == "failed"
+    assert not (d / "snap.pickle").is_symlink() and (d / "snap.pickle").read_bytes() == b"snapshot"
+    assert oct((d / "snap.pickle").stat().st_mode & 0o777) == oct(0o600)
+
+
+def test_retention_deletes_only_files_the_store_made(tmp_path: Path) -> None:
+    """Retention never deletes a file a planted meta names unless it is the store's own regular trace file."""
+    if os.geteuid() != 0:
+        pytest.skip("planting a file owned by another user needs root (chown)")
+    d = _private(tmp_path)
+    secret = _secret(d)  # inside the directory: a name without the trace pattern
+    snapshot = d / "host_1.1700000000000000000.oom_snapshot.pickle"
+    snapshot.write_bytes(b"snap")
+    foreign = d / TRACE
+    foreign.write_bytes(b"another user's file")
+    os.chown(foreign, 65534, 65534)
+    victim = tmp_path / "victim.pt.trace.json.gz"
+    victim.write_bytes(b"victim")
+    link = d / "linkhost_1.1700000000000000001.pt.trace.json.gz"
+    link.symlink_to(victim)
+    old = [f"{i:016x}000000" for i in range(1, 5)]  # ids older than any new_id()
+    for cid, name in zip(old, [secret.name, snapshot.name, TRACE, link.name]):
+        (d / f"{cid}.meta.json").write_bytes(_meta(cid, name))
+    store = TraceStore(d, max_files=1, max_bytes=10**9)
+    store.save({"id": new_id(), "status": "done", "outcome": "failed"}, None, None)
+    assert secret.read_bytes() == b"TOP SECRET" and snapshot.read_bytes() == b"snap"
+    assert foreign.read_bytes() == b"another user's file" and victim.read_bytes() == b"victim"
+    assert [m["id"] for m in store.list()] == [p.name[:22] for p in d.glob("*.meta.json")]  # old metas went
+    assert len(store.list()) == 1
+
+
+def _refused(mon: perfmon.Monitor, what: str) -> Any:
+    """Wrap a model, check its capture is refused with ``what`` in the error and counted, and that it runs."""
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(1, 4)
+    want = lin(x)
+    model = mon.wrap(lin, name="m")
+    with pytest.raises(UnsafeTraceDir, match=what):
+        mon.capture("m", steps=1)
+    assert value(mon, "perfmon_captures_total", model="m", trigger="manual", outcome="failed") == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="trace_store") >= 1
+    assert torch.equal(model(x), want)
+    assert mon.profiles() == []
+    return model
+
+
+def test_world_writable_dir_is_refused_not_trusted(make_monitor, tmp_path: Path) -> None:
+    """A 0777 trace_dir: start() works, captures are refused (HTTP 400 with the reason), planted files unseen."""
+    d = _private(tmp_path, "shared")
+    d.chmod(0o777)
+    cid = new_id()
+    (d / f"{cid}.meta.json").write_bytes(_meta(cid, None))
+    mon = make_monitor(trace_dir=str(d), port=0, token=TOKEN).start()
+    _refused(mon, "writable by group or others")
+    status, _, body = http(mon.url + "/profile", b'{"model": "m"}', method="POST", token=TOKEN,
+                           headers={"Content-Type": "application/json"})
+    assert status == 400 and "writable by group or others" in json.loads(body)["error"]
+    assert mon.traces.get(cid) is None
+    assert d.stat().st_mode & 0o777 == 0o777  # refused, not silently repaired
+
+
+def test_symlinked_dir_is_refused(make_monitor, tmp_path: Path) -> None:
+    """A trace_dir that is a symbolic link is refused; nothing is written where it points."""
+    real = _private(tmp_path, "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    mon = make_monitor(trace_dir=str(link)).start()
+    _refused(mon, "symbolic link")
+    with pytest.raises(UnsafeTraceDir):
+        write_private(link, "x.pickle", b"x")
+    assert list(real.iterdir()) == []
+
+
+def test_dir_owned_by_another_user_is_refused(make_monitor, tmp_path: Path) -> None:
+    """A trace_dir owned by another uid (even 0700) is refused."""
+    d = _private(tmp_path, "theirs")
+    if os.geteuid() == 0:
+        os.chown(d, 65534, 65534)
+        mon = make_monitor(trace_dir=str(d)).start()
+        _refused(mon, "owned by uid 65534")
+    with pytest.raises(UnsafeTraceDir, match="owned by uid"):  # the same check, as another process user
+        open_private_dir(d, create=False, uid=os.geteuid() + 1)
+
+
+def test_a_fresh_dir_is_created_private_and_a_capture_works(make_monitor, tmp_path: Path) -> None:
+    """A trace_dir that does not exist yet is created 0700 and holds a capture's files, 0600 each."""
+    d = tmp_path / "new" / "traces"
+    mon = make_monitor(trace_dir=str(d))
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    cap = mon.capture("m", steps=1)
+    meta = wait_capture(mon, cap["id"], drive=lambda: model(torch.randn(1, 4)))
+    assert meta["outcome"] == "ok", meta
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in d.iterdir()} == {0o600}
+    name, data = mon.traces.read_trace(cap["id"])
+    assert name == meta["trace_file"] and data[:2] == b"\x1f\x8b"
+
+
+class _Snapshots:
+    def devices(self) -> list[int]:
+        return [0]
+
+    def stats(self, device: int) -> dict[str, Any]:
+        return {}
+
+    def snapshot(self) -> Any:
+        return {"segments": []}
+
+
+def test_oom_snapshot_writer_refuses_a_symlinked_dir(tmp_path: Path) -> None:
+    """The OOM snapshot writer uses the same checks: a symlinked directory is an error, nothing is written."""
+    real = _private(tmp_path, "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    errors: list[BaseException] = []
+    snap = OomSnapshotter(_Snapshots(), link, 600.0, on_error=errors.append)
+    assert snap(MemoryError("CUDA out of memory"))
+    snap.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], UnsafeTraceDir) and snap.written == []
+    assert list(real.iterdir()) == []
