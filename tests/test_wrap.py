@@ -191,3 +191,23 @@ def test_torch_compile_in_both_orders_counts_every_call_with_no_graph_break(make
     mon.flush()
     stats = mon.stats()["models"]["m"]
     assert stats["calls"] == 8 and stats["sampled"] == 8
+
+
+def test_module_compile_of_a_wrapped_model_runs_the_compiled_call_and_counts(make_monitor) -> None:
+    """module.compile() on a wrapped model: calls go through the compiled call (one graph) and still count."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    mon = make_monitor(sample_rate=1.0)
+    model = mon.wrap(_Small(), name="m")
+    reference = copy.deepcopy(model)
+    model.compile(backend="eager")
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.allclose(model(x), reference(x))
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
+    mon.flush()
+    assert mon.stats()["models"]["m"]["calls"] == 3
