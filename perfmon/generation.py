@@ -325,12 +325,7 @@ class GenerationTracker:
     def _count_of(self, n: Any) -> int:
         """A token count other than 1, checked (the slow path of token())."""
         try:
-            if isinstance(n, bool):
-                raise TypeError("bool is not a token count")
-            v = operator.index(n)
-            if v < 0:
-                raise ValueError(f"negative token count {v}")
-            return v
+            return _token_count(n)
         except Exception as exc:
             self._internal.report("generation", exc)
             return 1
@@ -361,12 +356,7 @@ class GenerationTracker:
                 n = tokens(item)
                 if n.__class__ is int and n >= 0:
                     return n
-                if isinstance(n, bool):
-                    raise TypeError("bool is not a token count")
-                v = operator.index(n)
-                if v < 0:
-                    raise ValueError(f"negative token count {v}")
-                return v
+                return _token_count(n)
             except Exception as exc:
                 internal.report("generation_tokens", exc)
                 return 1
@@ -514,6 +504,16 @@ async def _async_stream(ait: Any, g: Generation, measure: Callable[[Any], int] |
         g.finish(_outcome_of(exc))
         raise
     g.finish(OK)
+
+
+def _token_count(n: Any) -> int:
+    """``n`` as a token count (an int >= 0, not a bool); raises TypeError/ValueError otherwise."""
+    if isinstance(n, bool):
+        raise TypeError("bool is not a token count")
+    v = operator.index(n)
+    if v < 0:
+        raise ValueError(f"negative token count {v}")
+    return v
 
 
 def _outcome_of(exc: BaseException | None) -> str:

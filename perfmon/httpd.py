@@ -70,6 +70,10 @@ _ACCEPTS_PER_TURN = 64
 #: Triage's allowance, as a share of ``http_cpu_budget`` (on top of it), and its burst.
 TRIAGE_SHARE = 0.5
 TRIAGE_BURST_SECONDS = 0.02
+#: The health lane (new and just-accepted connections only, while triage is in debt) spends from its own
+#: allowance, this share of the budget: a probe is a new connection, so it is served ahead of the
+#: sockets a flood keeps open, and a flood of new connections costs at most this much more.
+LANE_SHARE = 1.0
 #: Requests other than scrapes and health checks (/stats, the page, control routes, 404s, bad
 #: credentials) run only while the work budget holds more than this: the rest is kept for scrapes.
 SCRAPE_RESERVE_SECONDS = 0.05
@@ -188,6 +192,7 @@ class AgentServer:
         #: Triage (accept, one read per readable connection, /healthz answered at once) has its own small
         #: allowance, so it goes on while the work budget is in debt, yet a flood of it is bounded too.
         self.triage = CpuBudget(cpu_budget * TRIAGE_SHARE, TRIAGE_BURST_SECONDS, resume_seconds=0.0005)
+        self.lane = CpuBudget(cpu_budget * LANE_SHARE, TRIAGE_BURST_SECONDS, resume_seconds=0.0005)
         self.throttle = throttle if throttle is not None else AuthThrottle()
         self.cpu = cpu if cpu is not None else AgentCpu()
         self.shedding = shedding if shedding is not None else HttpShedding()
@@ -200,6 +205,13 @@ class AgentServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        #: The health lane's selector: the listener, the wake socket and the connections accepted in the
+        #: last _SILENT_GRACE_SECONDS that have sent nothing yet (``_young``: a probe's request is a few
+        #: ms behind its connection).
+        self._lane_selector = selectors.DefaultSelector()
+        self._lane_selector.register(self._listener, selectors.EVENT_READ, None)
+        self._lane_selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._young: dict[_Conn, float] = {}
         self._conns: set[_Conn] = set()
         #: Requests read and waiting for the work budget: scrapes first, then the rest (ready queue by class).
         self._scrapes: collections.deque[tuple[_Conn, _Request]] = collections.deque()
@@ -270,10 +282,11 @@ class AgentServer:
             _close(conn.sock)
         for sock in (self._listener, self._wake_r, self._wake_w):
             _close(sock)
-        try:
-            self._selector.close()
-        except OSError:
-            pass
+        for selector in (self._selector, self._lane_selector):
+            try:
+                selector.close()
+            except OSError:
+                pass
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -308,13 +321,15 @@ class AgentServer:
         loop sleeps rather than polling them.
         """
         turn0 = time.thread_time()
-        work_spent = 0.0
+        work_spent = lane_spent = 0.0
         work = self._work_wait()
         triage_wait = self.triage.wait_seconds()
         if triage_wait > 0:
             pause = min(triage_wait, work if work else _PAUSE_SLICE_SECONDS, _PAUSE_SLICE_SECONDS)
             t0 = time.monotonic()
-            self._stop.wait(pause)
+            c0 = time.thread_time()
+            self._lane_pass(pause)  # new connections (health probes) still get in
+            lane_spent = time.thread_time() - c0  # charged to the lane, not to triage
             self.shedding.paused_seconds += time.monotonic() - t0
         else:
             timeout = _IDLE_SECONDS if work is None else min(work, _PAUSE_SLICE_SECONDS)
@@ -332,7 +347,7 @@ class AgentServer:
             self.budget.charge(work_spent)
         # Triage pays for the rest of the turn too (select, sleeping, bookkeeping): every CPU second the
         # loop spends is charged to one bucket or the other.
-        self.triage.charge(time.thread_time() - turn0 - work_spent)
+        self.triage.charge(time.thread_time() - turn0 - work_spent - lane_spent)
 
     def _triage(self, events: list[tuple[selectors.SelectorKey, int]], limit: float) -> None:
         now = time.monotonic()
@@ -408,6 +423,12 @@ class AgentServer:
                 continue
             self._conns.add(conn)
             self._watch(conn, selectors.EVENT_READ)
+            if not first:  # nothing sent yet: watched by the health lane too for a moment
+                try:
+                    self._lane_selector.register(sock, selectors.EVENT_READ, conn)
+                    self._young[conn] = now + _SILENT_GRACE_SECONDS
+                except (KeyError, ValueError, OSError):
+                    pass
             if first:
                 conn.got = True
                 conn.inbox += first
@@ -461,6 +482,8 @@ class AgentServer:
         conn.watching = events
 
     def _read(self, conn: _Conn, now: float) -> None:
+        if conn in self._young:
+            self._unyoung(conn)
         data = conn.sock.recv(65536)
         if not data:
             self._drop(conn)
@@ -579,7 +602,45 @@ class AgentServer:
         if conn.inbox:  # pipelined: the next request may already be here
             self._take(conn, now)
 
+    def _unyoung(self, conn: _Conn) -> None:
+        self._young.pop(conn, None)
+        try:
+            self._lane_selector.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _lane_pass(self, timeout: float) -> None:
+        """While triage is in debt: serve only new and just-accepted connections, health probes among them.
+
+        Sockets a flood keeps open (keep-alive 404s, /stats pollers, idle sockets) are not looked at, so
+        a probe — a new connection — is accepted, read and answered within milliseconds; any other new
+        request is read and queued for the work budget as usual. Spends from its own allowance (``lane``);
+        once that is spent too, the loop just waits.
+        """
+        wait = self.lane.wait_seconds()
+        if wait > 0:
+            self._stop.wait(min(timeout, wait))
+            return
+        c0 = time.thread_time()
+        events = self._lane_selector.select(timeout)
+        now = time.monotonic()
+        limit = time.thread_time() + self.lane.available()
+        for key, _ in events:
+            if time.thread_time() > limit:
+                break
+            conn: _Conn | None = key.data
+            if conn is None:
+                self._accept(now, limit)
+            elif conn is not _WAKE and conn in self._conns:
+                self._guard(conn, self._read, now)
+        for conn, deadline in list(self._young.items()):
+            if now > deadline or conn not in self._conns:
+                self._unyoung(conn)
+        self.lane.charge(time.thread_time() - c0)
+
     def _drop(self, conn: _Conn) -> None:
+        if conn in self._young:
+            self._unyoung(conn)
         if conn not in self._conns:
             return
         self._conns.discard(conn)
@@ -597,10 +658,11 @@ class AgentServer:
         _close(self._listener)
         _close(self._wake_r)
         _close(self._wake_w)
-        try:
-            self._selector.close()
-        except OSError:
-            pass
+        for selector in (self._selector, self._lane_selector):
+            try:
+                selector.close()
+            except OSError:
+                pass
 
 
 def _parse(inbox: bytearray) -> _Request | None:

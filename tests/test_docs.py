@@ -93,3 +93,12 @@ def test_readme_starts_with_the_two_commands() -> None:
     text = (ROOT / "README.md").read_text()
     first_block = text.split("```")[1]
     assert "make demo" in first_block and "make test" in first_block
+
+
+def test_readme_lists_every_setting() -> None:
+    """Every Config setting (a keyword argument and a PERFMON_ variable) is named in the README."""
+    import dataclasses
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [f.name for f in dataclasses.fields(perfmon.Config) if f.name != "extra" and f"`{f.name}`" not in readme]
+    assert missing == []

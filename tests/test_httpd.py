@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -376,6 +377,50 @@ def test_health_is_answered_while_the_budget_is_in_debt(make_monitor) -> None:
             t.join(10)
     assert max(took) < 0.5, took
     assert mon._server.budget.wait_seconds() > 0  # the flood was still waiting for the work budget
+
+
+def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(make_monitor) -> None:
+    """Triage itself far in debt, keep-alive clients sending junk and 150 idle sockets reopened constantly: each
+    /healthz, a new connection, still goes through the health lane within 0.5 s (before: seconds, or reset)."""
+    mon = make_monitor(port=0).start()
+    port = _port(mon)
+    server = mon._server
+    assert server is not None
+    stop = threading.Event()
+
+    def junk() -> None:  # keep-alive: one connection sending unknown paths for as long as it is answered
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            for _ in range(10_000):
+                if stop.is_set():
+                    return
+                s.sendall(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.recv(65536)
+
+    def churn() -> None:  # idle sockets, reopened as fast as they go
+        held: list[socket.socket] = []
+        for _ in range(100_000):
+            if stop.is_set():
+                break
+            with contextlib.suppress(OSError):
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            if len(held) > 15:
+                held.pop(0).close()
+        for h in held:
+            h.close()
+
+    threads = [threading.Thread(target=junk) for _ in range(5)] + [threading.Thread(target=churn) for _ in range(10)]
+    for t in threads:
+        t.start()
+    try:
+        server.budget.charge(0.3)  # the work budget ~30 s in debt
+        server.triage.charge(0.3)  # and triage ~60 s: only the health lane reads anything
+        took = [_probe(port) for _ in range(10)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert max(took) < 0.5, took
+    assert server.triage.wait_seconds() > 0
 
 
 def test_a_scrape_is_answered_ahead_of_queued_junk(make_monitor) -> None:

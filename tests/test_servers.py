@@ -7,6 +7,7 @@ a respawned worker with a port of its own, and a worker with no free port that s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,20 @@ def _calls(port: int) -> float:
         if line.startswith('perfmon_forward_calls_total{model="mlp",stage=""}'):
             return float(line.split()[-1])
     return 0.0
+
+
+@contextlib.contextmanager
+def _server(cmd: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A server subprocess with its stderr in ``log``; killed, and its log printed, if the block fails."""
+    with log.open("wb") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        yield proc
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=10)
+        print(log.read_text(errors="replace")[-4000:])
+        raise
 
 
 def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:
@@ -122,9 +138,7 @@ def test_gunicorn_preload_workers_count_exactly_respawn_and_exit_cleanly(tmp_pat
     # Master + 3 workers + one respawn while the killed worker's port may still be held: 5 ports.
     env = _env(tmp_path, PERFMON_PORT=str(base), PERFMON_PORT_RANGE="5")
     log = tmp_path / "gunicorn.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _server(cmd, env, log) as proc:
         # Which process serves which agent port: every agent's /stats names its pid.
         agents = wait_until(lambda: a if len(a := _agents(ports)) == 4 else None, timeout=60,
                             what="the master's and three workers' agents")
@@ -148,11 +162,6 @@ def test_gunicorn_preload_workers_count_exactly_respawn_and_exit_cleanly(tmp_pat
                                what="the respawned worker's agent")
         assert victim not in respawned and set(respawned) == (workers - {victim}) | {new_pid, proc.pid}
         assert _get_json(f"http://127.0.0.1:{respawned[new_pid]}/healthz")["http"] == "listening"
-    except BaseException:
-        proc.kill()
-        proc.wait(timeout=10)
-        print(log.read_text(errors="replace")[-4000:])
-        raise
     took = _stop(proc)
     stderr = log.read_text(errors="replace")
     assert proc.returncode == 0, stderr[-3000:]
@@ -174,9 +183,7 @@ def test_gunicorn_worker_without_a_free_port_serves_times_and_says_so(tmp_path: 
            "-b", f"127.0.0.1:{app_port}", "--graceful-timeout", "15", "tests.apps.wsgi_model:app"]
     env = _env(tmp_path, PERFMON_PORT=str(base), PERFMON_PORT_RANGE="2", PERFMON_SAMPLE_RATE="1.0")
     log = tmp_path / "server.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _server(cmd, env, log) as proc:
         wait_until(lambda: _try(f"http://127.0.0.1:{app_port}/whoami"), timeout=60, what="gunicorn to serve")
         unbound: dict[str, Any] | None = None
         for _ in range(200):  # bounded: until the portless worker answers
@@ -191,11 +198,6 @@ def test_gunicorn_worker_without_a_free_port_serves_times_and_says_so(tmp_path: 
         stats = wait_until(lambda: _stats_of(app_port, unbound["pid"]), timeout=30, what="the worker's /stats")
         mlp = stats["models"]["mlp"]
         assert mlp["calls"] >= 1 and mlp["sampled"] == mlp["calls"]
-    except BaseException:
-        proc.kill()
-        proc.wait(timeout=10)
-        print(log.read_text(errors="replace")[-4000:])
-        raise
     _stop(proc)
     stderr = log.read_text(errors="replace")
     assert proc.returncode == 0, stderr[-3000:]
@@ -214,9 +216,7 @@ def test_uvicorn_workers_start_even_when_the_port_is_taken(tmp_path: Path) -> No
            "--workers", "2", "--log-level", "warning"]
     env = _env(tmp_path, PERFMON_PORT=str(base), PERFMON_PORT_RANGE="1")
     log = tmp_path / "server.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _server(cmd, env, log) as proc:
         states: set[str] = set()
         wait_until(lambda: _try(f"http://127.0.0.1:{app_port}/perfmon/healthz"), timeout=90,
                    what="uvicorn to serve")
@@ -226,11 +226,6 @@ def test_uvicorn_workers_start_even_when_the_port_is_taken(tmp_path: Path) -> No
                 break
         assert states == {"listening", "unbound"}
         assert _listening(base)
-    except BaseException:
-        proc.kill()
-        proc.wait(timeout=10)
-        print(log.read_text(errors="replace")[-4000:])
-        raise
     _stop(proc)
     stderr = log.read_text(errors="replace")
     assert "Traceback" not in stderr, stderr[-3000:]
