@@ -522,8 +522,11 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 st.next_index = 0
         out = call(self, *args, **kwargs)
         # Inside this model's own generate(): each forward of it makes one token per sequence.
-        for g in active[1]:
-            g.token()
+        try:
+            for g in active[1]:
+                g.token()
+        except Exception as exc:  # never the user's problem: their output is returned
+            internal.report("generation", exc)
         return out
 
     return __call__
