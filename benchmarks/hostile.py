@@ -137,13 +137,15 @@ def probe(host: str, port: int, timeout: float = 10.0) -> float:
     return time.monotonic() - t0
 
 
-def flood(url: str, kind: str, seconds: float) -> dict[str, Any]:
-    """One kind of flood (see the module docstring) with a probe every 0.1 s and a scrape every second."""
+def flood(url: str, kind: str, seconds: float, health_port: int | None = None) -> dict[str, Any]:
+    """One kind of flood (see the module docstring) with a probe every 0.1 s and a scrape every second;
+    with ``health_port`` the same probe also goes to the agent's health port."""
     host, port_text = url.removeprefix("http://").split(":")
     port = int(port_text)
     stop = time.monotonic() + seconds
     seen: collections.Counter[str] = collections.Counter()
     health_s: list[float] = []
+    health_port_s: list[float] = []
     scrape_s: list[float] = []
 
     def loop(path: str, headers: Any = None) -> None:  # one closed-loop client on a keep-alive connection
@@ -193,22 +195,34 @@ def flood(url: str, kind: str, seconds: float) -> dict[str, Any]:
         sel.close()
 
     def periodic(path: str, every: float, out: list[float] | None, phase: float = 0.0) -> None:
+        # As Prometheus and a status page do: one keep-alive connection, reopened only when it is lost.
         time.sleep(phase)
+        conn: http.client.HTTPConnection | None = None
         while time.monotonic() < stop:
             t0 = time.monotonic()
             try:
-                with urllib.request.urlopen(url + path, timeout=30) as r:
-                    r.read()
-                    seen[f"{path} {r.status}"] += 1
-            except OSError as e:
+                if conn is None:
+                    conn = http.client.HTTPConnection(host, port, timeout=30)
+                conn.request("GET", path)
+                r = conn.getresponse()
+                r.read()
+                seen[f"{path} {r.status}"] += 1
+            except (OSError, http.client.HTTPException) as e:
                 seen[f"{path} {type(e).__name__}"] += 1
+                if conn is not None:
+                    conn.close()
+                conn = None
             if out is not None:
                 out.append(time.monotonic() - t0)
             time.sleep(max(0.0, every - (time.monotonic() - t0)))
+        if conn is not None:
+            conn.close()
 
     def probes() -> None:
         while time.monotonic() < stop:
             health_s.append(probe(host, port))
+            if health_port is not None:  # the same probe on the health port (health_port=)
+                health_port_s.append(probe(host, health_port))
             time.sleep(0.1)
 
     threads: list[threading.Thread] = []
@@ -238,7 +252,7 @@ def flood(url: str, kind: str, seconds: float) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join(seconds + 60)
-    return {"seen": dict(seen), "health": health_s, "scrape": scrape_s}
+    return {"seen": dict(seen), "health": health_s, "scrape": scrape_s, "health_port": health_port_s}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -257,7 +271,8 @@ def worker(legit: bool = False) -> None:
     torch.set_num_threads(1)
     # No regression detector: a flood that slows the model would (rightly) trigger profiler captures,
     # which would perturb the very throughput measured here.
-    mon = monitor(port=0, token="hostile-bench-token", regression=None, **({"sample_rate": 1.0} if legit else {}))
+    mon = monitor(port=0, health_port=0, token="hostile-bench-token", regression=None,
+                  **({"sample_rate": 1.0} if legit else {}))
     mon.start()
     models = [mon.wrap(torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)),
                        name=f"m{i}" if legit else "m") for i in range(4 if legit else 1)]
@@ -266,7 +281,8 @@ def worker(legit: bool = False) -> None:
         for _ in range(200):  # warm up
             for model in models:
                 model(x)
-    print(mon.url, flush=True)
+    assert mon.health_url is not None
+    print(mon.url, mon.health_url.rsplit(":", 1)[1].split("/")[0], flush=True)
     for line in sys.stdin:
         seconds = float(line.split()[1])
         cpu0 = mon._hub.cpu.totals()["http"]
@@ -292,11 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds for --health, comma-separated")
     parser.add_argument("--attack", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--kind", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--health-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--legit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.attack and args.kind:
-        print(json.dumps(flood(args.attack, args.kind, args.seconds)), flush=True)
+        print(json.dumps(flood(args.attack, args.kind, args.seconds, args.health_port)), flush=True)
         return 0
     if args.attack:
         print(json.dumps(attack(args.attack, args.seconds)), flush=True)
@@ -318,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             attacker = None
             if not args.aa:
                 attacker = subprocess.Popen(
-                    [sys.executable, __file__, "--attack", urls[target], "--seconds", str(args.seconds + _LEAD + 1)],
+                    [sys.executable, __file__, "--attack", urls[target].split()[0], "--seconds",
+                     str(args.seconds + _LEAD + 1)],
                     stdout=subprocess.PIPE, text=True)
                 # Measure the flood's steady state: the first second spends the budget's burst (0.1 s
                 # of CPU, refilled while the other worker was flooded), which a real flood pays once.
@@ -361,7 +379,7 @@ def _workers(legit: bool) -> tuple[list[subprocess.Popen[str]], list[str]]:
     extra = ["--legit"] if legit else []
     workers = [subprocess.Popen([sys.executable, __file__, "--worker", *extra], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    return workers, [w.stdout.readline().strip() for w in workers]  # type: ignore[union-attr]
+    return workers, [w.stdout.readline().strip() for w in workers]  # type: ignore[union-attr]  # "URL HEALTHPORT"
 
 
 def _close(workers: list[subprocess.Popen[str]]) -> None:
@@ -384,6 +402,7 @@ def health_main(seconds: float, rounds: int, kinds: list[str]) -> int:
                 workers, urls = plain
             length = max(seconds, 30.0) if legit else seconds
             health: list[float] = []
+            on_port: list[float] = []
             scrape: list[float] = []
             ratios: list[float] = []
             cpu = 0.0
@@ -391,9 +410,10 @@ def health_main(seconds: float, rounds: int, kinds: list[str]) -> int:
             try:
                 for i in range(rounds):
                     target = i % 2
-                    attacker = subprocess.Popen([sys.executable, __file__, "--attack", urls[target], "--kind", kind,
-                                                 "--seconds", str(length + _LEAD + 1)], stdout=subprocess.PIPE,
-                                                text=True)
+                    url, health_port = urls[target].split()
+                    attacker = subprocess.Popen([sys.executable, __file__, "--attack", url, "--kind", kind,
+                                                 "--seconds", str(length + _LEAD + 1), "--health-port", health_port],
+                                                stdout=subprocess.PIPE, text=True)
                     time.sleep(_LEAD)
                     for w in workers:
                         w.stdin.write(f"run {length}\n")  # type: ignore[union-attr]
@@ -402,6 +422,7 @@ def health_main(seconds: float, rounds: int, kinds: list[str]) -> int:
                     out, _ = attacker.communicate(timeout=length + 120)
                     saw = json.loads(out.strip().splitlines()[-1])
                     health += saw["health"]
+                    on_port += saw["health_port"]
                     scrape += saw["scrape"]
                     seen.update(saw["seen"])
                     cpu += got[target]["http_cpu"]
@@ -412,6 +433,7 @@ def health_main(seconds: float, rounds: int, kinds: list[str]) -> int:
             pairs = [math.sqrt(a * b) for a, b in zip(ratios[::2], ratios[1::2], strict=False)] or ratios
             rows.append([kind, str(len(health)), f"{_pct(health, 50) * 1e3:.0f}", f"{_pct(health, 99) * 1e3:.0f}",
                          f"{max(health, default=0) * 1e3:.0f}", str(sum(h >= 10.0 for h in health)),
+                         f"{_pct(on_port, 99) * 1e3:.0f} / {max(on_port, default=0) * 1e3:.0f}",
                          f"{_pct(scrape, 50) * 1e3:.0f}", f"{max(scrape, default=0) * 1e3:.0f}",
                          f"{statistics.median(pairs):.3f}", f"{100 * cpu / (rounds * length):.2f}"])
             print(f"{kind}: " + ", ".join(f"{k}: {v}" for k, v in sorted(seen.items())), flush=True)
@@ -419,7 +441,8 @@ def health_main(seconds: float, rounds: int, kinds: list[str]) -> int:
         if plain is not None:
             _close(plain[0])
     print()
-    print(table(["flood", "probes", "/healthz p50 ms", "p99 ms", "max ms", "failed (10 s)", "scrape p50 ms",
+    print(table(["flood", "probes", "/healthz p50 ms", "p99 ms", "max ms", "failed (10 s)",
+                 "health port p99 / max ms", "scrape p50 ms",
                  "scrape max ms", "model ratio", "agent HTTP CPU, % of a core"], rows))
     return 0
 

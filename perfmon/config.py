@@ -63,6 +63,10 @@ class Config:
     port: int | None = DEFAULT_PORT
     #: Multi-process servers: bind the first free port of port .. port + port_range - 1 (one per worker).
     port_range: int = 1
+    #: /healthz alone on a port of its own (None: only on ``port``): point the liveness probe at it, so a
+    #: flood of connections to the agent's port cannot fill the probe's accept queue. With
+    #: ``port_range`` each process takes the first free port of health_port .. health_port + range - 1.
+    health_port: int | None = None
     #: When no port of the range can be bound, raise ``PortUnavailable`` from start(). By default perfmon
     #: never fails the application's start: it logs an error naming the range, keeps counting and timing
     #: (the routes stay mountable) and retries the bind in the background.
@@ -199,6 +203,11 @@ class Config:
             not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535
         ):
             raise bad("port", "expected an integer 0..65535 (0 = any free port) or None (no server)")
+        if self.health_port is not None and (
+            not isinstance(self.health_port, int) or isinstance(self.health_port, bool)
+            or not 0 <= self.health_port <= 65535
+        ):
+            raise bad("health_port", "expected an integer 0..65535 (0 = any free port) or None (none)")
         if not self.host:
             raise bad("host", "must not be empty")
         if not self.trace_dir:
@@ -289,7 +298,7 @@ def _parse(var: str, raw: str, default: Any) -> Any:
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError("expected true/false")
-        if var == "PERFMON_PORT":
+        if var in ("PERFMON_PORT", "PERFMON_HEALTH_PORT"):
             return None if text.lower() in ("", "none", "off") else int(text)
         if var == "PERFMON_TOKEN":
             return text or None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import os
 import re
 import selectors
@@ -81,6 +82,9 @@ SCRAPE_RESERVE_SECONDS = 0.05
 _HEALTH_TTL_SECONDS = 0.25
 #: Eviction never picks a connection that delivered a byte within this long.
 _EVICT_QUIET_SECONDS = 1.0
+#: CPU seconds a lane pass may spend reading scrapers and just-accepted connections when its allowance
+#: is spent (the listener is then not served): a few requests.
+_LANE_READ_SECONDS = 0.001
 #: A connection that has sent nothing is displaced by a newcomer that has sent nothing either only
 #: once it has been connected this long (a real client sends its request within milliseconds).
 _SILENT_GRACE_SECONDS = 0.5
@@ -131,7 +135,7 @@ class _Conn:
     """One client connection: what it sent that is not parsed yet, and what is left to send it."""
 
     __slots__ = ("address", "closing", "deadline", "draining", "got", "inbox", "outbox", "queued", "received_at",
-                 "requests", "since", "sock", "watching")
+                 "requests", "scraper", "since", "sock", "watching")
 
     def __init__(self, sock: socket.socket, address: str, now: float, timeout: float) -> None:
         self.sock = sock
@@ -147,6 +151,8 @@ class _Conn:
         self.requests = 0
         self.since = now  # when the request now being received began (or the connection went idle)
         self.deadline = now + timeout
+        #: It has been answered a scrape (/metrics 200): a keep-alive scraper, read by the health lane too.
+        self.scraper = False
 
 
 class _Request:
@@ -205,13 +211,14 @@ class AgentServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
-        #: The health lane's selector: the listener, the wake socket and the connections accepted in the
-        #: last _SILENT_GRACE_SECONDS that have sent nothing yet (``_young``: a probe's request is a few
-        #: ms behind its connection).
+        #: The health lane's selector: the listener, the wake socket, the connections accepted in the
+        #: last _SILENT_GRACE_SECONDS that have sent nothing yet (a probe's request is a few ms behind its
+        #: connection) and keep-alive scrapers waiting for their next scrape (``_young``: conn -> until when).
         self._lane_selector = selectors.DefaultSelector()
         self._lane_selector.register(self._listener, selectors.EVENT_READ, None)
         self._lane_selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._young: dict[_Conn, float] = {}
+        self._lane_accepting = True  # the listener is in the lane's selector (not while the lane is in debt)
         self._conns: set[_Conn] = set()
         #: Requests read and waiting for the work budget: scrapes first, then the rest (ready queue by class).
         self._scrapes: collections.deque[tuple[_Conn, _Request]] = collections.deque()
@@ -449,8 +456,8 @@ class AgentServer:
             if not c.got:
                 if c.since <= now - silent_for and (silent is None or c.since < silent.since):
                     silent = c
-            elif c.received_at < cutoff and (quiet is None or c.received_at < quiet.received_at):
-                quiet = c
+            elif c.received_at < cutoff and not c.scraper and (quiet is None or c.received_at < quiet.received_at):
+                quiet = c  # never a keep-alive scraper between its scrapes: it is the one client that matters
         victim = silent or quiet
         if victim is None:
             return False
@@ -480,9 +487,20 @@ class AgentServer:
         else:
             self._selector.modify(conn.sock, events, conn)
         conn.watching = events
+        if conn.scraper:
+            # A keep-alive scraper waiting for its next request is watched by the health lane as well, so
+            # its scrape is read (and queued ahead of the rest) while triage is in debt.
+            if events == selectors.EVENT_READ and conn not in self._young:
+                try:
+                    self._lane_selector.register(conn.sock, selectors.EVENT_READ, conn)
+                    self._young[conn] = math.inf
+                except (KeyError, ValueError, OSError):
+                    pass
+            elif events != selectors.EVENT_READ and conn in self._young:
+                self._unyoung(conn)
 
     def _read(self, conn: _Conn, now: float) -> None:
-        if conn in self._young:
+        if conn in self._young and not conn.scraper:
             self._unyoung(conn)
         data = conn.sock.recv(65536)
         if not data:
@@ -569,6 +587,8 @@ class AgentServer:
             resp = self.router.handle(request.method, request.path, request.headers, request.body, conn.address)
         if resp.status == 401:
             self.throttle.failed(conn.address)
+        elif resp.status == 200 and clean == "/metrics":
+            conn.scraper = True
         self._respond(conn, resp, close=close, now=now, keep_alive=request.http10)
 
     def _respond(self, conn: _Conn, resp: Response, *, close: bool, now: float, keep_alive: bool = False) -> None:
@@ -614,17 +634,23 @@ class AgentServer:
 
         Sockets a flood keeps open (keep-alive 404s, /stats pollers, idle sockets) are not looked at, so
         a probe — a new connection — is accepted, read and answered within milliseconds; any other new
-        request is read and queued for the work budget as usual. Spends from its own allowance (``lane``);
-        once that is spent too, the loop just waits.
+        request is read and queued for the work budget as usual. Spends from its own allowance (``lane``).
+        Once that is spent too (a flood of new connections), the listener is left to the kernel's queue
+        but keep-alive scrapers and just-accepted connections are still read: a scrape costs little, and a
+        connection flood must not starve the scraper that already holds a connection.
         """
         wait = self.lane.wait_seconds()
-        if wait > 0:
-            self._stop.wait(min(timeout, wait))
-            return
+        accepting = wait <= 0
+        if accepting != self._lane_accepting:
+            if accepting:
+                self._lane_selector.register(self._listener, selectors.EVENT_READ, None)
+            else:
+                self._lane_selector.unregister(self._listener)
+            self._lane_accepting = accepting
         c0 = time.thread_time()
-        events = self._lane_selector.select(timeout)
+        events = self._lane_selector.select(timeout if accepting else min(timeout, wait))
         now = time.monotonic()
-        limit = time.thread_time() + self.lane.available()
+        limit = time.thread_time() + max(self.lane.available(), _LANE_READ_SECONDS)
         for key, _ in events:
             if time.thread_time() > limit:
                 break

@@ -35,6 +35,7 @@ from .config import Config
 from .exceptions import ConfigError, PortUnavailable, WrapError
 from .faults import count_value
 from .generation import Generation, GenerationTracker
+from .healthport import HealthServer
 from .history import History
 from .httpd import AgentServer
 from .instrument import (
@@ -147,6 +148,10 @@ class Monitor:
             memory=memory, nvml=self._nvml, internal=self._hub.internal,
             oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
         self._server: AgentServer | None = None
+        #: /healthz on a port of its own (health_port), and why it is not bound / when to retry.
+        self._health_server: HealthServer | None = None
+        self._health_error: str | None = None
+        self._health_retry_ns: int | None = None
         #: Why the last bind failed (None once bound), and when to try again (perf_counter_ns).
         self._bind_error: str | None = None
         self._bind_retry_ns: int | None = None
@@ -190,6 +195,8 @@ class Monitor:
                 error = self._bind_error
                 self._stop_locked()
                 raise PortUnavailable(f"perfmon: {error} (require_port=True)")
+            if cfg.health_port is not None:
+                self._bind_health()
         if cfg.port is not None and cfg.token is None and not _is_loopback(cfg.host):
             self._log.warning("control_api_disabled", host=cfg.host,
                               note="no token set on a non-loopback address: /profile and /profiles answer 403; "
@@ -251,17 +258,43 @@ class Monitor:
         self._bind_failures = 0
         return True
 
+    def _bind_health(self) -> bool:
+        """Bind and start the health port's server (lifecycle lock held); logged and retried if taken."""
+        cfg = self.config
+        assert cfg.health_port is not None
+        router = Router(self, mounted=False)
+        try:
+            server = HealthServer(lambda method: router.handle(method, "/healthz", {}), cfg.host, cfg.health_port,
+                                  port_range=cfg.port_range, cpu=self._hub.cpu)
+        except OSError as exc:
+            if self._health_error is None:
+                self._log.error("health_port_unavailable", host=cfg.host, error=str(exc),
+                                port_range=f"{cfg.health_port}..{cfg.health_port + cfg.port_range - 1}",
+                                note="/healthz is still served on the agent's port; retried every 5 s")
+            self._health_error = str(exc)
+            self._health_retry_ns = perf_counter_ns() + 5_000_000_000
+            return False
+        server.start()
+        self._health_server, self._health_error, self._health_retry_ns = server, None, None
+        return True
+
     def _retry_bind(self, now_ns: int) -> None:
-        """Housekeeping (resolver thread): try the port again once its back-off has passed."""
-        due = self._bind_retry_ns
-        if due is None or now_ns < due:
+        """Housekeeping (resolver thread): try the ports again once their back-off has passed."""
+        due = [t for t in (self._bind_retry_ns, self._health_retry_ns) if t is not None]
+        if not due or now_ns < min(due):
             return
         # Never wait for the lifecycle lock here: stop() holds it while it joins this thread.
         if not self._lifecycle.acquire(blocking=False):
             return
         try:
-            if self._running and self._server is None and self.config.port is not None:
+            if not self._running:
+                return
+            if self._server is None and self.config.port is not None and self._bind_retry_ns is not None \
+                    and now_ns >= self._bind_retry_ns:
                 self._bind()
+            if self._health_server is None and self.config.health_port is not None \
+                    and self._health_retry_ns is not None and now_ns >= self._health_retry_ns:
+                self._bind_health()
         finally:
             self._lifecycle.release()
 
@@ -286,6 +319,10 @@ class Monitor:
         self._bind_retry_ns = None
         self._bind_error = None
         self._bind_failures = 0
+        if self._health_server is not None:
+            self._health_server.stop(timeout)
+            self._health_server = None
+        self._health_error = self._health_retry_ns = None
         if self._server is not None:
             self._server.stop(timeout)
             self._server = None
@@ -313,6 +350,10 @@ class Monitor:
         if self._server is not None:
             self._server.abandon()
             self._server = None
+        if self._health_server is not None:
+            self._health_server.abandon()
+            self._health_server = None
+        self._health_error = self._health_retry_ns = None
         self._hub.reset_after_fork()
         for st in self._state_list():
             st.reset_after_fork()
@@ -339,6 +380,15 @@ class Monitor:
     @property
     def running(self) -> bool:
         return self._running
+
+    @property
+    def health_url(self) -> str | None:
+        """``http://host:port/healthz`` of the health port (``health_port``), or None."""
+        health = self._health_server
+        if health is None:
+            return None
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"http://{host}:{health.port}/healthz"
 
     @property
     def url(self) -> str | None:
@@ -728,6 +778,9 @@ class Monitor:
             detail["http"], detail["error"] = "unbound", error
         else:
             detail["http"] = "stopped"
+        if self.config.health_port is not None:
+            health = self._health_server
+            detail["health_port"] = health.port if health is not None else None
         return alive, detail
 
     @property

@@ -83,6 +83,8 @@ def test_kubernetes_objects_fit_together() -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     env = {e["name"]: e for e in container["env"]}
     assert ports["perfmon"] == int(env["PERFMON_PORT"]["value"])
+    assert ports["perfmon-health"] == int(env["PERFMON_HEALTH_PORT"]["value"])
+    assert container["livenessProbe"]["httpGet"]["port"] == "perfmon-health"
     assert env["PERFMON_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == docs["Secret"]["metadata"]["name"]
     assert docs["Service"]["spec"]["selector"].items() <= pod_labels.items()
     assert all(p["targetPort"] in ports for p in docs["Service"]["spec"]["ports"])

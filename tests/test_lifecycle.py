@@ -180,3 +180,91 @@ def test_time_wait_really_blocked_the_port_without_the_option() -> None:
             plain.bind(("127.0.0.1", port))
     finally:
         plain.close()
+
+
+def _health_get(url: str, method: str = "GET") -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_health_port_serves_healthz_alone(make_monitor) -> None:
+    """health_port answers GET and HEAD /healthz with the agent's health document and 404 for anything else."""
+    mon = make_monitor(port=0, health_port=0).start()
+    url = mon.health_url
+    assert url is not None and mon.health()[1]["health_port"] == int(url.rsplit(":", 1)[1].split("/")[0])
+    status, body = _health_get(url)
+    assert status == 200 and json.loads(body)["status"] == "ok" and json.loads(body)["http"] == "listening"
+    assert _health_get(url, "HEAD") == (200, b"")
+    status, body = _health_get(url.replace("/healthz", "/metrics"))
+    assert status == 404 and b"healthz only" in body
+    mon.stop()
+    assert mon.health_url is None
+
+
+def test_health_port_taken_is_logged_retried_and_never_fails_the_start(make_monitor, capsys) -> None:
+    """A taken health port: start() returns, the main port serves, the error is logged once and the bind retried."""
+    port = _free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen(1)
+    try:
+        mon = make_monitor(port=0, health_port=port).start()
+        assert mon.url is not None and mon.health_url is None
+        assert mon.health()[1]["health_port"] is None
+        assert any(json.loads(line).get("event") == "health_port_unavailable"
+                   for line in capsys.readouterr().err.splitlines() if line.startswith("{"))
+    finally:
+        blocker.close()
+    wait_until(lambda: mon.health_url is not None, timeout=15, what="the health port's retried bind")
+    assert _health_get(mon.health_url)[0] == 200
+    mon.stop()
+
+
+def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monitor) -> None:
+    """Both of the agent port's allowances in debt and its accept queue churned by idle sockets: probes on the
+    health port (its own queue and thread) are answered within 0.2 s each."""
+    import contextlib
+    import threading
+    import time
+
+    mon = make_monitor(port=0, health_port=0).start()
+    server = mon._server
+    assert server is not None and mon.health_url is not None
+    main_port = server.port
+    stop = threading.Event()
+
+    def churn() -> None:
+        held: list[socket.socket] = []
+        for _ in range(100_000):
+            if stop.is_set():
+                break
+            with contextlib.suppress(OSError):
+                held.append(socket.create_connection(("127.0.0.1", main_port), timeout=1))
+            if len(held) > 30:
+                held.pop(0).close()
+        for h in held:
+            h.close()
+
+    threads = [threading.Thread(target=churn) for _ in range(10)]
+    for t in threads:
+        t.start()
+    try:
+        server.budget.charge(0.3)
+        server.triage.charge(0.3)
+        server.lane.charge(0.3)
+        took = []
+        for _ in range(20):
+            t0 = time.monotonic()
+            assert _health_get(mon.health_url)[0] == 200
+            took.append(time.monotonic() - t0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert max(took) < 0.2, took
