@@ -426,6 +426,9 @@ class Monitor:
         if not callable(model):
             raise WrapError(f"cannot monitor {type(model).__name__!r}: it is not callable")
         if not isinstance(model, torch.nn.Module):
+            if callable(stage):
+                raise ConfigError("stage=: stages split the forward calls of an nn.Module; a plain callable has one "
+                                  "stage (use monitor.generation/monitor.stream for its requests)")
             return self.instrument(model, name=name, device=device, items=items)
         label = name if name is not None else type(model).__name__
         resolve = _fixed(device) if device != "auto" else _module_device(model)

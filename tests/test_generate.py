@@ -194,6 +194,8 @@ def test_custom_stage_callable_labels_a_custom_loop(make_monitor) -> None:
     assert value(mon, "perfmon_internal_errors_total", stage="stage") == 1
     with pytest.raises(perfmon.ConfigError, match="stage="):
         mon.wrap(torch.nn.Linear(2, 2), name="bad", stage="decode")
+    with pytest.raises(perfmon.ConfigError, match="stage="):
+        mon.wrap(lambda x: x, name="fn", stage=stage)
 
 
 def test_a_capture_of_a_generative_model_records_prefill_and_decode_steps(make_monitor) -> None:
