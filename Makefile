@@ -10,7 +10,7 @@ DEMO_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.perfmon-installed
 
-.PHONY: demo test lint bench tools clean
+.PHONY: demo test lint bench tools clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,16 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python hostile.py
 	cd benchmarks && ../$(BIN)/python soak.py --seconds 60 --json results/soak.json
 	$(BIN)/python benchmarks/plots.py benchmarks/results docs
+
+# On a CUDA machine: the GPU tests, then a measured report (gpucheck-report/gpucheck.md and .json, one
+# verdict per check; exit 1 if a check failed, 3 without CUDA). GPU_CHECK_ARGS=--quick for ~1 minute.
+# With a bare system Python instead of the venv: README.md, "Real GPU check".
+GPU_CHECK_ARGS ?=
+# The report runs even when a GPU test fails (a lent machine is brief); the target fails if either did.
+gpu-check: $(STAMP)
+	$(BIN)/pytest tests/gpu -q; tests=$$?; \
+	$(BIN)/python -m perfmon.gpucheck --out gpucheck-report $(GPU_CHECK_ARGS); report=$$?; \
+	[ $$tests -eq 0 ] || exit $$tests; exit $$report
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
