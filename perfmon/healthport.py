@@ -4,12 +4,15 @@ The agent's main port answers health first (its health lane, httpd.py), but a pr
 port's accept queue with every other client: a flood of new idle connections from the same machine
 (hundreds a second) keeps the queue full, and a probe waits there or its SYN is dropped (p50 1.1 s,
 max 4.7 s measured). A listener of its own has a queue of its own, which only the kubelet uses. One
-daemon thread, blocking sockets, one client at a time (a probe is one short request), each bounded by
-a 1 s timeout; the answer is the same ``/healthz`` document as on the main port. Anything else is 404.
+daemon thread multiplexes it with a selector: a client that sends slowly (or never) holds a file
+descriptor for at most ``CLIENT_TIMEOUT_SECONDS``, never the thread, so it cannot delay a probe behind
+it; at most ``MAX_CLIENTS`` at once (the oldest is closed for a newcomer). The answer is the same
+``/healthz`` document as on the main port; anything else is 404.
 """
 
 from __future__ import annotations
 
+import selectors
 import socket
 import threading
 import time
@@ -21,24 +24,28 @@ from .server import Response
 
 __all__ = ["HealthServer"]
 
-#: How long one client may take to send its request and take the answer.
+#: How long one client may take to send its request (seconds).
 CLIENT_TIMEOUT_SECONDS = 1.0
-#: accept() wakes this often to see stop() (an idle cost of a few syscalls a second).
-_ACCEPT_WAKE_SECONDS = 0.25
+#: Clients held at once; a probe is one short request, so a handful is plenty.
+MAX_CLIENTS = 32
+#: The loop wakes at least this often to cut slow clients and see stop().
+_WAKE_SECONDS = 0.25
 _NOT_FOUND = Response.json(404, {"error": "not found", "detail": "this port serves /healthz only"})
 
 
 class HealthServer:
-    """``GET``/``HEAD /healthz`` on its own port; ``answer()`` builds the response (``Router`` does)."""
+    """``GET``/``HEAD /healthz`` on its own port; ``answer(method)`` builds the response (``Router`` does)."""
 
     def __init__(self, answer: Callable[[str], Response], host: str, port: int, *, port_range: int = 1,
                  cpu: AgentCpu | None = None) -> None:
         self._answer = answer
         self._cpu = cpu if cpu is not None else AgentCpu()
-        self._listener = AgentServer._bind(host, port, port_range)
-        self._listener.setblocking(True)
-        self._listener.settimeout(_ACCEPT_WAKE_SECONDS)
+        self._listener = AgentServer._bind(host, port, port_range)  # non-blocking
         self.port = int(self._listener.getsockname()[1])
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        #: client socket -> (what it sent so far, when it must be done)
+        self._clients: dict[socket.socket, tuple[bytes, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="perfmon-health", daemon=True)
 
@@ -49,47 +56,85 @@ class HealthServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
-        _close(self._listener)
+        self._close_all()
 
     def abandon(self) -> None:
-        """In a forked child: close the inherited listener (the parent keeps serving on it)."""
-        _close(self._listener)
+        """In a forked child: close the inherited sockets (the parent keeps serving on them)."""
+        self._close_all()
+
+    def _close_all(self) -> None:
+        for sock in [*self._clients, self._listener]:
+            _close(sock)
+        self._clients.clear()
+        try:
+            self._selector.close()
+        except OSError:
+            pass
 
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                sock, _ = self._listener.accept()
-            except (TimeoutError, InterruptedError):
-                continue
-            except OSError:  # closed by stop(), or out of descriptors: wait a moment
-                if self._stop.wait(0.05):
-                    return
-                continue
+                events = self._selector.select(_WAKE_SECONDS)
+            except (OSError, ValueError):  # closed by stop()
+                return
             c0 = time.thread_time()
-            try:
-                self._one(sock)
-            except OSError:
-                pass  # a client that went away
-            finally:
-                _close(sock)
-                self._cpu.add("http", time.thread_time() - c0)
+            now = time.monotonic()
+            for key, _ in events:
+                if key.data is None:
+                    self._accept(now)
+                else:
+                    self._read(key.fileobj, now)  # type: ignore[arg-type]
+            for sock, (_, deadline) in list(self._clients.items()):
+                if now > deadline:
+                    self._drop(sock)
+            self._cpu.add("http", time.thread_time() - c0)
 
-    def _one(self, sock: socket.socket) -> None:
-        sock.settimeout(CLIENT_TIMEOUT_SECONDS)
-        deadline = time.monotonic() + CLIENT_TIMEOUT_SECONDS
-        data = b""
-        while b"\n\r\n" not in data and b"\n\n" not in data and len(data) < 4096:
-            if time.monotonic() > deadline:
+    def _accept(self, now: float) -> None:
+        for _ in range(MAX_CLIENTS):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
+            except OSError:  # out of descriptors: the rest wait in the queue
+                return
+            sock.setblocking(False)
+            if len(self._clients) >= MAX_CLIENTS:  # the oldest goes: a probe is never the oldest for long
+                self._drop(min(self._clients, key=lambda s: self._clients[s][1]))
+            self._clients[sock] = (b"", now + CLIENT_TIMEOUT_SECONDS)
+            self._selector.register(sock, selectors.EVENT_READ, sock)
+
+    def _read(self, sock: socket.socket, now: float) -> None:
+        try:
             chunk = sock.recv(4096)
-            if not chunk:
-                return
-            data += chunk
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        data, deadline = self._clients.get(sock, (b"", now))
+        data += chunk
+        if not chunk or len(data) > 4096:
+            self._drop(sock)
+            return
+        if b"\n\r\n" not in data and b"\n\n" not in data:
+            self._clients[sock] = (data, deadline)
+            return
         method, _, rest = data.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0].rstrip(b"/")
         health = method in (b"GET", b"HEAD") and path == b"/healthz"
         resp = self._answer(method.decode()) if health else _NOT_FOUND
-        sock.sendall(_encode(resp, close=True))
+        try:
+            sock.send(_encode(resp, close=True))  # a few hundred bytes into a fresh socket's buffer
+        except OSError:
+            pass
+        self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._clients.pop(sock, None)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        _close(sock)
 
 
 def _close(sock: socket.socket) -> None:

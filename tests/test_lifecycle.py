@@ -268,3 +268,30 @@ def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monito
         for t in threads:
             t.join(10)
     assert max(took) < 0.2, took
+
+
+def test_health_port_is_not_held_by_slow_clients(make_monitor) -> None:
+    """Forty clients that open the health port and send half a request (or nothing) do not delay a probe:
+    each is only a file descriptor, cut after a second, the oldest closed for a newcomer."""
+    import time
+
+    mon = make_monitor(port=0, health_port=0).start()
+    url = mon.health_url
+    assert url is not None
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    slow = []
+    try:
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if i % 2:
+                s.sendall(b"GET /heal")  # and never the rest
+            slow.append(s)
+        took = []
+        for _ in range(10):
+            t0 = time.monotonic()
+            assert _health_get(url)[0] == 200
+            took.append(time.monotonic() - t0)
+    finally:
+        for s in slow:
+            s.close()
+    assert max(took) < 0.2, took
