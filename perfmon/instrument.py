@@ -647,7 +647,6 @@ class MonitoredModule:
             # _call_impl: calling _call_impl directly saves that frame (~190 ns). module.compile()
             # switches this class back to the full __call__ (_compile_then_call_fully).
             call = hot_path(state, _CALL_IMPL)
-            ns_compile = _compile_then_call_fully(base, state)
         else:
             call = hot_path(state, base.__call__)
         ns: dict[str, Any] = {
@@ -659,7 +658,7 @@ class MonitoredModule:
         if stages is not None and requests is not None and callable(getattr(base, "generate", None)):
             ns["generate"] = tracked_generate(base.generate, requests, state.hub.internal)  # type: ignore[attr-defined]
         if stages is None and base.__call__ is _MODULE_CALL:
-            ns["compile"] = ns_compile
+            ns["compile"] = _compile_then_call_fully(base, state)
         sub = type(base.__name__, (base, cls), ns)
         sub.__reduce_ex__ = _reduce_as(sub, base)  # type: ignore[method-assign]
         sub._apply = _apply_then_relabel(base, state)  # type: ignore[attr-defined]
