@@ -14,6 +14,11 @@ stops the others. The device work goes through a ``Rig`` (a ``CudaBackend`` plus
 device work and to wait for the device), so the checks' logic also runs on CPU against
 ``perfmon.testing.FakeCuda`` (tests/test_gpucheck.py). Only the stdlib, torch, prometheus_client,
 pynvml and perfmon are used; perfmon itself needs structlog (see README, "Real GPU check").
+
+This is a measuring harness, not the agent: it calls ``torch.cuda.synchronize()`` to close its own
+reference event pairs and to wait for known work, always outside the monitored calls, which are what
+it checks for never syncing. Its progress and report go to the terminal with ``print`` (a command's
+output, as in cli.py), not through perfmon's logs.
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import socket
 import subprocess
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -120,3 +123,36 @@ def http(url: str, body: bytes | None = None, *, method: str | None = None, head
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+@contextlib.contextmanager
+def churning(port: int, *, threads: int = 10, held: int = 15,
+             also: Sequence[Callable[[threading.Event], None]] = ()) -> Iterator[threading.Event]:
+    """Idle connections to ``port`` on 127.0.0.1, reopened as fast as they go (``threads`` threads, each
+    keeping its newest ``held`` open), plus the ``also`` targets (given the stop event); all stopped and
+    joined (bounded) when the block ends. Yields the stop event."""
+    stop = threading.Event()
+
+    def churn() -> None:
+        mine: list[socket.socket] = []
+        for _ in range(100_000):  # bounded, besides the stop event
+            if stop.is_set():
+                break
+            with contextlib.suppress(OSError):
+                mine.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            if len(mine) > held:
+                mine.pop(0).close()
+        for s in mine:
+            s.close()
+
+    workers = [threading.Thread(target=churn) for _ in range(threads)]
+    workers += [threading.Thread(target=target, args=(stop,)) for target in also]
+    for t in workers:
+        t.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        for t in workers:
+            t.join(10)
+

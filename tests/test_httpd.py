@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from perfmon.httpd import MAX_HEADER_BYTES
 from perfmon.selfcost import CpuBudget
 
-from .conftest import value, wait_until
+from .conftest import churning, value, wait_until
 
 
 def _raw(port: int, data: bytes, *, timeout: float = 10) -> bytes:
@@ -386,9 +386,8 @@ def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(m
     port = _port(mon)
     server = mon._server
     assert server is not None
-    stop = threading.Event()
 
-    def junk() -> None:  # keep-alive: one connection sending unknown paths for as long as it is answered
+    def junk(stop: threading.Event) -> None:  # keep-alive: one connection sending unknown paths while answered
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             for _ in range(10_000):
                 if stop.is_set():
@@ -396,29 +395,10 @@ def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(m
                 s.sendall(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
                 s.recv(65536)
 
-    def churn() -> None:  # idle sockets, reopened as fast as they go
-        held: list[socket.socket] = []
-        for _ in range(100_000):
-            if stop.is_set():
-                break
-            with contextlib.suppress(OSError):
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-            if len(held) > 15:
-                held.pop(0).close()
-        for h in held:
-            h.close()
-
-    threads = [threading.Thread(target=junk) for _ in range(5)] + [threading.Thread(target=churn) for _ in range(10)]
-    for t in threads:
-        t.start()
-    try:
+    with churning(port, also=[junk] * 5):
         server.budget.charge(0.3)  # the work budget ~30 s in debt
         server.triage.charge(0.3)  # and triage ~60 s: only the health lane reads anything
         took = [_probe(port) for _ in range(10)]
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
     assert max(took) < 0.5, took
     assert server.triage.wait_seconds() > 0
 
@@ -433,37 +413,18 @@ def test_a_keep_alive_scraper_is_served_while_idle_connections_churn(make_monito
     scraper = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     scraper.request("GET", "/metrics")
     assert scraper.getresponse().read()  # now a known scraper
-    stop = threading.Event()
-
-    def churn() -> None:
-        held: list[socket.socket] = []
-        for _ in range(100_000):
-            if stop.is_set():
-                break
-            with contextlib.suppress(OSError):
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-            if len(held) > 15:
-                held.pop(0).close()
-        for h in held:
-            h.close()
-
-    threads = [threading.Thread(target=churn) for _ in range(10)]
-    for t in threads:
-        t.start()
     took = []
     try:
-        server.triage.charge(0.3)
-        server.lane.charge(0.3)
-        for _ in range(5):
-            t0 = time.monotonic()
-            scraper.request("GET", "/metrics")
-            resp = scraper.getresponse()
-            assert resp.status == 200 and resp.read()
-            took.append(time.monotonic() - t0)
+        with churning(port):
+            server.triage.charge(0.3)
+            server.lane.charge(0.3)
+            for _ in range(5):
+                t0 = time.monotonic()
+                scraper.request("GET", "/metrics")
+                resp = scraper.getresponse()
+                assert resp.status == 200 and resp.read()
+                took.append(time.monotonic() - t0)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
         scraper.close()
     assert max(took) < 0.5, took
 

@@ -12,7 +12,7 @@ import torch
 import perfmon
 from perfmon.monitor import _is_loopback, _prefork_server
 
-from .conftest import value, wait_until
+from .conftest import churning, value, wait_until
 
 
 def _free_port() -> int:
@@ -229,32 +229,12 @@ def test_health_port_taken_is_logged_retried_and_never_fails_the_start(make_moni
 def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monitor) -> None:
     """Both of the agent port's allowances in debt and its accept queue churned by idle sockets: probes on the
     health port (its own queue and thread) are answered within 0.2 s each."""
-    import contextlib
-    import threading
     import time
 
     mon = make_monitor(port=0, health_port=0).start()
     server = mon._server
     assert server is not None and mon.health_url is not None
-    main_port = server.port
-    stop = threading.Event()
-
-    def churn() -> None:
-        held: list[socket.socket] = []
-        for _ in range(100_000):
-            if stop.is_set():
-                break
-            with contextlib.suppress(OSError):
-                held.append(socket.create_connection(("127.0.0.1", main_port), timeout=1))
-            if len(held) > 30:
-                held.pop(0).close()
-        for h in held:
-            h.close()
-
-    threads = [threading.Thread(target=churn) for _ in range(10)]
-    for t in threads:
-        t.start()
-    try:
+    with churning(server.port, held=30):
         server.budget.charge(0.3)
         server.triage.charge(0.3)
         server.lane.charge(0.3)
@@ -263,10 +243,6 @@ def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monito
             t0 = time.monotonic()
             assert _health_get(mon.health_url)[0] == 200
             took.append(time.monotonic() - t0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
     assert max(took) < 0.2, took
 
 
