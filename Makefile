@@ -65,14 +65,24 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python soak.py --seconds 60 --json results/soak.json
 	$(BIN)/python benchmarks/plots.py benchmarks/results docs
 
-# On a CUDA machine: the GPU tests, then a measured report (gpucheck-report/gpucheck.md and .json, one
+# On a CUDA machine: the GPU tests, then a measured report ($(GPU_CHECK_OUT)/gpucheck.md and .json, one
 # verdict per check; exit 1 if a check failed, 3 without CUDA). GPU_CHECK_ARGS=--quick for ~1 minute.
-# With a bare system Python instead of the venv: README.md, "Real GPU check".
+# With no .venv and a system python3 that already has torch (a lent GPU machine: no network, so no venv
+# can be built), it runs that Python on this tree, with wheels carried in .whl/ (structlog) installed
+# into a temporary directory first: README.md, "Real GPU check".
 GPU_CHECK_ARGS ?=
+GPU_CHECK_OUT ?= gpucheck-report
+GPU_SITE ?= $${TMPDIR:-/tmp}/perfmon-gpucheck-site
 # The report runs even when a GPU test fails (a lent machine is brief); the target fails if either did.
-gpu-check: $(STAMP)
-	$(BIN)/pytest tests/gpu -q; tests=$$?; \
-	$(BIN)/python -m perfmon.gpucheck --out gpucheck-report $(GPU_CHECK_ARGS); report=$$?; \
+gpu-check:
+	@if [ ! -x $(BIN)/python ] && $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "gpu-check: no $(VENV); using $(PYTHON) ($$($(PYTHON) -c 'import torch; print(torch.__version__)'))"; \
+	  if ls .whl/*.whl >/dev/null 2>&1; then \
+	    $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl || exit 2; fi; \
+	  export PYTHONPATH="$(CURDIR):$(GPU_SITE)"; py=$(PYTHON); \
+	else $(MAKE) --no-print-directory $(STAMP) || exit 2; py=$(BIN)/python; fi; \
+	$$py -m pytest tests/gpu -q -p no:cacheprovider; tests=$$?; \
+	$$py -m perfmon.gpucheck --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS); report=$$?; \
 	[ $$tests -eq 0 ] || exit $$tests; exit $$report
 
 clean:

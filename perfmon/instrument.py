@@ -168,6 +168,7 @@ class ModelState:
         # Write the index first: a racing call then times on the new device with the old label at worst.
         self.cuda_index = index
         self.device = label
+        self.table.rewarm()  # the first calls on the new device are cold (empty at construction)
 
     def error_counts(self) -> dict[str, int]:
         return {name: count_value(c) for name, c in list(self._error_names.items())}

@@ -151,6 +151,14 @@ class SignatureTable:
                 total += e.items * count_value(e.calls)
         return total
 
+    def rewarm(self) -> None:
+        """Make the next calls of every known signature cold again (the model moved to another device:
+        its first calls there pay for kernel selection and workspace allocation, like a new shape)."""
+        warm = max(self.warm_calls, 1)
+        with self._lock:
+            for entry in list(self.seen.values()):
+                entry.warm_left = max(entry.warm_left, warm)
+
     @property
     def churning(self) -> bool:
         """True once the table has turned over completely: shapes vary too much to call new ones cold."""

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .trace_summary import input_bytes
+from .trace_summary import input_bytes, tensor_dtypes
 
 __all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "aggregate", "op_summary", "peaks_for", "summarise"]
 
@@ -99,7 +99,7 @@ def aggregate(events: Iterable[Any]) -> list[dict[str, Any]]:
         row["flops"] += int(getattr(e, "flops", 0) or 0)
         dtypes = getattr(e, "input_dtypes", None) or []
         row["input_bytes_estimate"] += input_bytes(shapes, dtypes)
-        row["dtypes"].update(str(d) for d in dtypes if d)
+        row["dtypes"].update(tensor_dtypes(dtypes))
     out = list(rows.values())
     for row in out:
         row["dtypes"] = sorted(row["dtypes"])
@@ -145,7 +145,8 @@ def summarise(rows: Iterable[Mapping[str, Any]], *, cuda: bool, peaks: Peaks | N
         totals["peak_bandwidth_bytes_per_second"] = peaks.bandwidth
         totals["peak_source"] = peaks.source
         if cuda and totals["achieved_flops_per_second"] is not None:
-            # MFU-style: achieved over peak for the window (includes idle time between calls)
+            # MFU-style: achieved over peak for the window, idle time between calls included (the
+            # exporter passes the longer of the host's recording time and the device's busy span)
             totals["mfu_ratio"] = totals["achieved_flops_per_second"] / peak
     else:
         totals["peak_source"] = "unknown peak"

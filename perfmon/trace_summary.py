@@ -13,6 +13,8 @@ way from the trace's own fields:
   the same thread (the interval nesting of ``EventList._populate_cpu_children``);
 * device time from the kernels, copies and memsets whose ``External id`` is the op's (the op that
   launched them); an op's total adds the device time of the ops nested in it;
+* the device's busy span, first kernel (or copy, memset) start to last end: the host queues work and
+  returns, so on CUDA the device may still be running the window's kernels after the host stopped;
 * input shapes and dtypes from ``Input Dims`` / ``Input type``;
 * FLOPs from the shapes, with the formulas of torch's ``computeFlops`` (torch/csrc/profiler/util.cpp)
   for the ops it counts (conv2d, mm, addmm, bmm, baddbmm, mul, add); the Chrome trace does not carry
@@ -53,6 +55,13 @@ def _numel(dims: Any) -> int:
 
 def _is_tensor(types: list[Any], i: int) -> bool:
     return i < len(types) and types[i] not in ("Scalar", "ScalarList", "", None, "GenericList", "TensorList")
+
+
+def tensor_dtypes(types: Any) -> set[str]:
+    """The dtype names of an op's tensor inputs: its ``Input type`` list less the non-tensor entries
+    (torch 2.11 lists ``Scalar``/``ScalarList`` there, 2.13 an empty string)."""
+    types = list(types or ())
+    return {str(t) for i, t in enumerate(types) if _is_tensor(types, i)}
 
 
 def _int_list(text: Any) -> list[int] | None:
@@ -184,6 +193,7 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
     order: list[Row] = []  # key index -> row
     threads: dict[Any, _Thread] = {}
     device_us: dict[int, float] = {}
+    first_us, last_us = math.inf, -math.inf  # the device's busy span (kernels run after the host queued them)
     events = 0
     for e in iter_events(read, on_chunk):
         if e.get("ph") != "X":
@@ -193,8 +203,11 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
         args = args if isinstance(args, dict) else {}
         if cat in DEVICE_CATEGORIES:
             ext = args.get("External id")
+            dur = float(e.get("dur") or 0.0)
             if isinstance(ext, int):
-                device_us[ext] = device_us.get(ext, 0.0) + float(e.get("dur") or 0.0)
+                device_us[ext] = device_us.get(ext, 0.0) + dur
+            ts = float(e.get("ts") or 0.0)
+            first_us, last_us = min(first_us, ts), max(last_us, ts + dur)
             continue
         if cat not in HOST_CATEGORIES:
             continue
@@ -211,7 +224,7 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
                                "input_shapes": [str(s) for s in dims] or None, "flops": 0,
                                "input_bytes_estimate": 0, "dtypes": set(), "_i": len(order)}
             order.append(row)
-        row["dtypes"].update(str(t) for t in types if t)
+        row["dtypes"].update(tensor_dtypes(types))
         tkey = (e.get("pid"), e.get("tid"))
         t = threads.get(tkey)
         if t is None:
@@ -232,7 +245,8 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
         row["dtypes"] = sorted(row["dtypes"])
         if row["calls"]:  # every event of it was a duplicate torch drops
             out.append(row)
-    return {"rows": out, "events": events}
+    span = (last_us - first_us) / 1e6 if last_us > first_us else None
+    return {"rows": out, "events": events, "device_span_seconds": span}
 
 
 def _attribute(t: _Thread, order: list[Row], device_us: dict[int, float]) -> None:

@@ -450,14 +450,12 @@ def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
 
     from perfmon.capture import quiet_kineto
 
-    prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
-    prof.start()
-    prof.stop()
-    assert "USDT:" in capfd.readouterr().err  # what Kineto prints unfiltered
-
+    # Kineto prints USDT lines in some builds (torch 2.13 CPU) and not in others (2.11+cu130): the
+    # window also gets one written the way Kineto writes it, so the filter is exercised on every build.
     def start() -> None:
         os.write(2, b"app line before\n")
         prof.start()
+        os.write(2, b"USDT: profiler_start (as Kineto logs it)\n")
         os.write(2, b"app line after\n")
 
     prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
@@ -485,3 +483,26 @@ def test_export_child_over_its_memory_cap_fails_the_capture(tmp_path: Path) -> N
     assert meta["outcome"] == "failed" and "trace summary child failed" in meta["error"], meta["error"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{cap.id}.meta.json"]
     assert dict(internal.counts()).get("capture_export") == 1
+
+
+def test_torch_cycle_warning_never_fails_a_profiler_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.profiler warns "Profiler clears events at the end of each cycle" at some starts (torch 2.11: the
+    first capture's). Under pytest's ``filterwarnings = error`` (as under ``-W error``) that warning is an
+    exception; perfmon's start must ignore it rather than fail the capture (seen on an H100 with 2.11)."""
+    import warnings
+
+    import torch.profiler.profiler as torch_prof
+
+    from perfmon.capture import quiet_kineto
+
+    prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
+    quiet_kineto(prof.start)
+    quiet_kineto(prof.stop)
+    monkeypatch.setattr(torch_prof, "_WARNINGS_SHOWN", set())  # torch warns once per process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="clears events"):
+            prof.start()  # a second cycle of the same profiler: what torch warns about, here as an error
+        torch_prof._WARNINGS_SHOWN.clear()
+        quiet_kineto(prof.start)  # perfmon's start: no exception
+        quiet_kineto(prof.stop)

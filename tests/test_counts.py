@@ -113,7 +113,7 @@ def test_signature_tracking_off_uses_warmup_only(make_monitor) -> None:
 def test_signatures_of_keyword_and_nested_inputs(make_monitor) -> None:
     """Tensors in kwargs and lists count toward the signature; other values by type only."""
     mon = make_monitor(sample_rate=1.0, warmup_calls=0)
-    fn = mon.instrument(lambda *a, **k: None, name="f")
+    fn = mon.instrument(lambda *a, **k: None, name="f", device="cpu")  # "auto" is the GPU where there is one
     t2, t3 = torch.zeros(2), torch.zeros(3)
     fn(ids=t2, n=5)
     fn(ids=t2, n=6)           # int value changed: same signature
@@ -178,9 +178,9 @@ def test_track_context_manager_counts_and_times(make_monitor) -> None:
     """`with monitor.track(name)` counts blocks, times cold ones, and counts exceptions without eating them."""
     mon = make_monitor(sample_rate=1.0, warmup_calls=1)
     for _ in range(3):
-        with mon.track("generate"):
+        with mon.track("generate", device="cpu"):  # "auto" is the current GPU where there is one
             pass
-    with pytest.raises(KeyError), mon.track("generate"):
+    with pytest.raises(KeyError), mon.track("generate", device="cpu"):
         raise KeyError("k")
     mon.flush()
     assert value(mon, "perfmon_forward_calls_total", model="generate") == 4

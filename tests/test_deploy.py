@@ -114,7 +114,8 @@ def test_systemd_unit_is_hardened() -> None:
 
 def test_example_server_serves_predictions_and_mounted_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """The FastAPI example under uvicorn answers /predict and exposes perfmon's routes under /perfmon."""
-    import uvicorn
+    pytest.importorskip("fastapi")  # the dev extras install both; a bare Python (the GPU machines) may not
+    uvicorn = pytest.importorskip("uvicorn")
 
     from .conftest import wait_until
     from .prom import free_port
@@ -164,12 +165,12 @@ def test_streaming_example_counts_requests_tokens_and_a_client_that_leaves(monke
     import http.client
     import re
 
-    import uvicorn
-
     from .conftest import wait_until
     from .prom import free_port
 
     pytest.importorskip("transformers")
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
     monkeypatch.setenv("PERFMON_PORT", "off")
     monkeypatch.setenv("PERFMON_TRACE_DIR", str(tmp_path))
     monkeypatch.setenv("PERFMON_PREPARE_PROFILER", "false")

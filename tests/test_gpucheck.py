@@ -142,6 +142,10 @@ def test_timing_no_sync_and_pool_checks_pass_on_the_fake_gpu() -> None:
     assert pool.figures["pairs_in_flight_after"] == (0, "")
     graph = gpucheck.check_graph_capture(rig)
     assert graph.verdict == "pass" and graph.figures["dropped_graph_capture"][0] >= 1
+    default = gpucheck.check_event_pool_default(rig, quick=True)
+    assert default.verdict == "pass", default.summary
+    assert default.figures["1%.calls"][0] == default.figures["100%.calls"][0] == 800
+    assert default.figures["100%.timed"][0] + default.figures["100%.dropped"][0] == 800
 
 
 def test_timing_check_fails_when_perfmon_time_disagrees_with_the_reference() -> None:
@@ -166,8 +170,9 @@ def test_timing_check_fails_when_perfmon_time_disagrees_with_the_reference() -> 
 
 
 def test_checks_that_need_torch_cuda_skip_on_a_fake_rig() -> None:
-    """The overhead, allocator, NVML, capture and generation checks say skip rather than fail off a real GPU."""
+    """The checks that need torch.cuda itself (overhead, allocator, NVML, capture, roofline, compile, generation)
+    say skip rather than fail off a real GPU."""
     rig = FakeRig()
     for fn in (gpucheck.check_overhead, gpucheck.check_allocator, gpucheck.check_nvml, gpucheck.check_capture,
-               gpucheck.check_generation):
+               gpucheck.check_roofline, gpucheck.check_compile, gpucheck.check_generation):
         assert fn(rig).verdict == "skip"

@@ -18,7 +18,7 @@ def _capture(mon, model, x, steps: int = 3) -> dict:
         for _ in range(steps):
             model(x)
     meta = wait_capture(mon, cap["id"])
-    assert meta["outcome"] == "ok", meta
+    assert meta["outcome"] == "ok", (meta.get("error"), meta)
     return meta
 
 
@@ -111,13 +111,50 @@ def test_trace_summary_matches_torch_function_events(tmp_path, with_stack: bool)
     with open(path, "rb") as f:
         got = {(r["name"], str(r["input_shapes"])): r for r in summarise(f.read)["rows"]}
     want = {(r["name"], str(r["input_shapes"])): r for r in aggregate(prof.events())}
-    assert got.keys() == want.keys()
+    # Ops and annotations on both sides. With stacks, torch 2.11's FunctionEvents leave out the Python
+    # builtins (``<built-in function any>``) that its trace holds; 2.13 lists them in both.
+    ops = {k for k in got.keys() | want.keys() if k[0].startswith("aten::") or k[0] == "block"}
+    assert {k for k in got if k in ops} == {k for k in want if k in ops}
     assert sum(r["flops"] for r in want.values()) > 0
-    for key, w in want.items():
-        g = got[key]
-        assert (g["calls"], g["flops"], g["input_bytes_estimate"], g["dtypes"]) == (
-            w["calls"], w["flops"], w["input_bytes_estimate"], w["dtypes"]), key
-        if key[0].startswith("aten::") or key[0] == "block":
-            # Ops and annotations; Python-function events open at the window's edges end differently.
-            for field in ("cpu_time_total_seconds", "self_cpu_time_total_seconds"):
-                assert g[field] == pytest.approx(w[field], rel=1e-3, abs=1e-6), (key, field)
+    # torch 2.11's FunctionEvents carry no input dtypes (the trace does): compare them where they exist.
+    with_dtypes = any(w["dtypes"] for w in want.values())
+    for key in ops:
+        g, w = got[key], want[key]
+        assert (g["calls"], g["flops"]) == (w["calls"], w["flops"]), key
+        if with_dtypes:
+            assert (g["input_bytes_estimate"], g["dtypes"]) == (w["input_bytes_estimate"], w["dtypes"]), key
+        if g["flops"]:  # the trace's own dtypes, whatever the FunctionEvents say
+            assert set(g["dtypes"]) <= {"float", "double"} and g["dtypes"], key
+            assert g["input_bytes_estimate"] or all(s == "[]" for s in g["input_shapes"]), key  # 0-dim: 0 bytes
+        # (Python-function events, open at the window's edges, end differently: not compared. With stacks,
+        # the trace nests Python builtins in the annotation, which torch 2.11's FunctionEvents leave out of
+        # its self time; 2.13 agrees with the trace.)
+        fields = ["cpu_time_total_seconds"]
+        if not (with_stack and key[0] == "block"):
+            fields.append("self_cpu_time_total_seconds")
+        for field in fields:
+            assert g[field] == pytest.approx(w[field], rel=1e-3, abs=1e-6), (key, field)
+
+
+def test_trace_summary_gives_the_device_busy_span() -> None:
+    """Kernels, copies and memsets bound the device span (first start to last end, seconds); a CPU trace has none.
+
+    The exporter takes the longer of it and the host window for achieved FLOP/s and MFU: on a real H100
+    the host window alone gave MFU 4.7 for back-to-back matmuls that the device ran after the host stopped.
+    """
+    import io
+    import json
+
+    from perfmon.trace_summary import summarise
+
+    host = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 10,
+            "args": {"External id": 1}}
+    device = [{"ph": "X", "cat": cat, "name": "k", "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+               "args": {"External id": 1}}
+              for cat, ts, dur in (("kernel", 5, 1000), ("gpu_memcpy", 2000, 500), ("gpu_memset", 1500, 10))]
+    trace = json.dumps({"traceEvents": [host, *device]}).encode()
+    got = summarise(io.BytesIO(trace).read)
+    assert got["device_span_seconds"] == pytest.approx((2500 - 5) / 1e6)
+    assert got["rows"][0]["self_device_time_total_seconds"] == pytest.approx(1510 / 1e6)
+    cpu_only = summarise(io.BytesIO(json.dumps({"traceEvents": [host]}).encode()).read)
+    assert cpu_only["device_span_seconds"] is None

@@ -211,3 +211,22 @@ def test_module_compile_of_a_wrapped_model_runs_the_compiled_call_and_counts(mak
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
     mon.flush()
     assert mon.stats()["models"]["m"]["calls"] == 3
+
+
+def test_moving_a_model_makes_its_next_calls_cold(make_monitor) -> None:
+    """After ``.to(device)`` the first call of a known shape is cold on the new device (kernel selection,
+    workspaces): the device label follows the module, and steady state is not polluted by the move."""
+    from .conftest import hist_count
+
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0)
+    model = mon.wrap(torch.nn.Linear(8, 8), name="lin")
+    for _ in range(3):
+        model(torch.randn(2, 8))
+    model = model.to("meta")  # a device every CPU build has
+    model(torch.randn(2, 8, device="meta"))
+    model(torch.randn(2, 8, device="meta"))
+    assert mon.flush(timeout=10)
+    assert hist_count(mon, "lin", "cold", device="cpu") == 1
+    assert hist_count(mon, "lin", "steady", device="cpu") == 2
+    assert hist_count(mon, "lin", "cold", device="meta") == 1
+    assert hist_count(mon, "lin", "steady", device="meta") == 1
