@@ -26,9 +26,26 @@ from perfmon.sampling import Sampler
 S = 1_000_000_000
 
 
+#: Traffic mixes: None = one size (the model's work never changes); "mixed" = batches 4, 16, 64, 256
+#: in equal shares; "shift" = batches 4-8 until the step time, then 128-256 (the step is then a mix
+#: shift at unchanged per-item cost, not a slowdown: any firing is a false one).
+MIXES = (None, "mixed", "shift")
+
+
+def _size(mix: str | None, rng: random.Random, t: float, step_at: float) -> int | None:
+    if mix is None:
+        return None
+    if mix == "mixed":
+        return rng.choice((4, 16, 64, 256))
+    return rng.choice((4, 5, 6, 8) if t < step_at else (128, 160, 200, 256))
+
+
 def simulate(rate_hz: float, step: float | None, *, seconds: float, step_at: float, seed: int,
-             policy: RegressionPolicy, noise: str = "lognormal") -> float | None:
-    """Seconds from the step to the first firing (None if it never fired); with step=None, the first firing."""
+             policy: RegressionPolicy, noise: str = "lognormal", mix: str | None = None) -> float | None:
+    """Seconds from the step to the first firing (None if it never fired); with step=None, the first firing.
+
+    With a ``mix``, latency is 5 ms x (0.25 + 0.75 x batch / 64): a fixed part and a per-item part.
+    """
     cfg = Config.from_env({})
     rng = random.Random(seed)
     sampler = Sampler(cfg.sample_rate, cfg.sample_floor_seconds, seed=seed)
@@ -57,8 +74,11 @@ def simulate(rate_hz: float, step: float | None, *, seconds: float, step_at: flo
         next_index = sampler.next_index(n)
         last_sample = t
         base = 0.005 * (rng.lognormvariate(0, 0.2) if noise == "lognormal" else rng.uniform(0.8, 1.2))
+        size = _size(mix, rng, t, step_at)
+        if size is not None:
+            base *= 0.25 + 0.75 * size / 64
         latency = base * (step if step is not None and t >= step_at else 1.0)
-        if det.add("m", latency, int(t * S)):
+        if det.add("m", latency, int(t * S), size):
             return t - (step_at if step is not None else 0.0)
     return None
 
@@ -75,25 +95,39 @@ def main(argv: list[str] | None = None) -> int:
     learn = policy.window_seconds * (policy.baseline_windows + 1)
     print(f"Default policy: {results['policy']}; default sampling {Config.from_env({}).sample_rate:.0%} "
           f"+ 1 call/s floor. Median over {args.seeds} seeds (step at a random moment after the baseline).\n")
-    print("| calls/s | 1.5x step | 2x step | 4x step |")
-    print("|---:|---:|---:|---:|")
+    for mix in (None, "mixed"):
+        print(f"\nSlowdown of every call, traffic mix: {mix or 'one size'}\n")
+        print("| calls/s | 1.5x step | 2x step | 4x step |")
+        print("|---:|---:|---:|---:|")
+        for rate in (20, 200, 2000):
+            row = []
+            for step in (1.5, 2.0, 4.0):
+                delays = []
+                for seed in range(args.seeds):
+                    step_at = learn + random.Random(seed).uniform(0, policy.window_seconds)
+                    d = simulate(rate, step, seconds=step_at + 120, step_at=step_at, seed=seed, policy=policy,
+                                 mix=mix)
+                    delays.append(d)
+                caught = [d for d in delays if d is not None]
+                results["delay"][f"{mix or 'one'}/{rate}/{step}"] = delays
+                cell = f"{statistics.median(caught):.1f} s" if caught else "not caught"
+                if caught and len(caught) < len(delays):
+                    cell += f" ({len(caught)}/{len(delays)} caught)"
+                elif caught:
+                    cell += f" (max {max(caught):.1f})"
+                row.append(cell)
+            print(f"| {rate} | " + " | ".join(row) + " |")
+    print("\nA mix shift at unchanged per-item cost (batches 4-8 -> 128-256, raw latency ~4x): firings in 120 s\n")
+    print("| calls/s | firings |")
+    print("|---:|---:|")
     for rate in (20, 200, 2000):
-        row = []
-        for step in (1.5, 2.0, 4.0):
-            delays = []
-            for seed in range(args.seeds):
-                step_at = learn + random.Random(seed).uniform(0, policy.window_seconds)
-                d = simulate(rate, step, seconds=step_at + 120, step_at=step_at, seed=seed, policy=policy)
-                delays.append(d)
-            caught = [d for d in delays if d is not None]
-            results["delay"][f"{rate}/{step}"] = delays
-            cell = f"{statistics.median(caught):.1f} s" if caught else "not caught"
-            if caught and len(caught) < len(delays):
-                cell += f" ({len(caught)}/{len(delays)} caught)"
-            elif caught:
-                cell += f" (max {max(caught):.1f})"
-            row.append(cell)
-        print(f"| {rate} | " + " | ".join(row) + " |")
+        fired = 0
+        for seed in range(args.seeds):
+            step_at = learn + random.Random(seed).uniform(0, policy.window_seconds)
+            fired += simulate(rate, 1.0, seconds=step_at + 120, step_at=step_at, seed=seed, policy=policy,
+                              mix="shift") is not None
+        results["false"][f"shift/{rate}"] = fired
+        print(f"| {rate} | {fired} of {args.seeds} runs |")
     print("\nFalse firings in 10 simulated minutes of stationary noise (no step):\n")
     print("| calls/s | lognormal sigma 0.2 | uniform +-20% |")
     print("|---:|---:|---:|")

@@ -26,7 +26,7 @@ import torch
 from .clocks import CudaBackend, EventPair, EventPools
 from .config import Config
 from .faults import InternalErrors, count_value
-from .phases import Signature, SignatureTable, batch_of, signature
+from .phases import Signature, SignatureTable, batch_of, signature, work_of
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
 from .selfcost import AgentCpu, HttpShedding
@@ -298,7 +298,8 @@ class ModelState:
             raise
         return (cold, pair, stream)
 
-    def finish(self, token: Token, index: int, start_ns: int, end_ns: int, items: int | None = None) -> None:
+    def finish(self, token: Token, index: int, start_ns: int, end_ns: int, items: int | None = None,
+               size: int | None = None) -> None:
         """Close a timed call and hand it to the resolver; never raises."""
         cold, pair, stream = token
         hub = self.hub
@@ -311,7 +312,7 @@ class ModelState:
                 if pair is not None:
                     hub.pools.release(pair)
                 return
-            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items))
+            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items, size))
             self.last_sample_ns = end_ns
         except Exception as exc:
             if pair is not None:
@@ -425,14 +426,21 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             except BaseException as exc:
                 st.error(exc)
                 raise
-        if items is None:  # sampled calls only: the batch-size histogram
-            if entry is not None:
+        # Sampled calls only: the batch-size histogram, and the work that sets the size class.
+        size = items
+        if entry is not None:
+            if items is None:
                 items = entry.items  # known from the signature: no need to look at the tensors again
-            else:
-                try:
+            if items_fn is None:
+                size = entry.work
+        else:
+            try:
+                if items is None:
                     items = batch_of(args, kwargs)
-                except Exception:
-                    items = None
+                if items_fn is None:
+                    size = work_of(args, kwargs)
+            except Exception:
+                items = size = None
         t0 = clock()
         try:
             out = fn(self, *args, **kwargs)
@@ -440,7 +448,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             st.abort(token)
             st.error(exc)
             raise
-        st.finish(token, n, t0, clock(), items)
+        st.finish(token, n, t0, clock(), items, size)
         return out
 
     return __call__

@@ -157,11 +157,17 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "Steady-state latency percentile of the last closed window."),
     "perfmon_latency_baseline_seconds": (
         "gauge", "seconds", ("model", "stage", "quantile"),
-        "Learned baseline of that percentile (median of healthy windows)."),
+        ("Learned baseline of that percentile for the last window's traffic mix (each size class's healthy "
+         "reference x the baseline ratio).")),
     "perfmon_latency_threshold_seconds": (
-        "gauge", "seconds", ("model", "stage", "quantile"), "Baseline x ratio: above it a window counts as regressed."),
+        "gauge", "seconds", ("model", "stage", "quantile"),
+        ("Baseline x ratio: above it (judged per size class, as a ratio to each class's reference) a window "
+         "counts as regressed.")),
     "perfmon_regression_active": ("gauge", "boolean", ("model", "stage"), "1 while a latency regression is active."),
     "perfmon_regressions_total": ("counter", "regressions", ("model", "stage"), "Latency regressions detected."),
+    "perfmon_regression_size_class_active": (
+        "gauge", "boolean", ("model", "stage", "size_class"),
+        "1 for each size class (log2 bucket of a call's work) an active latency regression names, else 0."),
     "perfmon_captures_total": (
         "counter", "captures", ("model", "trigger", "outcome"), "Profiler captures finished, by trigger and outcome."),
     "perfmon_captures_suppressed_total": (
@@ -498,8 +504,11 @@ class CaptureCollector(Collector):
             ratio = self._detector.policy.ratio
             active = _family("perfmon_regression_active")
             total = _family("perfmon_regressions_total")
+            classes = _family("perfmon_regression_size_class_active")
             for key, last, base, is_active, n in self._detector.views():
                 model, stage = split_key(key)
+                for label, named in self._detector.classes(key).items():  # at most MAX_CLASSES per series
+                    classes.add_metric([model, stage, label], 1.0 if named else 0.0)
                 for q, level in (("p50", "0.5"), ("p99", "0.99")):
                     if last is not None:
                         window.add_metric([model, stage, level], last.seconds[q])
@@ -508,7 +517,7 @@ class CaptureCollector(Collector):
                         threshold.add_metric([model, stage, level], base[q] * ratio)
                 active.add_metric([model, stage], 1.0 if is_active else 0.0)
                 total.add_metric([model, stage], n)
-            yield from (window, baseline, threshold, active, total)
+            yield from (window, baseline, threshold, active, total, classes)
         c = self._controller
         captures = _family("perfmon_captures_total")
         for (model, trigger, outcome), n in sorted(c.finished.items()):

@@ -548,8 +548,9 @@ class Monitor:
         """Sink: steady-state samples feed the regression detector (resolver thread)."""
         if sample.phase == STEADY and self.detector is not None:
             # Each stage of a generative model has its own baseline: prefill and decode never mix.
+            # Like with like: each sample is judged against its own size class (its work, Sample.size).
             self._fire(self.detector.add(series_key(sample.model, sample.stage), sample.duration_seconds,
-                                         sample.end_ns))
+                                         sample.end_ns, sample.size))
 
     def _tick(self, now_ns: int) -> None:
         """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history."""
@@ -713,7 +714,9 @@ class Monitor:
             for model, last, base, active, n in self.detector.views():
                 regression[model] = {"active": active, "regressions": n, "baseline_seconds": base,
                                      "last_window": None if last is None else
-                                     {"samples": last.count, "seconds": last.seconds}}
+                                     {"samples": last.count, "seconds": last.seconds,
+                                      "ratios": last.ratios, "size_classes": last.classes},
+                                     "size_classes": self.detector.classes(model)}
         def counts(st: ModelState) -> dict[str, Any]:
             return {
                 "calls": count_value(st.calls),

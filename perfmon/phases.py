@@ -67,6 +67,18 @@ def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     return key
 
 
+def work_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """A call's work for like-for-like latency comparison: the element count of ``input_ids`` when passed
+    (batch x tokens for a prefill, batch for a decode step), else of the first tensor argument."""
+    ids = kwargs.get("input_ids") if kwargs else None
+    if isinstance(ids, _Tensor):
+        return int(ids.numel())
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _Tensor):
+            return int(value.numel())
+    return None
+
+
 def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     """Default items of a call: the first dimension of its first tensor argument (1 for a scalar tensor)."""
     for value in (*args, *kwargs.values()):
@@ -78,11 +90,13 @@ def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
 class Signature:
     """One input signature: its calls (exact), the items each call carries, and cold calls still due."""
 
-    __slots__ = ("calls", "dtypes", "evicted_ns", "items", "warm_left")
+    __slots__ = ("calls", "dtypes", "evicted_ns", "items", "warm_left", "work")
 
-    def __init__(self, items: int | None, warm_left: int, dtypes: frozenset[Any] = frozenset()) -> None:
+    def __init__(self, items: int | None, warm_left: int, dtypes: frozenset[Any] = frozenset(),
+                 work: int | None = None) -> None:
         self.calls = itertools.count()
         self.items = items  # per call (the batch dimension), None when unknown or counted elsewhere
+        self.work = work  # per call (work_of): the size class of its timed calls, read without recomputing
         self.warm_left = warm_left
         self.evicted_ns = 0
         #: Dtypes seen with a shape-only key (one tensor argument: the hot path keys on its shape).
@@ -128,7 +142,7 @@ class SignatureTable:
                             pass
                     items = batch_of(args, kwargs) if self.count_items else None
                     dtypes = frozenset((args[0].dtype,)) if isinstance(key, torch.Size) and args else frozenset()
-                    entry = seen[key] = Signature(items, self.warm_calls, dtypes)
+                    entry = seen[key] = Signature(items, self.warm_calls, dtypes, work_of(args, kwargs))
         next(entry.calls)
         if entry.warm_left > 0:
             entry.warm_left -= 1

@@ -37,6 +37,7 @@ class Pending(NamedTuple):
     events: EventPair | None  # CUDA start/end events recorded around the call, else None
     device: str  # the device label at the time of the call ("cpu", "cuda:0")
     items: int | None = None  # items (batch size by default) the call carried, when known
+    size: int | None = None  # the call's work for like-for-like detection (see Sample.size)
 
 
 class Sample(NamedTuple):
@@ -51,6 +52,10 @@ class Sample(NamedTuple):
     end_ns: int  # perf_counter_ns() when the call returned (a monotonic clock)
     items: int | None = None  # items (batch size by default) the call carried, when known
     stage: str = ""  # "prefill" / "decode" (or a stage= callable's label) for a staged model; "" otherwise
+    #: The call's work, to compare latency like with like (regression.size_class): the ``items``
+    #: callable's effective items where one is given, else the element count of the first tensor
+    #: argument (``input_ids`` when passed: batch x tokens for a prefill, batch for a decode step).
+    size: int | None = None
 
 
 def series_key(model: str, stage: str) -> str:

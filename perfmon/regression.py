@@ -31,7 +31,8 @@ from typing import Any
 from .exceptions import ConfigError
 from .windows import quantile
 
-__all__ = ["QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats"]
+__all__ = ["QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats", "class_label",
+           "size_class"]
 
 #: Percentile names a policy may trigger on -> quantile level.
 QUANTILE_LEVELS = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
@@ -39,6 +40,12 @@ QUANTILE_LEVELS = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 _RESERVOIR = 20_000  # samples kept per window; beyond it, uniform reservoir sampling
 #: A window waiting for min_samples closes anyway after this many window_seconds (as too small).
 MAX_WINDOW_FACTOR = 6
+#: Size classes are log2 buckets of a call's work; the last one holds everything from 2^MAX_SIZE_CLASS up.
+MAX_SIZE_CLASS = 30
+#: Size classes kept per series (the least recently seen goes beyond it): bounded memory and labels.
+MAX_CLASSES = 16
+#: Healthy latencies kept per size class; its reference is their median (s).
+REF_SAMPLES = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,13 +99,39 @@ class RegressionPolicy:
                           "each capture several times heavier on the serving thread", stacklevel=3)
 
 
+def size_class(size: int | None) -> int:
+    """A call's size class: 0 when its work is unknown or at most 1, else ``floor(log2(size))``+1
+    (1: 2-3, 2: 4-7, ... items or elements), capped at ``MAX_SIZE_CLASS``."""
+    if size is None or size <= 1:
+        return 0
+    return min(int(size).bit_length() - 1, MAX_SIZE_CLASS)
+
+
+def class_label(cls: int) -> str:
+    """The ``size_class`` label of a class: "1" for class 0, else "lo-hi" (``2^c``..``2^(c+1)-1``)."""
+    if cls <= 0:
+        return "1"
+    if cls >= MAX_SIZE_CLASS:
+        return f"{1 << MAX_SIZE_CLASS}+"
+    return f"{1 << cls}-{(1 << (cls + 1)) - 1}"
+
+
 @dataclass(frozen=True)
 class WindowStats:
-    """A closed window: when it ended (ns on the detector's clock), its sample count and percentiles (s)."""
+    """A closed window: when it ended (ns on the detector's clock), its sample count and percentiles (s).
+
+    ``ratios`` are the percentiles of each judged sample's latency over its size class's reference
+    (None while no class had one); ``expected`` the percentiles the window would have had at the
+    baseline, for its own traffic mix (seconds; None while learning); ``classes`` per size class label:
+    ``{"samples": n, "ratio_p50": r | None}``.
+    """
 
     end_ns: int
     count: int
     seconds: dict[str, float]
+    ratios: dict[str, float] | None = None
+    expected: dict[str, float] | None = None
+    classes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,6 +143,9 @@ class Regression:
     baseline_seconds: dict[str, float]
     ratio: float
     exceeded: tuple[str, ...]
+    #: Size class labels that regressed (their median ratio over the threshold), worst first; when only the
+    #: pooled percentiles did, the class with the largest median ratio.
+    size_classes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         last = self.windows[-1]
@@ -117,53 +153,83 @@ class Regression:
             "model": self.model,
             "ratio_threshold": self.ratio,
             "exceeded": list(self.exceeded),
+            "size_classes": list(self.size_classes),
             "baseline_seconds": self.baseline_seconds,
             "window_seconds": last.seconds,
             "window_samples": last.count,
             "observed_ratio": {q: last.seconds[q] / self.baseline_seconds[q]
                                for q in self.exceeded if self.baseline_seconds.get(q)},
+            "classes": last.classes,
             "consecutive_windows": len(self.windows),
         }
+
+
+@dataclass
+class _Class:
+    """One size class of one series: its reference (recent healthy latencies, s) and when it was last seen."""
+
+    ref: deque[float] = field(default_factory=lambda: deque(maxlen=REF_SAMPLES))
+    median: float | None = None
+    last_ns: int = 0
 
 
 @dataclass
 class _Track:
     start_ns: int
     values: list[float] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
     seen: int = 0
+    classes: dict[int, _Class] = field(default_factory=dict)
+    #: The learning windows' samples (values, classes, end_ns, seen), until the baseline is learned.
+    learning: list[tuple[list[float], list[int], int, int]] = field(default_factory=list)
     healthy: deque[WindowStats] = field(default_factory=deque)
     streak: list[WindowStats] = field(default_factory=list)
     active: bool = False
+    active_classes: tuple[str, ...] = ()
     regressions: int = 0
     last: WindowStats | None = None
+    #: The last window's mix: judged samples per size class (what its baseline is computed for).
+    last_mix: dict[int, int] = field(default_factory=dict)
 
 
 class Detector:
-    """Rolling windows and baselines for every model; feed with ``add``, drive with ``tick``."""
+    """Rolling windows and baselines for every series; feed with ``add``, drive with ``tick``.
+
+    Like with like: each sample is judged against the recent healthy latency of its own size class
+    (``size_class`` of the call's work), as a ratio, and the window's ratio percentiles against their
+    learned baseline. A shift of traffic between classes moves raw percentiles but not the ratios.
+    """
 
     def __init__(self, policy: RegressionPolicy, *, seed: int | None = None) -> None:
         self.policy = policy
         self.window_ns = int(policy.window_seconds * 1e9)
         self.max_window_ns = self.window_ns * MAX_WINDOW_FACTOR
+        #: Samples a class needs in its reference before its calls are judged, and in a window before
+        #: the class is judged on its own (too few and one slow call would name it).
+        self.class_ready = max(min(5, policy.min_samples), policy.min_samples // 2)
         self._tracks: dict[str, _Track] = {}
         self._random = random.Random(seed)
 
     def reset_after_fork(self) -> None:
         self._tracks = {}
 
-    def add(self, model: str, seconds: float, t_ns: int) -> list[Regression]:
-        """One steady-state sample of ``model`` that ended at ``t_ns``; returns what closing windows fired."""
+    def add(self, model: str, seconds: float, t_ns: int, size: int | None = None) -> list[Regression]:
+        """One steady-state sample of ``model`` (a series key) that ended at ``t_ns`` and did ``size`` work
+        (items or elements; None when unknown); returns what closing windows fired."""
         track = self._tracks.get(model)
         if track is None:
             track = self._tracks[model] = _Track(start_ns=t_ns)
         fired = self._advance(model, track, t_ns)
         track.seen += 1
+        cls = size_class(size)
         if len(track.values) < _RESERVOIR:
             track.values.append(seconds)
+            track.sizes.append(cls)
         else:  # keep a uniform sample of the window: the percentiles stay unbiased
             j = int(self._random.random() * track.seen)
             if j < _RESERVOIR:
                 track.values[j] = seconds
+                track.sizes[j] = cls
         return fired
 
     def tick(self, now_ns: int) -> list[Regression]:
@@ -186,54 +252,167 @@ class Detector:
         return [] if result is None else [result]
 
     def _close(self, model: str, track: _Track, end_ns: int) -> Regression | None:
-        values, seen = track.values, track.seen
-        track.values, track.seen = [], 0
+        values, sizes, seen = track.values, track.sizes, track.seen
+        track.values, track.sizes, track.seen = [], [], 0
         p = self.policy
         if seen < p.min_samples:
             track.streak.clear()
             return None
-        ordered = sorted(values)
-        stats = WindowStats(end_ns, seen, {q: quantile(ordered, QUANTILE_LEVELS[q]) for q in _names(p)})
-        track.last = stats
-        baseline = self.baseline(model)
+        baseline = self._ratio_baseline(track)
         if baseline is None:
-            self._learn(track, stats)
+            self._learn_window(track, values, sizes, end_ns, seen)
             return None
+        stats = self._stats(track, values, sizes, end_ns, seen)
+        track.last = stats
+        judged_n = sum(c["samples"] for c in stats.classes.values() if c["ratio_p50"] is not None)
         # A percentile is only judged when the window can resolve it: p99 needs 100 samples (below that
         # it is just the maximum, and one slow call would look like a regression).
-        judged = [q for q in p.quantiles if seen >= _min_count(QUANTILE_LEVELS[q])]
-        if not judged:
+        judged = [q for q in p.quantiles if judged_n >= max(p.min_samples, _min_count(QUANTILE_LEVELS[q]))]
+        if stats.ratios is None or not judged:
+            # Mostly classes never seen: nothing to compare with yet. They learn; the streak breaks.
+            self._feed(track, values, sizes, end_ns, only_new=True)
             track.streak.clear()
             return None
-        exceeded = tuple(q for q in judged if stats.seconds[q] > baseline[q] * p.ratio)
-        if not exceeded:
+        assert stats.ratios is not None
+        exceeded = tuple(q for q in judged if stats.ratios[q] > baseline[q] * p.ratio)
+        limit = baseline["p50"] * p.ratio
+        slow = sorted(((c["ratio_p50"], label) for label, c in stats.classes.items()
+                       if c["ratio_p50"] is not None and c["samples"] >= self.class_ready and c["ratio_p50"] > limit),
+                      reverse=True)
+        if not exceeded and not slow:
             track.streak.clear()
-            track.active = False
+            track.active, track.active_classes = False, ()
+            self._feed(track, values, sizes, end_ns, only_new=True)
             self._learn(track, stats)
             return None
         track.streak.append(stats)
         if len(track.streak) >= p.consecutive and not track.active:
-            track.active = True
+            named = tuple(label for _, label in slow) or _worst_class(stats)
+            if set(stats.classes) == {class_label(0)}:
+                named = ()  # one class, sizes unknown: nothing to name
+            track.active, track.active_classes = True, named
             track.regressions += 1
-            return Regression(model, tuple(track.streak[-p.consecutive:]), baseline, p.ratio, exceeded)
+            return Regression(model, tuple(track.streak[-p.consecutive:]), stats.expected or {}, p.ratio,
+                              exceeded or ("p50",), named)
         return None
+
+    def _stats(self, track: _Track, values: list[float], sizes: list[int], end_ns: int, seen: int) -> WindowStats:
+        """Raw percentiles; ratio percentiles over the samples whose class has a reference; per class counts."""
+        names = _names(self.policy)
+        raw = sorted(values)
+        seconds = {q: quantile(raw, QUANTILE_LEVELS[q]) for q in names}
+        ratios: list[float] = []
+        per: dict[int, list[float]] = {}
+        counts: dict[int, int] = {}
+        for c in set(sizes):
+            if (known := track.classes.get(c)) is not None:
+                known.last_ns = end_ns  # seen: not the class to evict
+        for v, c in zip(values, sizes, strict=True):
+            counts[c] = counts.get(c, 0) + 1
+            k = track.classes.get(c)
+            if k is None or k.median is None or k.median <= 0:
+                continue
+            r = v / k.median
+            ratios.append(r)
+            per.setdefault(c, []).append(r)
+        classes = {class_label(c): {"samples": n, "ratio_p50": (statistics.median(per[c]) if c in per else None)}
+                   for c, n in sorted(counts.items())}
+        if not ratios:
+            return WindowStats(end_ns, seen, seconds, None, None, classes)
+        ratios.sort()
+        rq = {q: quantile(ratios, QUANTILE_LEVELS[q]) for q in names}
+        track.last_mix = {c: len(rs) for c, rs in per.items()}
+        return WindowStats(end_ns, seen, seconds, rq, self._expected(track), classes)
+
+    def _expected(self, track: _Track) -> dict[str, float] | None:
+        """What the last window's percentiles would be at the baseline, for its own mix (s): each percentile
+        of its samples' class references times the baseline ratio percentile. None while learning."""
+        base = self._ratio_baseline(track)
+        medians = sorted((k.median, track.last_mix[c]) for c, k in track.classes.items()
+                         if k.median is not None and c in track.last_mix)
+        if base is None or not medians:
+            return None
+        refs = [m for m, n in medians for _ in range(n)]  # sorted: at most 16 distinct values
+        return {q: quantile(refs, QUANTILE_LEVELS[q]) * base[q] for q in _names(self.policy)}
+
+    def _learn_window(self, track: _Track, values: list[float], sizes: list[int], end_ns: int, seen: int) -> None:
+        """A learning window (every one is healthy). When ``baseline_windows`` are in, each class's reference
+        is the median of all their samples of that class, and each window's ratio percentiles against those
+        references make the ratio baseline: the references never include a window judged against them, so a
+        slow stretch inside the learning period moves the baseline once, as a plain median would."""
+        track.learning.append((values, sizes, end_ns, seen))
+        track.last = self._stats(track, values, sizes, end_ns, seen)
+        if len(track.learning) < self.policy.baseline_windows:
+            return
+        learning, track.learning = track.learning, []
+        for v, c, t, _ in learning:
+            self._feed(track, v, c, t, only_new=False)
+        for k in track.classes.values():  # the whole learning period, however its samples fell into windows
+            if k.median is None and k.ref:
+                k.median = statistics.median(k.ref)
+        for v, c, t, n in learning:
+            stats = self._stats(track, v, c, t, n)
+            if stats.ratios is not None:
+                self._learn(track, stats)
+        track.last = self._stats(track, values, sizes, end_ns, seen)
+
+    def _feed(self, track: _Track, values: list[float], sizes: list[int], now_ns: int, *, only_new: bool) -> None:
+        """Healthy samples into their classes' references (``only_new``: classes without a reference only;
+        a class's reference is fixed once it has one, and drift is followed by the ratio baseline)."""
+        touched: set[int] = set()
+        for v, c in zip(values, sizes, strict=True):
+            k = track.classes.get(c)
+            if k is None:
+                if len(track.classes) >= MAX_CLASSES:  # bounded: the class seen longest ago goes
+                    del track.classes[min(track.classes, key=lambda x: track.classes[x].last_ns)]
+                k = track.classes[c] = _Class()
+            elif only_new and k.median is not None:
+                continue
+            k.ref.append(v)
+            k.last_ns = now_ns
+            touched.add(c)
+        for c in touched:
+            k = track.classes[c]
+            if len(k.ref) >= self.class_ready:
+                k.median = statistics.median(k.ref)
 
     def _learn(self, track: _Track, stats: WindowStats) -> None:
         track.healthy.append(stats)
         while len(track.healthy) > self.policy.baseline_windows:
             track.healthy.popleft()
 
-    def baseline(self, model: str) -> dict[str, float] | None:
-        """The learned baseline percentiles (s), or None while still learning."""
-        track = self._tracks.get(model)
-        if track is None or len(track.healthy) < self.policy.baseline_windows:
+    def _ratio_baseline(self, track: _Track) -> dict[str, float] | None:
+        """The learned baseline of the ratio percentiles, or None while still learning."""
+        if len(track.healthy) < self.policy.baseline_windows:
             return None
-        return {q: statistics.median(w.seconds[q] for w in track.healthy) for q in _names(self.policy)}
+        return {q: statistics.median(w.ratios[q] for w in track.healthy if w.ratios is not None)
+                for q in _names(self.policy)}
+
+    def baseline(self, model: str) -> dict[str, float] | None:
+        """The baseline percentiles (s) for the last judged window's traffic mix, or None while learning."""
+        track = self._tracks.get(model)
+        return None if track is None else self._expected(track)
 
     def views(self) -> Iterator[tuple[str, WindowStats | None, dict[str, float] | None, bool, int]]:
-        """(model, last window, baseline, active, regressions) for every model seen."""
+        """(model, last window, baseline, active, regressions) for every series seen."""
         for model, track in list(self._tracks.items()):
             yield model, track.last, self.baseline(model), track.active, track.regressions
+
+    def classes(self, model: str) -> dict[str, bool]:
+        """Size classes of a series with a reference, by label: True for those an active regression named."""
+        track = self._tracks.get(model)
+        if track is None:
+            return {}
+        named = set(track.active_classes) if track.active else set()
+        return {class_label(c): class_label(c) in named for c, k in sorted(track.classes.items())
+                if k.median is not None}
+
+
+def _worst_class(stats: WindowStats) -> tuple[str, ...]:
+    """The class with the largest median ratio (with at least 3 samples), when no class crossed on its own."""
+    ranked = sorted(((c["ratio_p50"], label) for label, c in stats.classes.items()
+                     if c["ratio_p50"] is not None and c["samples"] >= 3), reverse=True)
+    return (ranked[0][1],) if ranked else ()
 
 
 def _min_count(level: float) -> int:

@@ -179,3 +179,90 @@ def test_p99_is_judged_only_with_enough_samples() -> None:
     det2 = Detector(policy, seed=6)
     feed(det2, "m", 5, 200, lognormal(0.010), 0, rng)
     assert len(feed(det2, "m", 5, 200, lognormal(0.030), 5, rng)) == 1
+
+
+# -- like with like: size classes ------------------------------------------------------------------
+
+def feed_sized(det: Detector, model: str, seconds_of_traffic: float, rate_hz: float, latency, sizes,
+               start_s: float, rng: random.Random, *, with_sizes: bool = True) -> list:
+    """Like ``feed``, each sample with a size drawn by ``sizes(rng, t)`` and a latency ``latency(rng, size)``."""
+    fired = []
+    for i in range(int(seconds_of_traffic * rate_hz)):
+        t = start_s + i / rate_hz
+        size = sizes(rng, t)
+        fired += det.add(model, latency(rng, size), int(t * S), size if with_sizes else None)
+    fired += det.tick(int((start_s + seconds_of_traffic) * S))
+    return fired
+
+
+def per_item(overhead: float, each: float, *, slow: float = 1.0, slow_sizes: range | None = None, noise=None):
+    """Latency with a fixed part and a per-item part (seconds); ``slow`` times slower for ``slow_sizes``."""
+    noise = noise or (lambda rng: rng.lognormvariate(0.0, 0.2))
+
+    def latency(rng: random.Random, size: int) -> float:
+        factor = slow if slow_sizes is None or size in slow_sizes else 1.0
+        return (overhead + each * size) * factor * noise(rng)
+
+    return latency
+
+
+def batches(*choices: int):
+    return lambda rng, t: rng.choice(choices)
+
+
+@pytest.mark.parametrize("before, after", [((4, 5, 6, 8), (128, 160, 200, 256)),  # small -> large batches
+                                           ((16, 24, 48, 64), (512, 1024, 1500, 2048))])  # short -> long prompts
+def test_a_traffic_mix_shift_with_unchanged_per_item_cost_never_fires(before, after) -> None:
+    """Batches 4-8 -> 128-256 (or prompts of 16-64 -> 512-2048 tokens) at the same cost per item: no firing.
+    Judged without sizes (one class, as before size classes), the same traffic fires."""
+    latency = per_item(0.002, 0.0005)
+    for with_sizes, want in ((True, 0), (False, 1)):
+        det = Detector(POLICY, seed=7)
+        rng = random.Random(7)
+        assert feed_sized(det, "m", 20, 100, latency, batches(*before), 0, rng, with_sizes=with_sizes) == []
+        fired = feed_sized(det, "m", 60, 100, latency, batches(*after), 20, rng, with_sizes=with_sizes)
+        assert len(fired) == want, (with_sizes, fired)
+    assert det.baseline("m") is not None
+
+
+def test_a_2x_per_item_slowdown_at_an_unchanged_mix_fires_within_two_windows() -> None:
+    """Every class twice as slow: fires after `consecutive` windows, as the single-class detector does."""
+    det = Detector(POLICY, seed=8)
+    rng = random.Random(8)
+    mix = batches(4, 16, 64, 256)
+    assert feed_sized(det, "m", 20, 100, per_item(0.002, 0.0005), mix, 0, rng) == []
+    fired = feed_sized(det, "m", 10, 100, per_item(0.002, 0.0005, slow=2.0), mix, 20, rng)
+    assert len(fired) == 1 and fired[0].windows[-1].end_ns <= 22 * S
+    d = fired[0].as_dict()
+    assert set(d["size_classes"]) <= {"4-7", "16-31", "64-127", "256-511"} and d["size_classes"]
+    assert d["observed_ratio"]["p50"] > 1.5
+
+
+def test_a_slowdown_confined_to_one_size_class_fires_and_names_it() -> None:
+    """Batch 64 only (a quarter of traffic) twice as slow: the pooled p50 barely moves, the class fires
+    under its own name, in the Regression and in the detector's per-class view."""
+    det = Detector(POLICY, seed=9)
+    rng = random.Random(9)
+    mix = batches(4, 16, 64, 256)
+    assert feed_sized(det, "m", 20, 100, per_item(0.002, 0.0005), mix, 0, rng) == []
+    fired = feed_sized(det, "m", 10, 100, per_item(0.002, 0.0005, slow=2.0, slow_sizes=range(64, 65)), mix, 20, rng)
+    assert len(fired) == 1
+    assert fired[0].size_classes == ("64-127",)
+    assert fired[0].windows[-1].classes["64-127"]["ratio_p50"] > 1.5
+    assert det.classes("m") == {"4-7": False, "16-31": False, "64-127": True, "256-511": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ten_minutes_of_20pct_noise_with_a_drifting_mix_never_fire(seed: int) -> None:
+    """±20% uniform noise, the batch mix drifting from 1-8 to 64-512 and back over ten minutes (classes
+    appear, vanish and return): zero firings."""
+    import math
+
+    def drifting(rng: random.Random, t: float) -> int:
+        centre = 3 + 6 * (0.5 - 0.5 * math.cos(2 * math.pi * t / 600))  # log2 of the batch: 3 -> 9 -> 3
+        return max(1, int(2 ** rng.gauss(centre, 1.0)))
+
+    det = Detector(POLICY, seed=seed)
+    latency = per_item(0.002, 0.0002, noise=lambda rng: rng.uniform(0.8, 1.2))
+    assert feed_sized(det, "m", 600, 100, latency, drifting, 0, random.Random(seed)) == []
+    assert len(det.classes("m")) >= 6
