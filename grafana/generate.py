@@ -23,10 +23,30 @@ RATE = "$__rate_interval"
 
 
 def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
-    out = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+    out: dict[str, Any] = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
     if "_bucket" in expr and "histogram_quantile" not in expr:
         out["format"] = "heatmap"
+    if "histogram_quantile" in expr and "perfmon_forward_duration_seconds" in expr:
+        # Timed calls inside a sampled OpenTelemetry span carry its trace id as an exemplar (OpenMetrics or
+        # protobuf scrapes, Prometheus with --enable-feature=exemplar-storage): dots that open the trace.
+        out["exemplar"] = True
     return out
+
+
+def quantile(q: str, metric: str, selector: str, by: str) -> str:
+    """``histogram_quantile`` over the classic buckets or, where Prometheus scraped native histograms
+    (``--enable-feature=native-histograms``: Prometheus 2.x then stores only the native form of a histogram
+    that has one), over the native series: exactly one side of the ``or`` has data, so one query serves both."""
+    return (f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{selector}}}[{RATE}])))"
+            f" or histogram_quantile({q}, sum by ({by}) (rate({metric}{{{selector}}}[{RATE}])))")
+
+
+def mean(metric: str, selector: str, by: str) -> str:
+    """The mean of a histogram's observations from ``_sum``/``_count``, or from a native histogram's sum and count."""
+    return (f"sum by ({by}) (rate({metric}_sum{{{selector}}}[{RATE}])) / "
+            f"sum by ({by}) (rate({metric}_count{{{selector}}}[{RATE}]))"
+            f" or sum by ({by}) (histogram_sum(rate({metric}{{{selector}}}[{RATE}]))) / "
+            f"sum by ({by}) (histogram_count(rate({metric}{{{selector}}}[{RATE}])))")
 
 
 class Board:
@@ -100,13 +120,22 @@ CAPTURE_ANNOTATION = {
     "datasource": DS,
     "enable": True,
     "iconColor": "purple",
-    # The gauge holds the capture's end time: Grafana places the marker at that value.
-    "expr": f"perfmon_capture_timestamp_seconds{{{BASE}}} * 1000",
+    # The gauge holds the capture's end time: Grafana places the marker at that value. An ok capture that
+    # was compared with its model's baseline capture also gets the gist of the comparison: the op that
+    # changed most and how (perfmon_capture_comparison_seconds, one series per model and trigger, follows
+    # the latest ok capture), joined on and written into a "vs_baseline" label; every other capture is
+    # kept as it is by the "or".
+    "expr": ('label_replace(label_join('
+             f'perfmon_capture_timestamp_seconds{{{BASE}, outcome="ok"}} * 1000'
+             ' * on(job, instance, model, trigger) group_left(op, status)'
+             f' (0 * perfmon_capture_comparison_seconds{{{BASE}}} + 1),'
+             ' "vs_baseline", " ", "status", "op"), "vs_baseline", "· vs baseline: $1", "vs_baseline", "(.+)")'
+             f' or on(job, instance, model, trigger, outcome) perfmon_capture_timestamp_seconds{{{BASE}}} * 1000'),
     "useValueForTime": True,
     "step": "60s",
     "titleFormat": "capture: {{model}}",
-    "textFormat": "{{trigger}}, {{outcome}}",
-    "tagKeys": "trigger,outcome",
+    "textFormat": "{{trigger}}, {{outcome}} {{vs_baseline}}",
+    "tagKeys": "trigger,outcome,status",
 }
 
 
@@ -127,8 +156,7 @@ def dashboard(uid: str, title: str, description: str, board: Board, links: list[
 
 
 def _quantiles(metric: str, selector: str, by: str, legend: str, qs: tuple[str, ...] = ("0.5", "0.99")) -> list[tuple[str, str]]:
-    return [(f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{selector}}}[{RATE}])))",
-             f"{legend} p{round(float(q) * 100)}") for q in qs]
+    return [(quantile(q, metric, selector, by), f"{legend} p{round(float(q) * 100)}") for q in qs]
 
 
 def generation(b: Board) -> None:
@@ -202,30 +230,23 @@ def overview() -> dict[str, Any]:
     # By stage too: a generative model's prefill and decode differ 10-100x, mixed their percentiles follow the
     # traffic's prompt lengths. A model with one stage has no stage label, so its legend is just the model.
     b.panel("Steady-state latency (sampled) with baseline and threshold", [
-        (f"histogram_quantile(0.5, sum by (model, stage, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
-         "{{model}} {{stage}} p50"),
-        (f"histogram_quantile(0.95, sum by (model, stage, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
-         "{{model}} {{stage}} p95"),
-        (f"histogram_quantile(0.99, sum by (model, stage, le) (rate(perfmon_forward_duration_seconds_bucket{{{steady}}}[{RATE}])))",
-         "{{model}} {{stage}} p99"),
+        *_quantiles("perfmon_forward_duration_seconds", steady, "model, stage", "{{model}} {{stage}}",
+                    ("0.5", "0.95", "0.99")),
         (f'max by (model, stage) (perfmon_latency_baseline_seconds{{{MODEL}, quantile="0.99"}})',
          "{{model}} {{stage}} p99 baseline"),
         (f'max by (model, stage) (perfmon_latency_threshold_seconds{{{MODEL}, quantile="0.99"}})',
          "{{model}} {{stage}} p99 trigger"),
     ], "s", width=24, description="Device time on GPU (CUDA events), wall time on CPU, steady state only, per "
         "model and, for a generative model, per stage (prefill, decode). The baseline is learned from healthy "
-        "windows; above the trigger line for consecutive windows perfmon captures a profile (purple markers).")
+        "windows; above the trigger line for consecutive windows perfmon captures a profile (purple markers). "
+        "Resolution: classic buckets 21% apart (a percentile within ~10%), native histograms 9% apart where "
+        "Prometheus scrapes them; dots are exemplars of calls traced with OpenTelemetry.")
     b.panel("Cold vs steady (mean)", [
-        (f"sum by (model, phase) (rate(perfmon_forward_duration_seconds_sum{{{MODEL}}}[{RATE}])) / "
-         f"sum by (model, phase) (rate(perfmon_forward_duration_seconds_count{{{MODEL}}}[{RATE}]))", "{{model}} {{phase}}"),
+        (mean("perfmon_forward_duration_seconds", MODEL, "model, phase"), "{{model}} {{phase}}"),
     ], "s", description="Cold calls (first calls, first calls of a new input shape) against steady state.")
     b.panel("Host vs device time (mean)", [
-        (f"sum by (model, device) (rate(perfmon_forward_host_duration_seconds_sum{{{steady}}}[{RATE}])) / "
-         f"sum by (model, device) (rate(perfmon_forward_host_duration_seconds_count{{{steady}}}[{RATE}]))",
-         "{{model}} {{device}} host"),
-        (f"sum by (model, device) (rate(perfmon_forward_duration_seconds_sum{{{steady}}}[{RATE}])) / "
-         f"sum by (model, device) (rate(perfmon_forward_duration_seconds_count{{{steady}}}[{RATE}]))",
-         "{{model}} {{device}} device"),
+        (mean("perfmon_forward_host_duration_seconds", steady, "model, device"), "{{model}} {{device}} host"),
+        (mean("perfmon_forward_duration_seconds", steady, "model, device"), "{{model}} {{device}} device"),
     ], "s", description="On GPU, host time near device time means the call is launch-bound (CPU); far below, "
         "the host only enqueues. On CPU both are the same clock.")
     b.panel("Time to first forward and cold start", [

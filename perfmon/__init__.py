@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .clocks import CudaBackend, TimingEvent
-from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, Config, log_buckets
+from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, FINE_BUCKETS, Config, log_buckets
 from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, PortUnavailable, WrapError
 from .instrument import MonitoredFunction, MonitoredModule, Span
 from .monitor import Monitor
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_BUCKETS",
     "DEFAULT_HOST_BUCKETS",
     "DEFAULT_PORT",
+    "FINE_BUCKETS",
     "CaptureBusy",
     "CaptureRateLimited",
     "Config",

@@ -12,8 +12,15 @@ The life of a capture is a transition table, as in torch.profiler::
                   armed --cancel--> idle        recording --fail--> idle
 
 One capture at a time per process. Automatic captures have a cooldown and an hourly cap; manual
-ones an hourly cap of their own. A profiler that is already running (the user's own) is never
-touched: starting a nested session silently wipes the outer one.
+ones an hourly cap of their own, and baseline ones too. A profiler that is already running (the
+user's own) is never touched: starting a nested session silently wipes the outer one.
+
+Triggers: ``regression`` (the detector), ``manual`` (HTTP, CLI, ``Monitor.capture``) and ``baseline``
+(a capture of the model while it is healthy, kept as the reference: ``latest_baseline``). Each
+recorded model call runs inside a ``perfmon.step`` profiler annotation, so the export can say what
+each op cost per call (``Capture.ops``); when a regression or manual capture of a model that has a
+baseline finishes, ``perfmon.compare`` diffs the two and the result is stored with it
+(``Capture.comparison``).
 
 What a capture may cost is bounded as well as its length: after each recorded step the serving
 thread reads this process's resident memory (``/proc/self/statm``, a few µs) and ends the capture
@@ -48,10 +55,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+from .compare import compare, headline
 from .exceptions import CaptureBusy, CaptureRateLimited
 from .faults import InternalErrors
 from .roofline import Peaks, summarise
 from .selfcost import AgentCpu
+from .trace_summary import STEP_ANNOTATION
 from .traces import TraceStore, UnsafeTraceDir, new_id, worker_name
 
 __all__ = [
@@ -72,6 +81,9 @@ TRANSITIONS: dict[tuple[str, str], str] = {
 }
 
 SUPPRESS_REASONS = ("cooldown", "rate_limit", "busy")
+TRIGGERS = ("regression", "manual", "baseline")
+#: Captures of these triggers are compared with their model's latest baseline when they finish.
+COMPARED_TRIGGERS = ("regression", "manual")
 MAX_STEPS = 100
 MAX_SECONDS = 60.0
 TOP_OPS = 25
@@ -103,7 +115,7 @@ class Capture:
 
     id: str
     model: str
-    trigger: str  # "regression" | "manual"
+    trigger: str  # "regression" | "manual" | "baseline"
     reason: dict[str, Any]
     options: CaptureOptions
     device: str
@@ -126,6 +138,15 @@ class Capture:
     #: The export: host events in the trace, seconds from recording end to files in place, the
     #: child's CPU seconds and peak RSS bytes.
     export: dict[str, Any] = field(default_factory=dict)
+    #: Per op name, per recorded step (one model call): ``calls_per_step``, ``seconds_per_step`` (self
+    #: device seconds on CUDA, self CPU seconds on CPU) and ``seconds_per_step_stdev`` over the steps;
+    #: at most 200 names, the rest as ``[other]`` (``perfmon.trace_summary.step_table``).
+    ops: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Steps the ``ops`` table averages over (the first recorded step is left out when there are two or more).
+    steps: int = 0
+    #: ``perfmon.compare.compare(latest baseline, this capture)`` for a regression or manual capture of a
+    #: model that had a baseline capture; None otherwise.
+    comparison: dict[str, Any] | None = None
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
@@ -318,6 +339,19 @@ def _members(st: Any) -> list[Any]:
     return list(stages.values()) if stages else [st]
 
 
+def _no_scope(name: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def _record_function() -> Callable[[str], contextlib.AbstractContextManager[Any]]:
+    """torch's ``record_function`` (a profiler annotation), looked up once per capture."""
+    try:
+        from torch.autograd.profiler import record_function
+    except ImportError:  # pragma: no cover - perfmon runs with torch; a fake profiler may not need it
+        return _no_scope
+    return record_function  # type: ignore[no-any-return]
+
+
 def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -334,6 +368,7 @@ class CaptureController:
         cooldown_seconds: float = 600.0,
         max_auto_per_hour: int = 4,
         max_manual_per_hour: int = 30,
+        max_baseline_per_hour: int = 4,
         arm_timeout_seconds: float = 60.0,
         profiler_factory: ProfilerFactory = torch_profiler,
         clock: Callable[[], float] = time.monotonic,
@@ -357,11 +392,13 @@ class CaptureController:
         self.cooldown = cooldown_seconds
         self.max_auto = max_auto_per_hour
         self.max_manual = max_manual_per_hour
+        self.max_baseline = max_baseline_per_hour
         self.arm_timeout = arm_timeout_seconds
         self._make_profiler = profiler_factory
         self._clock = clock
         self._auto: collections.deque[float] = collections.deque()
         self._manual: collections.deque[float] = collections.deque()
+        self._baseline: collections.deque[float] = collections.deque()
         self._last_auto: float | None = None
         self.reset_after_fork()
 
@@ -380,12 +417,16 @@ class CaptureController:
         self._exporter: threading.Thread | None = None
         self._rss: ResidentMemory | None = None
         self._rss0: int | None = None
+        self._step_scope: Callable[[str], contextlib.AbstractContextManager[Any]] = _no_scope
         #: Exposed by the metrics collector.
         self.suppressed = dict.fromkeys(SUPPRESS_REASONS, 0)
         self.finished: dict[tuple[str, str, str], int] = {}
         self.last_finished: dict[tuple[str, str, str], float] = {}  # unix seconds
         self.duration_sum = 0.0  # seconds the profiler windows were open, all captures
         self.duration_count = 0
+        #: (model, trigger) -> (op, status, added seconds per call): the top change of the latest ok
+        #: capture of that kind, when it was compared with a baseline (exposed by the metrics collector).
+        self.comparisons: dict[tuple[str, str], tuple[str, str, float]] = {}
 
     # -- state machine --------------------------------------------------------------------
 
@@ -400,7 +441,14 @@ class CaptureController:
     # -- arming -----------------------------------------------------------------------------
 
     def arm(self, st: Any, options: CaptureOptions, *, trigger: str, reason: dict[str, Any]) -> Capture:
-        """Arm a capture of ``st``'s model; raises CaptureBusy or CaptureRateLimited."""
+        """Arm a capture of ``st``'s model; raises CaptureBusy or CaptureRateLimited.
+
+        ``trigger`` is one of ``TRIGGERS``. Each has its own hourly cap; ``regression`` alone has the
+        automatic cooldown (a baseline neither waits for it nor starts it: a reference taken while the
+        model is healthy must not delay the capture of a regression that follows it).
+        """
+        if trigger not in TRIGGERS:
+            raise ValueError(f"trigger={trigger!r}: expected one of {', '.join(TRIGGERS)}")
         now = self._clock()
         problem = self.store.problem()
         if problem is not None:  # a trace could not be stored: do not slow the model for nothing
@@ -420,13 +468,11 @@ class CaptureController:
             if profiler_active():
                 raise CaptureBusy("another torch profiler is running in this process; perfmon will not nest one "
                            "(a nested session silently wipes the outer one)", None)
-            if trigger == "manual":
-                self._check_rate(self._manual, self.max_manual, now, "rate_limit")
-            else:
-                if self._last_auto is not None and now - self._last_auto < self.cooldown:
-                    raise CaptureRateLimited("automatic capture cooldown", self._last_auto + self.cooldown - now,
-                                      "cooldown")
-                self._check_rate(self._auto, self.max_auto, now, "rate_limit")
+            bucket = self._bucket(trigger)
+            if trigger == "regression" and self._last_auto is not None and now - self._last_auto < self.cooldown:
+                raise CaptureRateLimited("automatic capture cooldown", self._last_auto + self.cooldown - now,
+                                         "cooldown")
+            self._check_rate(bucket[0], bucket[1], now, "rate_limit")
             cap = Capture(id=new_id(), model=st.name, trigger=trigger, reason=reason, options=options,
                           device=st.device, armed_at=_now_iso())
             self.current = cap
@@ -434,8 +480,8 @@ class CaptureController:
             self._abort = False
             self._armed_t = now
             self._move("arm")
-            (self._manual if trigger == "manual" else self._auto).append(now)
-            if trigger != "manual":
+            bucket[0].append(now)
+            if trigger == "regression":
                 self._last_auto = now
             # Route the model's next call to the slow path, where the capture starts.
             for member in _members(st):  # every stage of a generative model: prefill and decode steps
@@ -445,6 +491,14 @@ class CaptureController:
             self._log.info("capture_armed", id=cap.id, model=cap.model, trigger=trigger, steps=options.steps)
         return cap
 
+    def _bucket(self, trigger: str) -> tuple[collections.deque[float], int]:
+        """The arm times of the last hour and the hourly cap that apply to ``trigger``."""
+        if trigger == "manual":
+            return self._manual, self.max_manual
+        if trigger == "baseline":
+            return self._baseline, self.max_baseline
+        return self._auto, self.max_auto
+
     def _check_rate(self, times: collections.deque[float], limit: int, now: float, reason: str) -> None:
         while times and now - times[0] >= 3600.0:
             times.popleft()
@@ -453,14 +507,32 @@ class CaptureController:
 
     def auto(self, st: Any, options: CaptureOptions, reason: dict[str, Any]) -> Capture | None:
         """Arm an automatic capture, or count why not."""
+        return self._arm_or_count(st, options, "regression", reason)
+
+    def baseline(self, st: Any, options: CaptureOptions, reason: dict[str, Any]) -> Capture | None:
+        """Arm a baseline capture of a healthy model (the reference later captures are compared with),
+        or count why not in ``suppressed``; returns the capture or None."""
+        return self._arm_or_count(st, options, "baseline", reason)
+
+    def _arm_or_count(self, st: Any, options: CaptureOptions, trigger: str, reason: dict[str, Any]) -> Capture | None:
         try:
-            return self.arm(st, options, trigger="regression", reason=reason)
+            return self.arm(st, options, trigger=trigger, reason=reason)
         except CaptureBusy:
             self.suppressed["busy"] += 1
         except CaptureRateLimited as exc:
             self.suppressed[exc.reason] += 1
         except UnsafeTraceDir:
             pass  # counted as a failed capture and an internal error by arm()
+        return None
+
+    def latest_baseline(self, model: str) -> dict[str, Any] | None:
+        """The stored metadata of ``model``'s newest baseline capture that finished ok with an op table,
+        or None. Read from the trace store (retention keeps it), so it outlives this process; its
+        ``ended_at`` (UTC ISO 8601) says when it was taken."""
+        for meta in self.store.list():  # newest first
+            if (meta.get("model") == model and meta.get("trigger") == "baseline" and meta.get("outcome") == "ok"
+                    and meta.get("ops")):
+                return meta
         return None
 
     # -- the request thread ---------------------------------------------------------------
@@ -473,7 +545,10 @@ class CaptureController:
         if self.state != RECORDING or self._thread_id != me or not self._owns(st):
             return fn(*args, **kwargs)  # another thread, or not capturing: untimed, unprofiled
         try:
-            return fn(*args, **kwargs)
+            # One annotation per recorded call: the export attributes each op to its step by it. Only
+            # here, while this thread records (a few µs under the profiler; never on other calls).
+            with self._step_scope(STEP_ANNOTATION):
+                return fn(*args, **kwargs)
         finally:
             self._step(st)
 
@@ -489,6 +564,7 @@ class CaptureController:
             try:
                 cuda = getattr(st, "cuda_index", -1) >= 0
                 prof = self._make_profiler(cap.options, cuda)
+                self._step_scope = _record_function()
                 self._rss = self._memory()
                 self._rss0 = self._rss.read()
                 quiet_kineto(prof.start)
@@ -602,6 +678,9 @@ class CaptureController:
         outcome, error = ("aborted" if aborted else "ok"), None
         summary: list[dict[str, Any]] = []
         compute: dict[str, Any] = {}
+        ops: dict[str, dict[str, float]] = {}
+        steps = 0
+        comparison: dict[str, Any] | None = None
         try:
             json_tmp, path = self.store.new_temp("json")
             prof = holder.pop()
@@ -611,7 +690,7 @@ class CaptureController:
                 del prof  # the profiler's event buffers go with it
                 release_memory()
             gz_tmp, _ = self.store.new_temp("gz")
-            result = self._summarise_in_child(json_tmp, gz_tmp)
+            result = self._summarise_in_child(json_tmp, gz_tmp, device_time=cap.device.startswith("cuda"))
             self.store.remove_temp(json_tmp)
             json_tmp = None
             name = f"{worker_name()}.{time.time_ns()}.pt.trace.json.gz"
@@ -621,6 +700,7 @@ class CaptureController:
             window = max(filter(None, (cap.duration_seconds, result.get("device_span_seconds"))), default=None)
             summary, compute = summarise(result["rows"], cuda=cap.device.startswith("cuda"),
                                          peaks=self._peaks(cap.device), window_seconds=window, limit=TOP_OPS)
+            ops, steps = result.get("ops") or {}, int(result.get("steps") or 0)
             cap.export = {"trace_events": result.get("events"), "child_cpu_seconds": result.get("cpu_seconds"),
                           "child_max_rss_bytes": result.get("max_rss_bytes")}
         except Exception as exc:
@@ -632,16 +712,19 @@ class CaptureController:
             for tmp in (json_tmp, gz_tmp if name is None else None):
                 if tmp is not None:
                     self.store.remove_temp(tmp)
+        if outcome == "ok" and cap.trigger in COMPARED_TRIGGERS:
+            comparison = self._compare(cap, ops, steps)
         cap.export["seconds"] = round(time.monotonic() - t0, 3)
         final = {**cap.public(), "status": "done", "outcome": outcome, "error": error, "summary": summary,
-                 "compute": compute}
+                 "compute": compute, "ops": ops, "steps": steps, "comparison": comparison}
         try:
             stored = self.store.save(final, None, name, trace_temp=gz_tmp if name is not None else None)
         except Exception as exc:  # disk full, unwritable directory: nothing partial is listed
             self._internal.report("trace_store", exc)
             outcome, error = "failed", f"store failed: {type(exc).__name__}: {exc}"
-            stored = {**final, "outcome": outcome, "error": error, "summary": [], "compute": {}}
-            summary, compute = [], {}
+            stored = {**final, "outcome": outcome, "error": error, "summary": [], "compute": {}, "ops": {},
+                      "steps": 0, "comparison": None}
+            summary, compute, ops, steps, comparison = [], {}, {}, 0, None
             if gz_tmp is not None:
                 self.store.remove_temp(gz_tmp)
             try:
@@ -651,6 +734,7 @@ class CaptureController:
         release_memory(collect=False)  # the summary rows: trim only (a full collection costs ~0.2 s of GIL)
         with self._lock:
             cap.summary, cap.compute, cap.outcome, cap.error = summary, compute, outcome, error
+            cap.ops, cap.steps, cap.comparison = ops, steps, comparison
             self._record(cap)
             self.current = None
             self._move("done")
@@ -659,7 +743,19 @@ class CaptureController:
                            steps=cap.steps_recorded, ended_by=cap.ended_by, trace=stored.get("trace_file"),
                            trace_bytes=stored.get("trace_bytes"))
 
-    def _summarise_in_child(self, json_tmp: str, gz_tmp: str) -> dict[str, Any]:
+    def _compare(self, cap: Capture, ops: dict[str, dict[str, float]], steps: int) -> dict[str, Any] | None:
+        """``compare(latest baseline, this capture)``, or None without a baseline; never raises (a
+        comparison that fails is reported as a ``capture_compare`` internal error, the capture stands)."""
+        try:
+            base = self.latest_baseline(cap.model)
+            if base is None:
+                return None
+            return compare(base, {**cap.public(), "ops": ops, "steps": steps})
+        except Exception as exc:
+            self._internal.report("capture_compare", exc)
+            return None
+
+    def _summarise_in_child(self, json_tmp: str, gz_tmp: str, *, device_time: bool = False) -> dict[str, Any]:
         """Run ``trace_summary.py`` on the temp trace in a child; returns its result or raises.
 
         A fresh interpreter (``subprocess``, never ``fork``: this process has threads and a profiler
@@ -674,7 +770,7 @@ class CaptureController:
             raise
         try:
             cmd = [sys.executable, "-I", _SUMMARY_SCRIPT, "--in-fd", str(src), "--gz-fd", str(dst),
-                   "--max-memory-bytes", str(int(self.export_max_memory))]
+                   "--max-memory-bytes", str(int(self.export_max_memory))] + (["--device-time"] if device_time else [])
             child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      pass_fds=(src, dst), close_fds=True)
         finally:
@@ -699,6 +795,16 @@ class CaptureController:
         key = (cap.model, cap.trigger, cap.outcome or "failed")
         self.finished[key] = self.finished.get(key, 0) + 1
         self.last_finished[key] = time.time()
+        if cap.outcome == "ok" and cap.trigger in COMPARED_TRIGGERS:
+            # Follows the latest ok capture of this kind (as perfmon_capture_timestamp_seconds{outcome="ok"}
+            # does), so a dashboard never pins an older capture's change on a newer one.
+            key2 = (cap.model, cap.trigger)
+            if cap.comparison and not cap.comparison.get("error"):
+                top = headline(cap.comparison)
+                self.comparisons[key2] = ("", "same", 0.0) if top is None else (
+                    top["op"], top["status"], float(top["added_seconds_per_call"]))
+            else:
+                self.comparisons.pop(key2, None)
         if cap.duration_seconds is not None:
             self.duration_sum += cap.duration_seconds
             self.duration_count += 1

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, TextIO
 from ._version import __version__
 from .exceptions import ConfigError
 
-__all__ = ["ControlError", "list_profiles", "main", "run_profile"]
+__all__ = ["ControlError", "diff_profiles", "list_profiles", "main", "run_profile"]
 
 
 def _positive(text: str) -> float:
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--max-seconds", type=_positive, default=None, help="window limit (default 10)")
     prof.add_argument("--out", default=None, help="where to save the .pt.trace.json.gz (default: its name, here)")
     control("profiles", "list captures")
+    diff = control("diff", "compare two captures op by op (per model call, noise-aware): what got slower, new or gone")
+    diff.add_argument("before", help="the earlier capture's id (e.g. a baseline capture)")
+    diff.add_argument("after", help="the later capture's id")
+    diff.add_argument("--rows", type=int, default=20, help="rows to print (default 20; unchanged ops last)")
     return parser
 
 
@@ -90,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "profiles":
             return list_profiles(args.url, token=args.token, timeout=args.timeout)
+        if args.command == "diff":
+            return diff_profiles(args.url, args.before, args.after, token=args.token, timeout=args.timeout,
+                                 rows=args.rows)
         return run_profile(args.url, token=args.token, model=args.model, steps=args.steps,
                            max_seconds=args.max_seconds, out=args.out, timeout=args.timeout)
     except ControlError as exc:
@@ -161,6 +169,9 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     target.write_bytes(trace)
     print(f"trace: {target} ({len(trace)} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
     _print_ops(meta.get("summary") or [], stdout)
+    comparison = meta.get("comparison")
+    if isinstance(comparison, dict):
+        print(f"\nvs baseline {comparison.get('baseline')}: {comparison.get('summary')}", file=stdout)
     compute = meta.get("compute") or {}
     if compute.get("achieved_flops_per_second"):
         mfu = f", MFU {compute['mfu_ratio']:.1%}" if compute.get("mfu_ratio") is not None else ""
@@ -192,10 +203,61 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
     if not profiles:
         print("no captures", file=stdout)
         return 0
-    print(f"{'id':<24} {'model':<16} {'trigger':<11} {'status':<10} {'outcome':<8} {'steps':>5}  armed at", file=stdout)
+    print(f"{'id':<24} {'model':<16} {'trigger':<11} {'status':<10} {'outcome':<8} {'steps':>5}  {'armed at':<29}  "
+          "vs baseline", file=stdout)
     for p in profiles:
         print(f"{p['id']:<24} {p['model'][:16]:<16} {p['trigger']:<11} {p['status']:<10} {p.get('outcome') or '-':<8} "
-              f"{p.get('steps_recorded', 0):>5}  {p.get('armed_at', '')}", file=stdout)
+              f"{p.get('steps_recorded', 0):>5}  {p.get('armed_at', ''):<29}  {_short_comparison(p)}", file=stdout)
+    return 0
+
+
+def _short_comparison(meta: dict[str, Any], width: int = 60) -> str:
+    """The comparison sentence of a listed capture, cut to ``width`` characters; "-" without one."""
+    comparison = meta.get("comparison")
+    if not isinstance(comparison, dict):
+        return "-"
+    text = str(comparison.get("error") or comparison.get("summary") or "-")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float) -> dict[str, Any]:
+    _, _, body = _request(f"{base}/profiles/{urllib.parse.quote(capture_id, safe='')}", token=token, timeout=timeout)
+    meta: dict[str, Any] = json.loads(body)
+    if not meta.get("ops"):
+        state = meta.get("outcome") or meta.get("status")
+        why = f"{state}: {meta['error']}" if meta.get("error") else state
+        raise ControlError(f"capture {capture_id} has no per-step op table to compare ({why})")
+    return meta
+
+
+def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeout: float = 30.0, rows: int = 20,
+                  stdout: TextIO | None = None) -> int:
+    """Fetch two captures' metadata from the agent and print their comparison (``perfmon.compare``):
+    per op, self time per model call before and after, calls per model call, the change and its status."""
+    from .compare import compare
+
+    stdout = stdout if stdout is not None else sys.stdout
+    base = url.rstrip("/")
+    a = _fetch_meta(base, before, token=token, timeout=timeout)
+    b = _fetch_meta(base, after, token=token, timeout=timeout)
+    if a.get("model") != b.get("model"):
+        print(f"note: different models ({a.get('model')} vs {b.get('model')})", file=stdout)
+    result = compare(a, b)
+    if result.get("error"):
+        raise ControlError(f"cannot compare {before} and {after}: {result['error']}")
+    per = "device" if str(b.get("device", "")).startswith("cuda") else "CPU"
+    print(f"{before} ({a.get('trigger')}, {a.get('steps')} steps) -> {after} ({b.get('trigger')}, {b.get('steps')} "
+          f"steps); self {per} time per model call", file=stdout)
+    print(f"\n{'op':<34} {'status':<7} {'before ms':>10} {'after ms':>10} {'added ms':>10} {'ratio':>7} "
+          f"{'calls before':>12} {'calls after':>12}", file=stdout)
+    for r in result["ops"][:max(rows, 0)]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"{r['op'][:34]:<34} {r['status']:<7} {r['seconds_per_call_before'] * 1e3:>10.3f} "
+              f"{r['seconds_per_call_after'] * 1e3:>10.3f} {r['added_seconds_per_call'] * 1e3:>+10.3f} {ratio:>7} "
+              f"{r['calls_per_call_before']:>12.1f} {r['calls_per_call_after']:>12.1f}", file=stdout)
+    if len(result["ops"]) > rows:
+        print(f"({len(result['ops']) - rows} more rows)", file=stdout)
+    print(f"\n{result['summary']}", file=stdout)
     return 0
 
 

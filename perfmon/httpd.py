@@ -40,11 +40,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
-from prometheus_client.exposition import choose_encoder
-
 from .faults import InternalErrors
 from .selfcost import AgentCpu, CpuBudget, HttpShedding
-from .server import MAX_BODY_BYTES, REASONS, Response, Router
+from .server import MAX_BODY_BYTES, REASONS, Response, Router, metrics_format
 
 __all__ = ["MAX_CONNECTIONS", "AgentServer", "AuthThrottle"]
 
@@ -571,9 +569,9 @@ class AgentServer:
             # Share a render only with requests already read when it started: a client that scrapes
             # after its own calls always sees them (the single-flight rule, without threads). The key is
             # what the answer depends on (the format Accept chooses, gzip), not the client's raw header:
-            # at most 4 distinct /metrics renders and one /stats render per batch, whatever is sent.
+            # at most 6 distinct /metrics renders (text, OpenMetrics, protobuf; gzip or not) and one /stats render.
             if clean == "/metrics":
-                key = (choose_encoder(request.headers.get("accept", ""))[1],
+                key = (metrics_format(request.headers.get("accept", ""))[1],
                        "gzip" in request.headers.get("accept-encoding", ""))
             else:
                 key = ("/stats", False)

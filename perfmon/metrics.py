@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 
 from ._version import __version__
 from .capture import CaptureController
@@ -43,7 +45,9 @@ from .generation import (
 )
 from .instrument import ModelState
 from .memory import MemorySource, read_memory
+from .native import NativeBuckets
 from .nvml import NvmlPoller, normalize_uuid
+from .promproto import NativeHistogramFamily
 from .records import DROP_REASONS, Sample, split_key
 from .regression import Detector
 from .selfcost import AgentCpu, HttpShedding
@@ -171,11 +175,16 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_captures_total": (
         "counter", "captures", ("model", "trigger", "outcome"), "Profiler captures finished, by trigger and outcome."),
     "perfmon_captures_suppressed_total": (
-        "counter", "captures", ("reason",), "Automatic captures not taken (cooldown, rate_limit, busy)."),
+        "counter", "captures", ("reason",),
+        "Automatic (regression and baseline) captures not taken (cooldown, rate_limit, busy)."),
     "perfmon_capture_in_progress": ("gauge", "boolean", (), "1 while a capture is armed, recording or exporting."),
     "perfmon_capture_timestamp_seconds": (
         "gauge", "seconds", ("model", "trigger", "outcome"),
         "Unix time the last capture of this kind ended (for dashboard annotations)."),
+    "perfmon_capture_comparison_seconds": (
+        "gauge", "seconds", ("model", "trigger", "op", "status"),
+        "Added seconds per model call of the op that changed most in the latest ok capture of this model and "
+        "trigger against the model's baseline capture (op empty and status same when none changed)."),
     "perfmon_capture_duration_seconds": (
         "summary", "seconds", (), "Time capture profiler windows were open (sum and count)."),
     # -- the agent's own cost (selfcost.py) ----------------------------------------------------
@@ -210,27 +219,53 @@ def _le(bound: float) -> str:
 
 
 class _Histogram:
-    """Bucket counts for one label set. Written by the resolver thread only; read under Metrics' lock."""
+    """Bucket counts for one label set. Written by the resolver thread only; read under Metrics' lock.
 
-    __slots__ = ("bounds", "counts", "labels", "sum")
+    With ``native`` it also keeps exponential bucket counts (``native.py``, at most 160 ints) for the
+    protobuf exposition. Each classic bucket keeps the latest exemplar that fell in it (one object per
+    bucket at most, made on the first one): OpenMetrics scrapes show it, the text format does not.
+    """
 
-    def __init__(self, bounds: tuple[float, ...], labels: tuple[str, ...]) -> None:
+    __slots__ = ("bounds", "counts", "exemplars", "labels", "native", "sum")
+
+    def __init__(self, bounds: tuple[float, ...], labels: tuple[str, ...], *, native: bool = False) -> None:
         self.bounds = bounds
         self.labels = labels  # the ``le`` strings, formatted once
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
+        self.native = NativeBuckets() if native else None
+        self.exemplars: list[Exemplar | None] | None = None
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, exemplar: Exemplar | None = None) -> None:
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le = "less or equal").
-        self.counts[bisect_left(self.bounds, value)] += 1
+        i = bisect_left(self.bounds, value)
+        self.counts[i] += 1
         self.sum += value
+        if self.native is not None:
+            self.native.observe(value)
+        if exemplar is not None:
+            if self.exemplars is None:
+                self.exemplars = [None] * len(self.counts)
+            self.exemplars[i] = exemplar
 
-    def cumulative(self) -> tuple[list[tuple[str, float]], float]:
-        out, total = [], 0
-        for le, n in zip(self.labels, self.counts):
+    def cumulative(self) -> tuple[list[tuple[str, float] | tuple[str, float, Exemplar]], float]:
+        out: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
+        total = 0
+        exemplars = self.exemplars
+        for i, (le, n) in enumerate(zip(self.labels, self.counts)):
             total += n
-            out.append((le, float(total)))
+            ex = exemplars[i] if exemplars is not None else None
+            out.append((le, float(total)) if ex is None else (le, float(total), ex))
         return out, self.sum
+
+
+def trace_exemplar(trace: tuple[int, int], value: float, end_ns: int) -> Exemplar:
+    """An OpenMetrics exemplar for one timed call: its OpenTelemetry trace and span ids (lowercase hex,
+    as W3C traceparent writes them), its duration in seconds, and the Unix time it ended (its
+    ``perf_counter_ns`` end mapped onto the wall clock now, off the request thread)."""
+    trace_id, span_id = trace
+    ended = time.time() - max(time.perf_counter_ns() - end_ns, 0) / 1e9
+    return Exemplar({"trace_id": f"{trace_id:032x}", "span_id": f"{span_id:016x}"}, value, ended)
 
 
 class Metrics:
@@ -284,13 +319,16 @@ class Metrics:
         with self._lock:
             hist = self._duration.get(key)
             if hist is None:
-                hist = self._duration[key] = _Histogram(self._bounds, self._les)
-            hist.observe(sample.duration_seconds)
+                hist = self._duration[key] = _Histogram(self._bounds, self._les, native=True)
+            exemplar = None
+            if sample.trace is not None:
+                exemplar = trace_exemplar(sample.trace, sample.duration_seconds, sample.end_ns)
+            hist.observe(sample.duration_seconds, exemplar)
             # On a wall clock, host time is the same measurement: exported only where they differ (CUDA).
             if sample.device.startswith("cuda"):
                 host = self._host.get(key)
                 if host is None:
-                    host = self._host[key] = _Histogram(self._host_bounds, self._host_les)
+                    host = self._host[key] = _Histogram(self._host_bounds, self._host_les, native=True)
                 host.observe(sample.host_seconds)
             if sample.items is not None:
                 batch = self._batch.get(sample.model)
@@ -306,24 +344,27 @@ class Metrics:
         return self._firsts.get(model)
 
     def histograms(self) -> Iterator[Metric]:
-        """The two latency histogram families, rendered from a consistent copy."""
+        """The two latency histogram families (classic and native buckets), rendered from a consistent copy."""
         with self._lock:
-            rows = [(name, key, h.cumulative()) for name, table in
+            rows = [(name, key, h.cumulative(), h.native.snapshot() if h.native is not None else None)
+                    for name, table in
                     (("perfmon_forward_duration_seconds", self._duration),
                      ("perfmon_forward_host_duration_seconds", self._host))
                     for key, h in sorted(table.items())]
             batches = [(model, h.cumulative()) for model, h in sorted(self._batch.items())]
         for name in ("perfmon_forward_duration_seconds", "perfmon_forward_host_duration_seconds"):
-            fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model", "device", "phase", "stage"])
-            for row_name, key, (buckets, total) in rows:
+            fam = NativeHistogramFamily(name, METRICS[name][3], labels=["model", "device", "phase", "stage"])
+            for row_name, key, (buckets, total), native in rows:
                 if row_name == name:
                     fam.add_metric(list(key), buckets, total)
+                    if native is not None:
+                        fam.add_native(key, native)
             yield fam
-        fam = HistogramMetricFamily("perfmon_forward_batch_size", METRICS["perfmon_forward_batch_size"][3],
-                                    labels=["model"])
+        batch = HistogramMetricFamily("perfmon_forward_batch_size", METRICS["perfmon_forward_batch_size"][3],
+                                      labels=["model"])
         for model, (buckets, total) in batches:
-            fam.add_metric([model], buckets, total)
-        yield fam
+            batch.add_metric([model], buckets, total)
+        yield batch
 
 
 class _CountsCollector(Collector):
@@ -527,6 +568,12 @@ class CaptureCollector(Collector):
         for (model, trigger, outcome), t in sorted(c.last_finished.items()):
             stamps.add_metric([model, trigger, outcome], t)
         yield stamps
+        # One series per (model, trigger): the top change of its latest compared capture (bounded labels;
+        # the dashboard joins it onto the capture annotations).
+        comparison = _family("perfmon_capture_comparison_seconds")
+        for (model, trigger), (op, status, added) in sorted(c.comparisons.items()):
+            comparison.add_metric([model, trigger, op, status], added)
+        yield comparison
         suppressed = _family("perfmon_captures_suppressed_total")
         for reason, n in c.suppressed.items():
             suppressed.add_metric([reason], n)

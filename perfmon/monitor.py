@@ -120,7 +120,11 @@ class Monitor:
             cooldown_seconds=policy.cooldown_seconds, max_auto_per_hour=policy.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
             profiler_factory=profiler_factory or torch_profiler, cpu=self._hub.cpu, peaks=self._peaks,
-            max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds)
+            max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds,
+            max_baseline_per_hour=policy.baseline_captures_per_hour)
+        #: model -> perf_counter_ns of the last look for its baseline capture (the store is read at most
+        #: every BASELINE_CHECK_SECONDS per model).
+        self._baseline_checked: dict[str, int] = {}
         self.detector = Detector(regression) if regression is not None else None
         sinks: list[Any] = [self.metrics.observe, self.windows.add]
         if self.detector is not None:
@@ -556,6 +560,7 @@ class Monitor:
         """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history."""
         if self.detector is not None:
             self._fire(self.detector.tick(now_ns))
+            self._baseline_captures(now_ns)
         self.captures.tick()
         self.generations.drain(now_ns)
         self._retry_bind(now_ns)
@@ -604,6 +609,41 @@ class Monitor:
                                      with_stack=policy.capture_with_stack,
                                      profile_memory=policy.capture_profile_memory)
             self.captures.auto(st, options, details)
+
+    def _baseline_captures(self, now_ns: int) -> None:
+        """Arm a ``baseline`` capture of a model whose baseline is learned, no regression active, when it
+        has none younger than ``baseline_capture_max_age_seconds`` (resolver thread; fail soft)."""
+        policy, det = self.regression, self.detector
+        if policy is None or det is None or not policy.baseline_capture or self.captures.state != "idle":
+            return
+        learned: dict[str, bool] = {}  # model -> every learned series healthy
+        baselines: dict[str, dict[str, Any]] = {}
+        for key, _, base, active, _ in det.views():
+            model, stage = split_key(key)
+            if base is not None or active:
+                learned[model] = learned.get(model, True) and not active
+                baselines.setdefault(model, {})[stage or "all"] = base
+        for model, healthy in learned.items():
+            last = self._baseline_checked.get(model)
+            if not healthy or (last is not None and now_ns - last < BASELINE_CHECK_SECONDS * 1e9):
+                continue
+            self._baseline_checked[model] = now_ns
+            st = self._states.get(model)
+            if st is None or not st.capturable:
+                continue
+            try:
+                meta = self.captures.latest_baseline(model)
+                age = _age_seconds(meta.get("ended_at")) if meta is not None else None
+                if age is not None and age < policy.baseline_capture_max_age_seconds:
+                    continue
+                options = CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds,
+                                         record_shapes=policy.capture_record_shapes)
+                reason = {"baseline_seconds": baselines.get(model),
+                          "previous": None if meta is None else meta.get("id")}
+                self.captures.baseline(st, options, reason)
+            except Exception as exc:
+                self._hub.internal.report("baseline_capture", exc)
+            return  # one at a time: the controller holds one capture
 
     def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
                 record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
@@ -885,6 +925,23 @@ def _prompt_shape(args: tuple[Any, ...], kwargs: Any) -> tuple[int, int | None]:
     if len(shape) == 1:
         return 1, int(shape[0])
     return int(shape[0]), int(shape[1])
+
+
+#: How often (seconds) a model's baseline capture is looked up in the trace store (a directory read).
+BASELINE_CHECK_SECONDS = 30.0
+
+
+def _age_seconds(iso: Any) -> float | None:
+    """Seconds since an ISO 8601 UTC time stamp (a capture's ``ended_at``), or None when unreadable."""
+    from datetime import datetime, timezone
+
+    try:
+        then = datetime.fromisoformat(str(iso))
+    except ValueError:
+        return None
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - then).total_seconds()
 
 
 def _group(st: ModelState) -> list[ModelState]:

@@ -38,6 +38,7 @@ class Pending(NamedTuple):
     device: str  # the device label at the time of the call ("cpu", "cuda:0")
     items: int | None = None  # items (batch size by default) the call carried, when known
     size: int | None = None  # the call's work for like-for-like detection (see Sample.size)
+    trace: tuple[int, int] | None = None  # (trace_id, span_id) of the caller's sampled OpenTelemetry span
 
 
 class Sample(NamedTuple):
@@ -56,6 +57,8 @@ class Sample(NamedTuple):
     #: callable's effective items where one is given, else the element count of the first tensor
     #: argument (``input_ids`` when passed: batch x tokens for a prefill, batch for a decode step).
     size: int | None = None
+    #: (trace_id, span_id) of the OpenTelemetry span the call ran in (sampled spans only; exemplars.py).
+    trace: tuple[int, int] | None = None
 
 
 def series_key(model: str, stage: str) -> str:

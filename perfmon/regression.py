@@ -70,18 +70,24 @@ class RegressionPolicy:
     #: Heavy (Python stacks, allocator events): off by default for automatic captures; a warning if on.
     capture_with_stack: bool = False
     capture_profile_memory: bool = False
+    #: Once a model's baseline is learned, one short ``baseline`` capture of it (the reference later
+    #: regression and manual captures are compared with), taken again when older than the max age.
+    baseline_capture: bool = True
+    baseline_capture_max_age_seconds: float = 6 * 3600.0
+    baseline_captures_per_hour: int = 4
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"RegressionPolicy {name}={getattr(self, name)!r}: {why}")
 
-        for name in ("window_seconds", "cooldown_seconds", "capture_max_seconds"):
+        for name in ("window_seconds", "cooldown_seconds", "capture_max_seconds", "baseline_capture_max_age_seconds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise bad(name, "must be a finite number of seconds > 0")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 1.0 < self.ratio < math.inf:
             raise bad("ratio", "must be a number > 1")
-        for name in ("min_samples", "consecutive", "baseline_windows", "max_captures_per_hour"):
+        for name in ("min_samples", "consecutive", "baseline_windows", "max_captures_per_hour",
+                     "baseline_captures_per_hour"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be an integer >= 1")
@@ -91,7 +97,7 @@ class RegressionPolicy:
         if not self.quantiles or any(q not in QUANTILE_LEVELS for q in self.quantiles):
             raise bad("quantiles", f"must be a non-empty subset of {sorted(QUANTILE_LEVELS)}")
         object.__setattr__(self, "quantiles", tuple(self.quantiles))
-        for name in ("capture_record_shapes", "capture_with_stack", "capture_profile_memory"):
+        for name in ("capture_record_shapes", "capture_with_stack", "capture_profile_memory", "baseline_capture"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         if self.capture_with_stack or self.capture_profile_memory:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.exposition import choose_encoder
 
+from . import promproto
 from ._version import __version__
 from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from .monitor import Monitor
 
 __all__ = ["CONTROL_HEADER", "MAX_BODY_BYTES", "REASONS", "Response", "Router", "host_names_agent", "is_loopback",
-           "make_asgi_app", "make_wsgi_app", "owner_without_token"]
+           "make_asgi_app", "make_wsgi_app", "metrics_format", "owner_without_token"]
 
 _JSON = "application/json"
 
@@ -194,7 +195,7 @@ class Router:
     # -- open routes ---------------------------------------------------------------------------
 
     def _metrics(self, headers: Mapping[str, str]) -> Response:
-        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        encoder, content_type = metrics_format(headers.get("accept", ""))
         body = self._render(encoder, content_type)
         extra: list[tuple[str, str]] = []
         if "gzip" in headers.get("accept-encoding", ""):
@@ -362,7 +363,7 @@ def openapi_document() -> dict[str, Any]:
         "info": {"title": "perfmon agent", "version": __version__,
                  "description": "Metrics, stats and the profiler capture API of an in-process perfmon agent."},
         "paths": {
-            "/metrics": {"get": {"summary": "Prometheus metrics (text, or OpenMetrics by Accept)",
+            "/metrics": {"get": {"summary": "Prometheus metrics (text; OpenMetrics or protobuf by Accept)",
                                  "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "OK"},
                                                                        **errors(503)}}},
@@ -383,7 +384,8 @@ def openapi_document() -> dict[str, Any]:
             "/profiles": {"get": {"summary": "Captures, newest first", "security": auth, "parameters": [control],
                                   "responses": {"200": {"description": "OK", "content": {_JSON: {}}},
                                                 **errors(401, 403)}}},
-            "/profiles/{id}": {"get": {"summary": "A capture's metadata and op summary", "security": auth,
+            "/profiles/{id}": {"get": {"summary": "A capture's metadata, op summary, per-step op table and "
+                                                  "comparison with its model's baseline capture", "security": auth,
                                        "parameters": [capture_id, control],
                                        "responses": {"200": {"description": "OK", "content": {_JSON: {}}},
                                                      **errors(401, 403, 404)}}},
@@ -420,8 +422,22 @@ def _unknown_capture(capture_id: str) -> Response:
 
 
 def _brief(meta: dict[str, Any]) -> dict[str, Any]:
-    """A capture without its op summary, for listings."""
-    return {k: v for k, v in meta.items() if k != "summary"}
+    """A capture without its op summary and per-step op table, its comparison reduced to the sentence,
+    for listings (``/profiles/{id}`` has them all)."""
+    out = {k: v for k, v in meta.items() if k not in ("summary", "ops")}
+    comparison = meta.get("comparison")
+    if isinstance(comparison, dict):
+        out["comparison"] = {k: comparison.get(k) for k in ("baseline", "summary", "error") if k in comparison}
+    return out
+
+
+def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
+    """The /metrics encoder and content type ``accept`` asks for: the protobuf exposition when it ranks
+    first (Prometheus with native histograms enabled: the only format it reads them from), else what
+    prometheus_client negotiates (OpenMetrics, with exemplars, or the text format by default)."""
+    if promproto.wants_protobuf(accept):
+        return promproto.generate, promproto.CONTENT_TYPE
+    return choose_encoder(accept)
 
 
 def _typename(typ: type | tuple[type, ...]) -> str:

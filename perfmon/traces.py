@@ -50,7 +50,8 @@ TRACE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}_[0-9]{1,10}\.[0-9]{1
 TEMP_NAME = re.compile(r"^\.tmp\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{16}\.[a-z.]{1,16}$")
 #: A temp file older than this is swept even if its pid is alive (a reused pid, another host's).
 TEMP_MAX_AGE_SECONDS = 3600.0
-#: Metadata files are small (an op summary of <= 25 rows); a bigger one is not ours.
+#: Metadata files are small (an op summary of <= 25 rows, a per-step table of <= 201 op names and a
+#: comparison of <= 402 rows: well under 1 MiB); a bigger one is not ours.
 META_MAX_BYTES = 4 * 2**20
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -196,8 +197,12 @@ class TraceStore:
 
     The metadata file is written last, so a capture is listed only once everything it names exists.
     Retention keeps at most ``max_files`` captures and ``max_bytes`` of traces; the oldest go first,
-    and the newest capture is kept whatever its size. Reads of an unsafe directory see nothing;
-    writes raise ``UnsafeTraceDir`` (see the module docstring).
+    and the newest capture is kept whatever its size. So is each model's newest successful baseline
+    capture (trigger ``baseline``, outcome ``ok``): later captures are compared with it, so a burst
+    of captures must not push it out. Kept baselines count toward both limits and other captures go
+    first; the store exceeds a limit only when the baselines (one per model) and the newest capture
+    alone do. Reads of an unsafe directory see nothing; writes raise ``UnsafeTraceDir`` (see the
+    module docstring).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_files: int, max_bytes: int) -> None:
@@ -344,13 +349,26 @@ class TraceStore:
         return self.directory / name
 
     def _retain(self, dfd: int) -> None:
-        kept_bytes = 0
-        for i, meta_name in enumerate(_meta_names(dfd)):
+        entries = []
+        baselines: set[str] = set()  # models whose newest ok baseline is already pinned
+        for meta_name in _meta_names(dfd):  # newest first
             meta = self._meta(dfd, meta_name) or {}
             size = meta.get("trace_bytes")
             size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else 0
+            model = meta.get("model")
+            pinned = False
+            if meta.get("trigger") == "baseline" and meta.get("outcome") == "ok" and isinstance(model, str):
+                pinned = model not in baselines
+                baselines.add(model)
+            entries.append((meta_name, meta, size, pinned))
+        kept_files = sum(1 for e in entries if e[3])
+        kept_bytes = sum(e[2] for e in entries if e[3])
+        for i, (meta_name, meta, size, pinned) in enumerate(entries):
+            if pinned:
+                continue
             # The newest capture is always kept: the one an operator just asked for must be fetchable.
-            if i == 0 or (i < self.max_files and kept_bytes + size <= self.max_bytes):
+            if i == 0 or (kept_files < self.max_files and kept_bytes + size <= self.max_bytes):
+                kept_files += 1
                 kept_bytes += size
                 continue
             name = meta.get("trace_file")

@@ -38,6 +38,14 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]["result"]  # type: ignore[no-any-return]
 
+    def query_exemplars(self, promql: str, start: float, end: float) -> list[dict[str, Any]]:
+        """/api/v1/query_exemplars over [start, end] (Unix seconds): series with their exemplars."""
+        qs = urllib.parse.urlencode({"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query_exemplars?{qs}", timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"] or []  # type: ignore[no-any-return]
+
     def wait_for(self, promql: str, timeout: float = 40.0) -> list[dict[str, Any]]:
         """Poll an instant query until it returns a non-empty vector, or fail at the deadline."""
         from .conftest import wait_until
@@ -47,8 +55,8 @@ class Prometheus:
 
 @contextmanager
 def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s",
-                       rule_files: list[str] | None = None) -> Iterator[Prometheus]:
-    """Start prometheus scraping ``targets`` (host:port); stop it afterwards."""
+                       rule_files: list[str] | None = None, features: tuple[str, ...] = ()) -> Iterator[Prometheus]:
+    """Start prometheus scraping ``targets`` (host:port), with ``--enable-feature`` flags; stop it afterwards."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not installed (make test installs Debian's prometheus package when it can)")
@@ -67,7 +75,7 @@ def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s
     log = (tmp / "prometheus.log").open("wb")
     proc = subprocess.Popen(
         [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
+         f"--web.listen-address=127.0.0.1:{port}", *(f"--enable-feature={f}" for f in features)],
         stdout=log, stderr=subprocess.STDOUT)
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import perfmon
+from perfmon.capture import CaptureOptions
 from perfmon.metrics import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
@@ -50,9 +51,14 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
         model(torch.ones(1, 2))
     mon.flush()
     mon.detector.tick(time.perf_counter_ns() + 3_000_000_000)  # close the window: a baseline exists
+    # A baseline capture first, so that the manual one is compared with it (the comparison gauge has a sample).
+    base = mon.captures.baseline(mon._pick_model("m"), CaptureOptions(steps=1), {"test": "docs"})
+    assert base is not None
+    model(torch.ones(1, 2))
+    wait_capture(mon, base.id)
     cap = mon.capture("m", steps=1)
     model(torch.ones(1, 2))
-    wait_capture(mon, cap["id"])
+    assert wait_capture(mon, cap["id"])["comparison"]["baseline"] == base.id
     try:
         model(torch.ones(1, 3))
     except RuntimeError:
@@ -80,7 +86,7 @@ def test_public_surface_is_locked() -> None:
     assert len(perfmon.__all__) == len(set(perfmon.__all__))
     assert set(perfmon.__all__) == {
         "DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "CaptureBusy", "CaptureRateLimited", "Config",
-        "ConfigError", "CudaBackend", "RegressionPolicy",
+        "ConfigError", "CudaBackend", "FINE_BUCKETS", "RegressionPolicy",
         "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "PortUnavailable", "Span", "TimingEvent",
         "WrapError", "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -266,3 +267,45 @@ def test_ten_minutes_of_20pct_noise_with_a_drifting_mix_never_fire(seed: int) ->
     latency = per_item(0.002, 0.0002, noise=lambda rng: rng.uniform(0.8, 1.2))
     assert feed_sized(det, "m", 600, 100, latency, drifting, 0, random.Random(seed)) == []
     assert len(det.classes("m")) >= 6
+
+
+def test_a_learned_baseline_takes_one_baseline_capture_that_later_captures_compare_with(make_monitor) -> None:
+    """Once a model's baseline is learned, the monitor takes one short `baseline` capture by itself (not
+    again while it is younger than its max age); a manual capture then carries a comparison with it."""
+    import torch
+
+    from .conftest import wait_capture, wait_until
+
+    policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, capture_steps=3)
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
+    model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)),
+                     name="mlp")
+    x = torch.randn(4, 32)
+    base = wait_until(lambda: mon.captures.latest_baseline("mlp"), timeout=60, what="a baseline capture",
+                      between=lambda: model(x))
+    assert base["trigger"] == "baseline" and base["outcome"] == "ok" and base["reason"]["baseline_seconds"]
+    for _ in range(50):  # more windows close: no second baseline capture while the first is young
+        model(x)
+    mon.flush()
+    assert [p["trigger"] for p in mon.profiles()].count("baseline") == 1
+    cap = mon.capture("mlp", steps=3)
+    meta = wait_capture(mon, cap["id"], drive=lambda: model(x))
+    assert meta["outcome"] == "ok" and meta["comparison"]["baseline"] == base["id"]
+
+
+def test_no_baseline_capture_when_switched_off(make_monitor) -> None:
+    """``baseline_capture=False``: the baseline is learned and no capture is taken."""
+    import torch
+
+    from .conftest import wait_until
+
+    policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, baseline_capture=False)
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
+    model = mon.wrap(torch.nn.Linear(8, 8), name="lin")
+    wait_until(lambda: mon.detector.baseline("lin"), timeout=30, what="a learned baseline",
+               between=lambda: model(torch.randn(2, 8)))
+    for _ in range(20):
+        model(torch.randn(2, 8))
+    mon.flush()
+    mon._tick(time.perf_counter_ns())
+    assert mon.captures.state == "idle" and mon.profiles() == []

@@ -1,0 +1,198 @@
+"""Which ops changed between two captures of a model: a noise-aware diff of their per-step op tables.
+
+Each capture stores ``ops`` (see ``perfmon.trace_summary.step_table``): per op name, its mean calls
+and self seconds per recorded step (one step = one call of the model; self *device* time on a CUDA
+capture, self CPU time on CPU) and the standard deviation of those seconds over the steps. ``compare``
+lines the two tables up by op name and says, per op, how many seconds a model call gained or lost.
+
+The noise rule. Steps of one capture differ from each other (scheduling, caches, clocks), so two
+captures of an unchanged model never agree exactly. A change ``Δ = after - before`` (seconds per call)
+counts only when it is larger than the *noise bound*::
+
+    noise = max(SIGMAS · sqrt(sd_b² / n_b + sd_a² / n_a),   # 3 standard errors of the difference of the means
+                REL_FLOOR · before,                         # 25 % of the op's own time before
+                SHARE_FLOOR · call_before,                  # 2 % of the whole call's op time before
+                ABS_FLOOR)                                  # 2 µs a call
+
+``sd`` are the per-step standard deviations (seconds), ``n`` the steps each capture used and
+``call_before`` the sum of every op's self seconds per call in the baseline. The first term is the
+spread the captures themselves measured (a Welch-style test at about 3 sigma). It is not enough on its
+own: the steps of one capture are consecutive calls a few milliseconds apart, while the two captures
+are minutes or hours apart, and what drifts in between (another tenant, clocks, a warmer cache, the
+profiler's own first session) moves every op at once. Measured on a shared 2-core CPU, six captures
+of an unchanged 768-wide MLP (30 steps each): its matmul moved -6 % to +26 % against the baseline
+while its per-step spread allowed ±3 %; in captures of a 2 ms call, its 5-50 µs ops moved by up to
+3x (+34 µs, 1.7 % of the call) while their per-step spread allowed ±2 µs. Hence the floors: a change
+under a quarter of the op's own time (``REL_FLOOR``), or under 2 % of the whole call (``SHARE_FLOOR``:
+too small to explain a regression of the call), or under 2 µs (``ABS_FLOOR``: dispatch jitter) is
+not reported. All four are keyword arguments of ``compare``. Statuses:
+
+* ``slower`` / ``faster``: in both tables, ``|Δ| > noise``;
+* ``new``: absent before (or called 0 times a step), and its time after is above the noise bound
+  (computed with ``before = 0``); ``gone``: the reverse;
+* ``same``: everything else, tiny ops that appear or disappear included.
+
+Rows are ranked by added seconds per call, largest first (the ops that cost the most extra time lead;
+``faster``/``gone`` rows, which save time, come after the ``slower``/``new`` ones), with ``same`` rows
+after all of them. Two captures of different device kinds (``cpu`` vs ``cuda``) measure different
+times (host vs device) and are not compared: the result carries an ``error`` instead.
+
+Pure functions on metadata dicts; no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "headline", "noise_bound"]
+
+#: Standard errors of the difference of two means beyond which a change is not run-to-run spread.
+SIGMAS = 3.0
+#: A change under this fraction of the op's own time before is never reported.
+REL_FLOOR = 0.25
+#: A change under this fraction of the baseline call's op time (all ops' self seconds a call) is never reported.
+SHARE_FLOOR = 0.02
+#: Seconds per model call under which a change (or an op appearing, disappearing) is never reported.
+ABS_FLOOR = 2e-6
+STATUSES = ("slower", "faster", "new", "gone", "same")
+TIMES = "\N{MULTIPLICATION SIGN}"  # as in "2.1x slower", with the typographic sign
+#: The op table's bucket of the names past its cap (see ``trace_summary.step_table``).
+OTHER = "[other]"
+
+
+def noise_bound(before: float, sd_before: float, n_before: int, sd_after: float, n_after: int, *,
+                call_before: float = 0.0, sigmas: float = SIGMAS, rel_floor: float = REL_FLOOR,
+                share_floor: float = SHARE_FLOOR, abs_floor: float = ABS_FLOOR) -> float:
+    """Seconds per call a change must exceed to count (the module docstring's rule).
+
+    ``before`` is the op's mean seconds per call before; ``sd_*`` the per-step standard deviations in
+    seconds; ``n_*`` the steps each capture used (a count under 1 is taken as 1); ``call_before`` all
+    ops' self seconds per call in the baseline.
+    """
+    spread = math.sqrt(sd_before ** 2 / max(n_before, 1) + sd_after ** 2 / max(n_after, 1))
+    return max(sigmas * spread, rel_floor * before, share_floor * call_before, abs_floor)
+
+
+def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, sigmas: float = SIGMAS,
+            rel_floor: float = REL_FLOOR, share_floor: float = SHARE_FLOOR,
+            abs_floor: float = ABS_FLOOR) -> dict[str, Any]:
+    """The op-by-op change from ``before_meta`` (the baseline capture) to ``after_meta``.
+
+    Both are capture metadata as ``/profiles/{id}`` returns them (``id``, ``device``, ``ops``, ``steps``).
+    Returns ``{"baseline": before id, "capture": after id, "ops": [rows], "summary": sentence,
+    "seconds_per_call_before", "seconds_per_call_after"}`` (the totals: all ops' self seconds per call),
+    or the same keys with ``"error"`` set and no rows when the captures cannot be compared (different
+    device kinds, no op table). Each row: ``op``; ``seconds_per_call_before`` / ``_after`` (the op's
+    self seconds per model call); ``calls_per_call_before`` / ``_after`` (its calls per model call);
+    ``added_seconds_per_call`` (after - before); ``ratio`` (after / before, None when before is 0);
+    ``noise_seconds_per_call`` (the bound the change was judged against); ``status``.
+    """
+    out: dict[str, Any] = {"baseline": before_meta.get("id"), "capture": after_meta.get("id"), "ops": [],
+                           "summary": ""}
+    kind_b, kind_a = _device_kind(before_meta.get("device")), _device_kind(after_meta.get("device"))
+    if kind_b != kind_a:
+        out["error"] = (f"not comparable: the baseline ran on {kind_b or 'an unknown device'}, this capture on "
+                        f"{kind_a or 'an unknown device'} (device time vs host time)")
+        out["summary"] = out["error"]
+        return out
+    table_b, n_b = _table(before_meta)
+    table_a, n_a = _table(after_meta)
+    missing = [what for what, (table, n) in (("baseline", (table_b, n_b)), ("capture", (table_a, n_a)))
+               if table is None or n < 1]
+    if missing:
+        out["error"] = f"not comparable: the {' and the '.join(missing)} has no per-step op table"
+        out["summary"] = out["error"]
+        return out
+    assert table_b is not None and table_a is not None
+    call_before = sum(_stats(e)[0] for e in table_b.values())
+    rows: list[dict[str, Any]] = []
+    for name in sorted(table_b.keys() | table_a.keys()):
+        b, a = table_b.get(name), table_a.get(name)
+        sec_b, sd_b, calls_b = _stats(b)
+        sec_a, sd_a, calls_a = _stats(a)
+        noise = noise_bound(sec_b, sd_b, n_b, sd_a, n_a, call_before=call_before, sigmas=sigmas,
+                            rel_floor=rel_floor, share_floor=share_floor, abs_floor=abs_floor)
+        delta = sec_a - sec_b
+        if not calls_b and calls_a:
+            status = "new" if sec_a > noise else "same"
+        elif calls_b and not calls_a:
+            status = "gone" if sec_b > noise else "same"
+        elif abs(delta) > noise:
+            status = "slower" if delta > 0 else "faster"
+        else:
+            status = "same"
+        rows.append({"op": name, "seconds_per_call_before": sec_b, "seconds_per_call_after": sec_a,
+                     "calls_per_call_before": calls_b, "calls_per_call_after": calls_a,
+                     "added_seconds_per_call": delta, "ratio": sec_a / sec_b if sec_b > 0 else None,
+                     "noise_seconds_per_call": noise, "status": status})
+    rows.sort(key=lambda r: (r["status"] == "same", -r["added_seconds_per_call"], r["op"]))
+    out["ops"] = rows
+    out["seconds_per_call_before"] = sum(r["seconds_per_call_before"] for r in rows)
+    out["seconds_per_call_after"] = sum(r["seconds_per_call_after"] for r in rows)
+    out["summary"] = _sentence(rows, out["seconds_per_call_before"], out["seconds_per_call_after"])
+    return out
+
+
+def headline(comparison: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The row that moved a call's time the most (largest ``|added_seconds_per_call|`` not ``same``), or None."""
+    changed = [r for r in comparison.get("ops") or () if r.get("status") != "same"]
+    return max(changed, key=lambda r: abs(r["added_seconds_per_call"]), default=None)
+
+
+def _device_kind(device: Any) -> str | None:
+    """``cpu`` / ``cuda`` / ... from ``cuda:0``; None when unknown."""
+    if not device:
+        return None
+    return str(device).partition(":")[0] or None
+
+
+def _table(meta: Mapping[str, Any]) -> tuple[dict[str, Any] | None, int]:
+    ops, steps = meta.get("ops"), meta.get("steps")
+    if not isinstance(ops, Mapping) or not isinstance(steps, int) or isinstance(steps, bool):
+        return None, 0
+    return dict(ops), steps
+
+
+def _stats(entry: Any) -> tuple[float, float, float]:
+    """(mean seconds, stdev seconds, mean calls) per step of one table entry; zeros when absent."""
+    if not isinstance(entry, Mapping):
+        return 0.0, 0.0, 0.0
+    return (float(entry.get("seconds_per_step") or 0.0), float(entry.get("seconds_per_step_stdev") or 0.0),
+            float(entry.get("calls_per_step") or 0.0))
+
+
+def _ms(seconds: float) -> str:
+    """A duration for a sentence: ms with two significant decimals, µs below 0.1 ms."""
+    if abs(seconds) < 1e-4:
+        return f"{seconds * 1e6:.0f} µs"
+    return f"{seconds * 1e3:.2g} ms" if abs(seconds) < 1e-3 else f"{seconds * 1e3:.1f} ms"
+
+
+def _signed(seconds: float) -> str:
+    return ("+" if seconds >= 0 else "-") + _ms(abs(seconds))
+
+
+def _phrase(row: Mapping[str, Any]) -> str:
+    op, status, added = row["op"], row["status"], row["added_seconds_per_call"]
+    if status == "new":
+        return f"new {op} adds {_ms(added)} a call"
+    if status == "gone":
+        return f"{op} gone ({_signed(added)} a call)"
+    ratio = row.get("ratio")
+    if ratio is None:
+        return f"{op} {status} ({_signed(added)} a call)"
+    times = ratio if status == "slower" else 1.0 / ratio if ratio > 0 else math.inf
+    return f"{op} {times:.1f}{TIMES} {status} ({_signed(added)} a call)"
+
+
+def _sentence(rows: list[dict[str, Any]], total_before: float, total_after: float, top: int = 3) -> str:
+    """One sentence: the (up to ``top``) changes that moved a call's time the most, then the totals."""
+    changed = sorted((r for r in rows if r["status"] != "same"), key=lambda r: -abs(r["added_seconds_per_call"]))
+    if not changed:
+        return "no op changed beyond run-to-run spread"
+    text = "; ".join(_phrase(r) for r in changed[:top])
+    if len(changed) > top:
+        text += f"; {len(changed) - top} more changed"
+    return f"{text} (ops {_ms(total_before)} → {_ms(total_after)} a call)"

@@ -1,0 +1,34 @@
+"""The active OpenTelemetry span of a timed call, for exemplars: the only ``opentelemetry`` importer.
+
+opentelemetry-api is optional (``pip install perfmon[otel]``): without it, or without a sampled
+span around the call, a timed call carries no trace and nothing changes. The reader runs on the
+timed (sampled) path only, after the call's end was stamped, so it is never in the measured time
+and never on an unsampled call; what it returns is two ints (the hex strings are made by the
+resolver thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["TraceReader", "otel_reader"]
+
+#: Returns (trace_id, span_id) of the calling context's span when one is valid and sampled, else None.
+TraceReader = Callable[[], "tuple[int, int] | None"]
+
+
+def otel_reader() -> TraceReader | None:
+    """A reader of the current OpenTelemetry span, or None when opentelemetry-api is not installed."""
+    try:
+        from opentelemetry.trace import get_current_span
+    except ImportError:
+        return None
+
+    def read() -> tuple[int, int] | None:
+        ctx = get_current_span().get_span_context()
+        # A span that is not sampled has no trace to link to in the tracing backend: no exemplar.
+        if ctx.trace_id and ctx.span_id and ctx.trace_flags.sampled:
+            return (ctx.trace_id, ctx.span_id)
+        return None
+
+    return read

@@ -1,0 +1,38 @@
+"""The series budget of docs/metrics.md, measured on a live registry rather than restated."""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import generate_latest
+
+import perfmon
+
+#: docs/metrics.md, "Series budget": per CPU model with one stage, cold and steady phases.
+LATENCY_BUCKET_BUDGET = 100
+MODEL_SERIES_BUDGET = 140
+
+
+def _series(make_monitor, **kw: object) -> list[str]:
+    """Sample lines of a scrape after a CPU model saw cold and steady calls and one error."""
+    mon = make_monitor(sample_rate=0.5, **kw).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    for _ in range(50):
+        model(torch.randn(2, 4))
+    try:
+        model(torch.randn(2, 5))
+    except RuntimeError:
+        pass
+    assert mon.flush()
+    return [ln for ln in generate_latest(mon.registry).decode().splitlines() if ln and not ln.startswith("#")]
+
+
+def test_default_grid_meets_the_series_budget_at_half_the_fine_grid(make_monitor) -> None:
+    """A CPU model's latency histogram costs <= 100 bucket series (88), at most half of FINE_BUCKETS' (178)."""
+    lines = [ln for ln in _series(make_monitor) if 'model="lin"' in ln]
+    latency = [ln for ln in lines if ln.startswith("perfmon_forward_duration_seconds_bucket{")]
+    assert len(latency) == 2 * (len(perfmon.DEFAULT_BUCKETS) + 1) <= LATENCY_BUCKET_BUDGET
+    fine = [ln for ln in _series(make_monitor, buckets=perfmon.FINE_BUCKETS)
+            if ln.startswith("perfmon_forward_duration_seconds_bucket{")]
+    assert len(fine) == 2 * (len(perfmon.FINE_BUCKETS) + 1) and len(latency) <= len(fine) // 2
+    # every series the model costs (latency, batch size, counts, drops, gauges), within the documented budget
+    assert len(lines) <= MODEL_SERIES_BUDGET, len(lines)

@@ -1,0 +1,144 @@
+"""Exemplars: a timed call inside a sampled OpenTelemetry span links its latency bucket to its trace."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("opentelemetry.trace", reason="exemplars need opentelemetry-api (perfmon[otel])")
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from perfmon.testing import BusyWait
+
+from .conftest import http, promtool_check, wait_until
+from .prom import running_prometheus
+
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+SPAN_ID = 0xB7AD6B7169203331
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
+
+
+def _span(sampled: bool = True, trace_id: int = TRACE_ID, span_id: int = SPAN_ID) -> Any:
+    """The application's current span, as an instrumented server would have it (no SDK needed)."""
+    flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    return trace.use_span(NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags)))
+
+
+def _bucket_lines(body: bytes, model: str) -> list[str]:
+    return [ln for ln in body.decode().splitlines()
+            if ln.startswith("perfmon_forward_duration_seconds_bucket{") and f'model="{model}"' in ln]
+
+
+def test_the_span_is_read_on_timed_calls_only(make_monitor) -> None:
+    """The trace reader runs once per timed call and never on an unsampled one."""
+    mon = make_monitor(sample_rate=0.02, warmup_calls=3).start()
+    reads = []
+    real = mon._hub.trace_reader
+    assert real is not None  # opentelemetry-api is installed in the test environment
+
+    def counting() -> Any:
+        reads.append(1)
+        return real()
+
+    mon._hub.trace_reader = counting
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    with _span():
+        for _ in range(2000):
+            model(torch.randn(1, 4))
+    assert mon.flush()
+    sampled = mon.stats()["models"]["lin"]["sampled"]
+    assert 3 <= len(reads) == sampled < 200, (len(reads), sampled)
+
+
+def test_openmetrics_scrape_carries_the_latest_exemplar_per_bucket_and_text_does_not(make_monitor) -> None:
+    """OpenMetrics shows {trace_id, span_id} value timestamp on the bucket a call fell in; text is unchanged."""
+    mon = make_monitor(port=0, sample_rate=1.0, warmup_calls=1).start()
+    model = mon.wrap(BusyWait(0.002), name="busy")
+    plain = mon.wrap(BusyWait(0.002), name="plain")
+    with _span(trace_id=1, span_id=1):
+        model(torch.zeros(1))  # the cold call: its own phase's histogram
+    with _span():
+        for _ in range(5):
+            model(torch.zeros(1))  # the latest of these is the bucket's exemplar
+    with _span(sampled=False, trace_id=2, span_id=2):
+        plain(torch.zeros(1))  # an unsampled trace: nothing to link to
+    plain(torch.zeros(1))  # no span at all
+    assert mon.flush()
+    _, headers, om = http(mon.url + "/metrics", headers={"Accept": OPENMETRICS})
+    assert headers["content-type"].startswith("application/openmetrics-text")
+    steady = [ln for ln in _bucket_lines(om, "busy") if 'phase="steady"' in ln and " # " in ln]
+    assert len(steady) == 1, steady  # one bucket holds all five 2 ms calls, and one exemplar
+    exemplar = steady[0].split(" # ", 1)[1]
+    assert exemplar.startswith('{span_id="b7ad6b7169203331",trace_id="0af7651916cd43dd8448eb211c80319c"} 0.00')
+    value, stamp = (float(x) for x in exemplar.split("} ", 1)[1].split())
+    assert 0.002 <= value < 0.01 and abs(stamp - time.time()) < 60
+    le = float(steady[0].split('le="', 1)[1].split('"', 1)[0])
+    assert value <= le  # it sits on the bucket its value fell in
+    assert not [ln for ln in _bucket_lines(om, "plain") if " # " in ln]
+    _, headers, text = http(mon.url + "/metrics")
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "trace_id" not in text.decode() and promtool_check(text).returncode == 0
+
+
+@pytest.mark.prometheus
+@pytest.mark.parametrize("features", [("exemplar-storage",), ("exemplar-storage", "native-histograms")],
+                         ids=["openmetrics", "protobuf"])
+def test_real_prometheus_returns_the_exemplar(make_monitor, tmp_path: Path, features: tuple[str, ...]) -> None:
+    """Prometheus 2.42 with exemplar storage scrapes the agent and returns the call's trace id from
+    /api/v1/query_exemplars (through OpenMetrics, and through protobuf with native histograms on)."""
+    mon = make_monitor(port=0, sample_rate=0.25).start()
+    model = mon.wrap(BusyWait(0.001), name="traced")
+    stop = threading.Event()
+
+    def drive() -> None:
+        x = torch.zeros(1)
+        deadline = time.monotonic() + 120
+        with _span():
+            while not stop.is_set() and time.monotonic() < deadline:
+                model(x)
+                stop.wait(0.002)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    try:
+        with running_prometheus(tmp_path, [mon.url.removeprefix("http://")], features=features) as prom:
+            started = time.time() - 60
+            name = ("perfmon_forward_duration_seconds" if "native-histograms" in features
+                    else "perfmon_forward_duration_seconds_bucket")
+
+            def exemplars() -> list[dict[str, Any]]:
+                return [e for series in prom.query_exemplars(f'{name}{{model="traced"}}', started, time.time() + 60)
+                        for e in series.get("exemplars", [])]
+
+            found = wait_until(exemplars, timeout=40, what="an exemplar in Prometheus")
+            assert {e["labels"]["trace_id"] for e in found} == {f"{TRACE_ID:032x}"}
+            assert {e["labels"]["span_id"] for e in found} == {f"{SPAN_ID:016x}"}
+            assert all(0.001 <= float(e["value"]) < 0.1 for e in found)
+            # no label or series per trace id: the series are the usual ones
+            assert not prom.query('{__name__=~"perfmon_forward_duration_seconds.*", trace_id!=""}')
+    finally:
+        stop.set()
+        t.join(10)
+
+
+def test_a_failing_trace_reader_costs_the_exemplar_not_the_sample(make_monitor) -> None:
+    """A tracer that raises is counted as an internal error; the call is still timed and returns."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1).start()
+
+    def broken() -> Any:
+        raise RuntimeError("tracer broke")
+
+    mon._hub.trace_reader = broken
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    for _ in range(5):
+        assert model(torch.randn(1, 4)).shape == (1, 4)
+    assert mon.flush()
+    assert mon.registry.get_sample_value("perfmon_internal_errors_total", {"stage": "exemplar"}) == 5
+    assert mon.registry.get_sample_value("perfmon_forward_duration_seconds_count",
+                                         {"model": "lin", "device": "cpu", "phase": "steady", "stage": ""}) == 4
