@@ -42,6 +42,7 @@ import gzip
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -125,6 +126,51 @@ def flops(name: str, dims: list[Any], types: list[Any], concrete: list[Any]) -> 
     return 0
 
 
+#: A ``"name"`` line (Kineto writes one field a line) with a quote after its closing one: torch's
+#: Chrome trace writer does not escape quotes in op and annotation names (``record_function('a "b"')``
+#: gives ``"name": "a "b"",``), which makes the whole file invalid JSON. Checked per chunk in C.
+_SUSPECT = re.compile(rb'(?m)^[ \t]*"name": "[^"\n]*"[^\n]*"')
+_NAME_LINE = re.compile(rb'(?m)^([ \t]*"name": ")(.*)(",?[ \t\r]*)$')
+_BARE_QUOTE = re.compile(rb'(?<!\\)"')
+
+
+def _escape_name(m: re.Match[bytes]) -> bytes:
+    inner = m.group(2)
+    if b'"' not in inner.replace(b'\\"', b""):
+        return m.group(0)  # escaped already: valid
+    return m.group(1) + _BARE_QUOTE.sub(b'\\"', inner) + m.group(3)
+
+
+def repairing(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """``read`` that returns whole lines, with unescaped quotes inside ``"name"`` values escaped.
+
+    Only lines that need it are rewritten (a chunk is scanned by one regular expression first), so a
+    valid trace passes through byte for byte, and the gzipped copy of a broken one loads in Perfetto.
+    """
+    pending = b""
+    eof = False
+
+    def read_lines(n: int) -> bytes:
+        nonlocal pending, eof
+        while not eof:
+            chunk = read(n)
+            if not chunk:
+                eof = True
+                break
+            pending += chunk
+            cut = pending.rfind(b"\n")
+            if cut < 0 and len(pending) > 4 * CHUNK_BYTES:
+                out, pending = pending, b""  # no lines (not Kineto's layout): passed through, memory bounded
+                return out
+            if cut >= 0:
+                out, pending = pending[:cut + 1], pending[cut + 1:]
+                return _NAME_LINE.sub(_escape_name, out) if _SUSPECT.search(out) else out
+        out, pending = pending, b""
+        return _NAME_LINE.sub(_escape_name, out) if _SUSPECT.search(out) else out
+
+    return read_lines
+
+
 def iter_events(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | None = None
                 ) -> Iterator[dict[str, Any]]:
     """The objects of the trace's ``traceEvents`` array, one at a time, reading ``CHUNK_BYTES`` at a time.
@@ -132,6 +178,7 @@ def iter_events(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] 
     ``on_chunk`` sees every byte read (the gzip writer); the rest of the file is read through to the
     end after the array so that it gets them all.
     """
+    read = repairing(read)
     decoder = json.JSONDecoder()
     text = codecs.getincrementaldecoder("utf-8")()
     buf = ""

@@ -158,3 +158,33 @@ def test_trace_summary_gives_the_device_busy_span() -> None:
     assert got["rows"][0]["self_device_time_total_seconds"] == pytest.approx(1510 / 1e6)
     cpu_only = summarise(io.BytesIO(json.dumps({"traceEvents": [host]}).encode()).read)
     assert cpu_only["device_span_seconds"] is None
+
+
+def test_a_quote_in_an_annotation_name_does_not_break_the_trace(tmp_path) -> None:
+    """torch writes ``record_function('a "b"')`` unescaped into the Chrome trace (invalid JSON). The exporter
+    escapes it: the summary has the annotation and the gzipped trace it stores is valid JSON."""
+    import gzip
+    import io
+    import json
+
+    from perfmon.capture import CaptureOptions, torch_profiler
+    from perfmon.trace_summary import summarise
+
+    prof = torch_profiler(CaptureOptions(record_shapes=True), cuda=False)
+    prof.start()
+    with torch.autograd.profiler.record_function('my "quoted" op'):
+        torch.randn(8, 8).sum()
+    prof.stop()
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    raw = path.read_bytes()
+    if b'"my "quoted" op"' not in raw:
+        pytest.skip("this torch escapes quotes in trace names")  # nothing to repair
+    with pytest.raises(ValueError):
+        json.loads(raw)
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as gz, open(path, "rb") as f:
+        got = summarise(f.read, gz.write)
+    assert any(r["name"] == 'my "quoted" op' for r in got["rows"])
+    names = {e.get("name") for e in json.loads(gzip.decompress(buf.getvalue()))["traceEvents"]}
+    assert 'my "quoted" op' in names and "aten::sum" in names
