@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from ._version import __version__
 from .exceptions import ConfigError
 
-__all__ = ["ControlError", "diff_profiles", "list_profiles", "main", "run_profile"]
+__all__ = ["ControlError", "diff_profiles", "list_profiles", "main", "run_profile", "store_profiles"]
 
 
 def _positive(text: str) -> float:
@@ -25,6 +25,22 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _since(text: str) -> float:
+    """Unix seconds from an ISO 8601 time (UTC unless it says otherwise) or a span back from now (30m, 6h, 2d)."""
+    from datetime import datetime, timezone
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip()
+    try:
+        if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+            return time.time() - float(text[:-1]) * units[text[-1]]
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a time (2025-05-01T12:00:00Z) or a span (30m, 6h, 2d), "
+                                         f"got {text!r}") from None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _port(text: str) -> int:
@@ -52,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="serve a tiny random GPT-2 with streaming requests instead: prefill vs decode, time to "
                            "first token, inter-token latency, tokens (needs transformers; nothing is downloaded)")
 
-    def control(name: str, help_text: str) -> argparse.ArgumentParser:
+    def control(name: str, help_text: str, *, url_required: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--url", required=True, help="the agent's base URL, e.g. http://127.0.0.1:9478")
+        p.add_argument("--url", required=url_required, help="the agent's base URL, e.g. http://127.0.0.1:9478")
         p.add_argument("--token", default=os.environ.get("PERFMON_TOKEN"),
                        help="bearer token (default: $PERFMON_TOKEN)")
         p.add_argument("--timeout", type=_positive, default=120.0, help="seconds to wait (default 120)")
@@ -65,7 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--steps", type=int, default=None, help="forward calls to record (1..100, default 5)")
     prof.add_argument("--max-seconds", type=_positive, default=None, help="window limit (default 10)")
     prof.add_argument("--out", default=None, help="where to save the .pt.trace.json.gz (default: its name, here)")
-    control("profiles", "list captures")
+    profiles = control("profiles", "list captures: one agent's (--url), or the whole fleet's in object storage "
+                                   "(--store)", url_required=False)
+    profiles.add_argument("--store", default=None,
+                          help="the fleet's trace_store URL, e.g. s3://bucket/prefix (credentials and endpoint from "
+                               "the SDK's environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID...)")
+    profiles.add_argument("--model", default=None, help="with --store: only this model's captures")
+    profiles.add_argument("--host", default=None, help="with --store: only this pod's or host's captures")
+    profiles.add_argument("--trigger", default=None, choices=("regression", "manual", "baseline"),
+                          help="with --store: only captures of this trigger")
+    profiles.add_argument("--since", type=_since, default=None,
+                          help="with --store: captures since a time (2025-05-01T12:00:00Z) or for a span (30m, 6h, 2d)")
+    profiles.add_argument("--limit", type=int, default=100, help="with --store: at most this many, newest first")
+    profiles.add_argument("--download", metavar="ID", default=None,
+                          help="with --store: fetch this capture's trace and metadata (into --out)")
+    profiles.add_argument("--out", default=".", help="with --download: the directory to write to (default: here)")
     diff = control("diff", "compare two captures op by op (per model call, noise-aware): what got slower, new or gone")
     diff.add_argument("before", help="the earlier capture's id (e.g. a baseline capture)")
     diff.add_argument("after", help="the later capture's id")
@@ -93,7 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"perfmon: cannot serve: {exc}", file=sys.stderr)
             return 1
     try:
+        if args.command == "profiles" and args.store:
+            return store_profiles(args.store, model=args.model, host=args.host, trigger=args.trigger, since=args.since,
+                                  limit=args.limit, download=args.download, out=args.out)
         if args.command == "profiles":
+            if not args.url:
+                print("perfmon: profiles needs --url (one agent) or --store (the fleet's object storage)",
+                      file=sys.stderr)
+                return 2
             return list_profiles(args.url, token=args.token, timeout=args.timeout)
         if args.command == "diff":
             return diff_profiles(args.url, args.before, args.after, token=args.token, timeout=args.timeout,
@@ -208,6 +245,37 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
     for p in profiles:
         print(f"{p['id']:<24} {p['model'][:16]:<16} {p['trigger']:<11} {p['status']:<10} {p.get('outcome') or '-':<8} "
               f"{p.get('steps_recorded', 0):>5}  {p.get('armed_at', ''):<29}  {_short_comparison(p)}", file=stdout)
+    return 0
+
+
+def store_profiles(store: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
+                   since: float | None = None, limit: int = 100, download: str | None = None, out: str = ".",
+                   stdout: TextIO | None = None) -> int:
+    """List the fleet's captures in object storage (``trace_store``), newest first, or download one."""
+    from .upload import download_remote, list_remote, redact
+
+    stdout = stdout if stdout is not None else sys.stdout
+    try:
+        if download is not None:
+            for path in download_remote(store, download, out):
+                print(path, file=stdout)
+            return 0
+        profiles = list_remote(store, model=model, host=host, trigger=trigger, since=since, limit=limit)
+    except (LookupError, ValueError, ConfigError) as exc:
+        raise ControlError(str(exc)) from None
+    except Exception as exc:  # the SDK's errors (no credentials, no bucket, unreachable): say which store
+        raise ControlError(f"{redact(store)}: {type(exc).__name__}: {exc}") from None
+    if not profiles:
+        print("no captures", file=stdout)
+        return 0
+    print(f"{'id':<24} {'model':<16} {'host':<20} {'trigger':<11} {'outcome':<8} {'steps':>5}  {'ended at':<29}  "
+          "vs baseline", file=stdout)
+    for p in profiles:
+        where = str(p.get("key", "")).split("/")  # {model}/{host}/{worker}/{time}-{id}
+        host_part = where[1] if len(where) > 1 else ""
+        print(f"{p.get('id', ''):<24} {str(p.get('model', ''))[:16]:<16} {host_part[:20]:<20} "
+              f"{p.get('trigger', '')!s:<11} {p.get('outcome') or '-':<8} {p.get('steps_recorded', 0):>5}  "
+              f"{p.get('ended_at') or ''!s:<29}  {_short_comparison(p)}", file=stdout)
     return 0
 
 

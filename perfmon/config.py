@@ -144,6 +144,14 @@ class Config:
     #: Captures kept in trace_dir (oldest removed first), and their total size.
     trace_max_files: int = 20
     trace_max_bytes: int = 512 * 2**20
+    #: Upload every finished capture to this fsspec URL (s3://bucket/prefix, gs://, az://, file://...) off the
+    #: serving thread; trace_dir becomes the bounded spool (perfmon.upload). None: captures stay local.
+    #: Credentials and endpoint come from the SDK's chain (AWS_ENDPOINT_URL...); the URL is never logged whole.
+    trace_store: str | None = field(default=None, repr=False)
+    #: One upload request may take this long to connect, and to read, before the attempt counts as failed.
+    trace_upload_timeout_seconds: float = 30.0
+    #: Failed uploads are retried after 1 s, 2 s, 4 s ... at most this long apart.
+    trace_upload_max_backoff_seconds: float = 300.0
     #: Manual (HTTP/API) captures allowed per hour; beyond, 429.
     manual_captures_per_hour: int = 30
     #: An armed capture whose model is not called within this many seconds is aborted.
@@ -206,6 +214,7 @@ class Config:
             "manual_captures_per_hour": int, "capture_arm_timeout_seconds": (int, float), "prepare_profiler": bool,
             "capture_max_bytes": int, "capture_export_timeout_seconds": (int, float),
             "require_port": bool, "allowed_hosts": tuple,
+            "trace_upload_timeout_seconds": (int, float), "trace_upload_max_backoff_seconds": (int, float),
         }
         for name, typ in _types.items():
             value = getattr(self, name)
@@ -232,7 +241,8 @@ class Config:
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
                     "capture_arm_timeout_seconds", "http_connection_timeout_seconds",
-                    "capture_export_timeout_seconds")
+                    "capture_export_timeout_seconds", "trace_upload_timeout_seconds",
+                    "trace_upload_max_backoff_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")
@@ -244,6 +254,8 @@ class Config:
             raise ConfigError("peak_flops and peak_bandwidth: set both or neither")
         if not all(isinstance(h, str) and h.strip() for h in self.allowed_hosts):
             raise bad("allowed_hosts", "expected host names (strings)")
+        if self.trace_store is not None and (not isinstance(self.trace_store, str) or "://" not in self.trace_store):
+            raise ConfigError("trace_store: expected an fsspec URL such as s3://bucket/prefix (or None)")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
             raise ConfigError("token: expected a string of at least 8 characters (or None)")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
@@ -313,7 +325,7 @@ def _parse(var: str, raw: str, default: Any) -> Any:
             raise ValueError("expected true/false")
         if var in ("PERFMON_PORT", "PERFMON_HEALTH_PORT"):
             return None if text.lower() in ("", "none", "off") else int(text)
-        if var == "PERFMON_TOKEN":
+        if var in ("PERFMON_TOKEN", "PERFMON_TRACE_STORE"):
             return text or None
         if var == "PERFMON_ALLOWED_HOSTS":
             return tuple(p.strip() for p in text.split(",") if p.strip())

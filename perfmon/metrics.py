@@ -187,6 +187,19 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "trigger against the model's baseline capture (op empty and status same when none changed)."),
     "perfmon_capture_duration_seconds": (
         "summary", "seconds", (), "Time capture profiler windows were open (sum and count)."),
+    # -- captures uploaded to object storage (upload.py; only with trace_store set) -----------------
+    "perfmon_trace_uploads_total": (
+        "counter", "uploads", ("outcome",),
+        "Capture uploads to trace_store: ok (trace and metadata written) or failed (an attempt; retried)."),
+    "perfmon_trace_spool_files": (
+        "gauge", "files", (), "Files (traces and metadata) in trace_dir waiting for upload to trace_store."),
+    "perfmon_trace_spool_bytes": ("gauge", "bytes", (), "Bytes in trace_dir waiting for upload to trace_store."),
+    "perfmon_trace_upload_age_seconds": (
+        "gauge", "seconds", (),
+        "Seconds since the last successful upload to trace_store (since the uploader started, before any)."),
+    "perfmon_trace_spool_dropped_total": (
+        "counter", "captures", ("reason",),
+        "Captures never uploaded: removed by trace_dir retention first (retention) or unreadable (unreadable)."),
     # -- the agent's own cost (selfcost.py) ----------------------------------------------------
     "perfmon_agent_cpu_seconds_total": (
         "counter", "seconds", ("thread",), "CPU time spent by perfmon's own threads, by kind."),
@@ -585,6 +598,32 @@ class CaptureCollector(Collector):
                                       METRICS["perfmon_capture_duration_seconds"][3],
                                       count_value=c.duration_count, sum_value=c.duration_sum)
         yield summary
+
+
+class UploadCollector(Collector):
+    """The trace uploader's counters and spool at scrape time (``uploader`` has ``stats`` and ``clock``)."""
+
+    def __init__(self, uploader: Any) -> None:
+        self._uploader = uploader
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._uploader.stats
+        uploads = _family("perfmon_trace_uploads_total")
+        for outcome, n in stats.uploads.items():  # every outcome, zeros included: rate() sees the first failure
+            uploads.add_metric([outcome], n)
+        dropped = _family("perfmon_trace_spool_dropped_total")
+        for reason, n in stats.dropped.items():
+            dropped.add_metric([reason], n)
+        files = _family("perfmon_trace_spool_files")
+        files.add_metric([], stats.spool_files)
+        size = _family("perfmon_trace_spool_bytes")
+        size.add_metric([], stats.spool_bytes)
+        age = _family("perfmon_trace_upload_age_seconds")
+        age.add_metric([], max(0.0, self._uploader.clock() - stats.last_ok))
+        yield from (uploads, dropped, files, size, age)
 
 
 class AgentCollector(Collector):

@@ -51,7 +51,7 @@ from .instrument import (
 )
 from .logs import make_logger
 from .memory import MemorySource, OomSnapshotter, TorchMemory, read_memory
-from .metrics import AgentCollector, CaptureCollector, GenerationCollector, Metrics, TelemetryCollector
+from .metrics import AgentCollector, CaptureCollector, GenerationCollector, Metrics, TelemetryCollector, UploadCollector
 from .nvml import NvmlPoller
 from .records import STEADY, Sample, series_key, split_key
 from .regression import Detector, Regression, RegressionPolicy
@@ -60,6 +60,7 @@ from .roofline import Peaks, peaks_for
 from .server import Router, make_asgi_app, make_wsgi_app
 from .stages import PREFILL, generative_stage, is_generative
 from .traces import TraceStore
+from .upload import TraceUploader
 from .windows import Windows
 
 __all__ = ["Monitor"]
@@ -132,6 +133,13 @@ class Monitor:
         self._resolver = Resolver(self._hub, sinks, states=self._state_list, on_tick=self._tick,
                                   log=make_logger(cfg.log_format, cfg.log_level, component="resolver"))
         self.registry.register(CaptureCollector(detector=self.detector, controller=self.captures))
+        #: Captures copied to object storage (trace_store), or None: they stay in trace_dir only.
+        self.uploads: TraceUploader | None = None if cfg.trace_store is None else TraceUploader(
+            self.traces, cfg.trace_store, internal=self._hub.internal, timeout_seconds=cfg.trace_upload_timeout_seconds,
+            backoff_max_seconds=cfg.trace_upload_max_backoff_seconds,
+            log=make_logger(cfg.log_format, cfg.log_level, component="upload"))
+        if self.uploads is not None:
+            self.registry.register(UploadCollector(self.uploads))
         self.registry.register(AgentCollector(cpu=self._hub.cpu, resolver=self._resolver, http=self._hub.http,
                                               listening=self._listening))
         if memory is None and torch.cuda.is_available():
@@ -192,6 +200,8 @@ class Monitor:
             self._prepare_profiler()
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
             self._resolver.start(cfg.resolve_interval_seconds)
+            if self.uploads is not None:
+                self.uploads.start()
             if self._nvml is not None:
                 self._nvml.start()
             self._running = True
@@ -332,6 +342,8 @@ class Monitor:
             self._server = None
             self.metrics.set_port(None)
         self.captures.stop(timeout)
+        if self.uploads is not None:  # after the captures: a last export is spooled (uploaded by the next start)
+            self.uploads.stop(timeout)
         self._resolver.stop(timeout)
         if self._nvml is not None:
             self._nvml.stop(timeout)
@@ -366,6 +378,8 @@ class Monitor:
             part.reset_after_fork()
         if self.detector is not None:
             self.detector.reset_after_fork()
+        if self.uploads is not None:
+            self.uploads.reset_after_fork()
         if self._nvml is not None:
             self._nvml.reset_after_fork()
         self.metrics.set_port(None)

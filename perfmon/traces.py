@@ -30,7 +30,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 from .exceptions import ConfigError
 
 __all__ = [
-    "TRACE_NAME", "TraceStore", "UnsafeTraceDir", "new_id", "open_private_dir", "valid_id", "worker_name",
+    "TRACE_NAME", "TraceStore", "UnsafeTraceDir", "host_name", "new_id", "open_private_dir", "valid_id", "worker_name",
     "write_private",
 ]
 
@@ -67,6 +67,13 @@ def worker_name() -> str:
     """``{hostname}_{pid}``, the worker part of torch's trace file names (hostname reduced to [A-Za-z0-9._-])."""
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:200].lstrip("._-") or "host"
     return f"{host}_{os.getpid()}"
+
+
+def host_name() -> str:
+    """This pod or host, reduced to [A-Za-z0-9._-]: ``POD_NAME`` (the downward API), else ``HOSTNAME``, else
+    the kernel's host name. It names a capture's uploads (``perfmon.upload``), so it is stored with each capture."""
+    raw = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:200].lstrip("._-") or "host"
 
 
 def _problem(st: os.stat_result, uid: int) -> str | None:
@@ -210,6 +217,10 @@ class TraceStore:
         self.max_files = max_files
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
+        #: Called (never raising into ``save``) with each capture's stored metadata once it is in place, and
+        #: with the metadata of each capture retention removed: the uploader's wake-up and drop count.
+        self.on_saved: list[Callable[[dict[str, Any]], None]] = []
+        self.on_evicted: list[Callable[[dict[str, Any]], None]] = []
 
     @contextmanager
     def opened(self, *, create: bool = True) -> Iterator[int | None]:
@@ -277,10 +288,22 @@ class TraceStore:
                 size = os.stat(trace_temp, dir_fd=dfd, follow_symlinks=False).st_size
                 os.replace(trace_temp, trace_name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 meta = {**meta, "trace_file": trace_name, "trace_bytes": size}
+            # Where it was made travels with it: an upload after a restart keys it as its maker would have.
+            meta = {"host": host_name(), "worker": worker_name(), **meta}
             body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
             write_at(dfd, f"{meta['id']}.meta.json", body)
             self._retain(dfd)
+        _notify(self.on_saved, meta)
         return meta
+
+    def ids(self) -> list[str]:
+        """Ids of the stored captures, newest first, from the directory listing alone (no file is read);
+        none while the directory is absent or unsafe."""
+        try:
+            with self.opened(create=False) as dfd:
+                return [] if dfd is None else [n[: -len(".meta.json")] for n in _meta_names(dfd)]
+        except (UnsafeTraceDir, OSError):
+            return []
 
     def list(self) -> list[dict[str, Any]]:
         """Stored captures, newest first (none while the directory is absent or unsafe)."""
@@ -375,6 +398,7 @@ class TraceStore:
             if isinstance(name, str) and TRACE_NAME.fullmatch(name):
                 self._unlink_own(dfd, name)
             self._unlink_own(dfd, meta_name)
+            _notify(self.on_evicted, {**meta, "id": meta_name[: -len(".meta.json")]})
 
     @staticmethod
     def _unlink_own(dfd: int, name: str) -> None:
@@ -407,6 +431,14 @@ class TraceStore:
         except (UnsafeTraceDir, OSError) as exc:
             return str(exc)
         return None
+
+
+def _notify(listeners: list[Callable[[dict[str, Any]], None]], meta: dict[str, Any]) -> None:
+    for listener in list(listeners):
+        try:
+            listener(meta)
+        except Exception:  # a listener's bug must not fail the capture that is being stored
+            pass
 
 
 def _meta_names(dfd: int) -> list[str]:

@@ -39,7 +39,8 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     policy = perfmon.RegressionPolicy(window_seconds=1, min_samples=1, baseline_windows=1)
     gpu = FakeGpu()
     mon = make_monitor(port=0, sample_rate=1.0, nvml=FakeNvml(), memory=FakeTorchMemory(), oom_snapshot=True,
-                       trace_dir=str(tmp_path), regression=policy, cuda=FakeCuda(gpu)).start()
+                       trace_dir=str(tmp_path), regression=policy, cuda=FakeCuda(gpu),
+                       trace_store="memory://perfmon-docs-test/fleet").start()  # the upload families
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
     mon.wrap(GpuWork(gpu, ms=1.0), name="g", device="cuda:0")(torch.ones(1))  # host time exists on CUDA only
     mon.instrument(lambda x: x, name="tok", items=lambda args, kwargs: (3, 4))(1)  # padded items

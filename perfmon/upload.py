@@ -1,0 +1,478 @@
+"""Captures copied to object storage, so they outlive the pod: the trace directory becomes a spool.
+
+::
+
+    capture export ─► TraceStore.save (trace, then metadata) ─► on_saved: wake the uploader
+    uploader thread (daemon): pending = stored ids not in the manifest, oldest first, one capture per attempt
+        ─► put the trace ─► put the metadata ─► manifest (atomic write) ─► the next one
+        a failure: counted, the capture stays spooled, the next attempt after min(cap, 1 s · 2^n) · jitter
+    TraceStore retention removes a capture not yet uploaded ─► on_evicted: counted as dropped
+
+Any fsspec URL is a destination (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``); fsspec and the
+cloud SDK (``perfmon[s3]`` = s3fs) are imported only when ``trace_store`` is set. Endpoint and
+credentials come from the SDK's own chain (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, instance roles...);
+perfmon never logs them, nor a URL's user-info or query.
+
+Idempotent: a capture's object key is a function of its stored metadata alone
+(``{prefix}/{model}/{host}/{worker}/{YYYYmmddTHHMMSSZ}-{id}/``, ``capture_key``), so a retry after a
+partial upload, a second process sharing the directory, or a restart overwrites the same objects and
+never adds a copy. The metadata goes last, and a listing reads metadata only: a listed capture has its
+trace. Durable: ``perfmon-uploads.json`` in the trace directory (written atomically, 0600, pruned to the
+captures still there) says which captures are up; what it does not name is uploaded after a restart.
+A capture is marked only after both objects are written, so a crash in between uploads it again (the
+same keys): at least once, never twice under two keys.
+
+Bounded: the spool is the trace directory, whose retention (``trace_max_files``, ``trace_max_bytes``)
+already bounds it; a capture it removes before its upload is counted as dropped, never kept. Serving
+never waits: the request thread does not touch this module; the export thread only sets an event.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from .exceptions import ConfigError
+from .faults import InternalErrors
+from .traces import TRACE_NAME, TraceStore, valid_id, write_at
+
+__all__ = [
+    "DROP_REASONS", "MANIFEST_NAME", "OUTCOMES", "TraceUploader", "UploadStats", "backoff_seconds", "capture_key",
+    "download_remote", "list_remote", "open_store", "redact",
+]
+
+#: The durable record of what is uploaded, in the trace directory (not a name TraceStore lists or removes).
+MANIFEST_NAME = "perfmon-uploads.json"
+#: perfmon_trace_uploads_total{outcome}: a capture's trace and metadata written, or an attempt that failed.
+OUTCOMES = ("ok", "failed")
+#: perfmon_trace_spool_dropped_total{reason}: removed by retention before its upload, or unreadable here.
+DROP_REASONS = ("retention", "unreadable")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def redact(url: str) -> str:
+    """``url`` without user-info, query or fragment: what may be logged or shown."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _part(value: Any, default: str) -> str:
+    """One key segment: [A-Za-z0-9._-], at most 100 characters, never empty, never a dot-name."""
+    text = _UNSAFE.sub("-", value if isinstance(value, str) else "")[:100].lstrip(".")
+    return text or default
+
+
+def capture_key(meta: dict[str, Any]) -> str | None:
+    """The capture's folder under the store's prefix, ``{model}/{host}/{worker}/{YYYYmmddTHHMMSSZ}-{id}``;
+    None when the metadata has no valid id. A function of the metadata alone, so every retry, restart or
+    sibling process computes the same key (time from the id, which starts with its ``time_ns``)."""
+    cid = meta.get("id")
+    if not isinstance(cid, str) or not valid_id(cid):
+        return None
+    stamp = datetime.fromtimestamp(int(cid[:16], 16) / 1e9, tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    host = _part(meta.get("host"), "host")
+    worker = meta.get("worker")
+    trace = meta.get("trace_file")
+    if not isinstance(worker, str) and isinstance(trace, str):
+        worker = trace.split(".", 1)[0]  # {worker}.{time_ns}.pt.trace.json.gz, as torch names it
+    return f"{_part(meta.get('model'), 'unknown')}/{host}/{_part(worker, host)}/{stamp}-{cid}"
+
+
+def backoff_seconds(failures: int, *, initial: float, cap: float, jitter: float) -> float:
+    """Seconds before the next attempt after ``failures`` consecutive failures (>= 1): ``initial`` doubled
+    per failure, capped at ``cap``, times 0.5..1 by ``jitter`` (0..1) so a fleet does not retry in step."""
+    exp = min(failures - 1, 60)  # 2**60 s is past any cap; no float overflow however long the outage
+    return min(cap, initial * 2.0**exp) * (0.5 + 0.5 * min(max(jitter, 0.0), 1.0))
+
+
+def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
+    """(fsspec filesystem, root path) for ``url``; a private instance with timeouts set where the SDK has them.
+
+    Raises ``ConfigError`` when fsspec or the protocol's package is missing. For S3 the SDK's own retries
+    are off (one try, ``timeout_seconds`` to connect and to read): retrying is the uploader's, with its
+    backoff, so one attempt is bounded.
+    """
+    protocol = _check_usable(url)
+    from fsspec.core import url_to_fs
+
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
+                                    "retries": {"max_attempts": 1}}
+    elif protocol in ("file", "local"):
+        options["auto_mkdir"] = True
+    fs, root = url_to_fs(url, **options)
+    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop (5 tries by default) would multiply an attempt's length
+    return fs, str(root).rstrip("/")
+
+
+@dataclass
+class UploadStats:
+    """What the uploader has done, for metrics; read from other threads (plain values, no lock needed)."""
+
+    uploads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    #: Captures waiting for upload: their files (trace and metadata) and bytes.
+    spool_files: int = 0
+    spool_bytes: int = 0
+    #: ``clock()`` of the last successful upload, or of the uploader's start before any.
+    last_ok: float = 0.0
+
+
+class TraceUploader:
+    """Uploads each finished capture of ``store`` to ``url`` on a daemon thread; fail-soft.
+
+    ``clock`` (monotonic seconds), ``jitter`` (0..1) and ``fs`` (an fsspec filesystem, with ``root``) are
+    injectable, so tests drive ``step()`` by hand. ``backoff_initial_seconds`` doubles per consecutive
+    failure up to ``backoff_max_seconds``; ``poll_seconds`` is how often the spool is rescanned when idle
+    (a capture saved in this process wakes the thread at once; the rescan finds other processes' captures).
+    """
+
+    def __init__(self, store: TraceStore, url: str, *, internal: InternalErrors | None = None, log: Any = None,
+                 timeout_seconds: float = 30.0, backoff_initial_seconds: float = 1.0,
+                 backoff_max_seconds: float = 300.0, poll_seconds: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, jitter: Callable[[], float] = random.random,
+                 fs: Any = None, root: str | None = None) -> None:
+        self.store = store
+        self.url = url
+        self.destination = redact(url)
+        self.timeout_seconds = timeout_seconds
+        self.backoff_initial_seconds = backoff_initial_seconds
+        self.backoff_max_seconds = backoff_max_seconds
+        self.poll_seconds = poll_seconds
+        self._internal = internal if internal is not None else InternalErrors()
+        self._log = log
+        self.clock = clock
+        self._jitter = jitter
+        if fs is None:
+            _check_usable(url)  # a missing package is a ConfigError now; the filesystem is built on the thread
+        self._fs, self._root = fs, root
+        self._fs_injected = fs is not None
+        self.stats = UploadStats(last_ok=clock())
+        self._uploaded: dict[str, str] = {}  # capture id -> its key
+        self._gone: set[str] = set()  # unreadable here: never retried
+        self._sizes: dict[str, tuple[int, int]] = {}  # pending id -> (files, bytes), read once
+        self._loaded = False
+        self.failures = 0
+        self.retry_at = 0.0
+        self.last_error: str | None = None
+        self._init_threading()
+        store.on_saved.append(self._saved)
+        store.on_evicted.append(self._evicted)
+
+    def _init_threading(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the upload thread (idempotent); what an earlier process spooled goes up first."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="perfmon-trace-upload", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float) -> None:
+        """Ask the thread to end and wait up to ``timeout_seconds``; an upload in flight is abandoned
+        (its capture stays spooled: the next start uploads it again, under the same key)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+        self._thread = None
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread is gone and its locks may be held; the filesystem
+        instance holds the parent's connections. Start afresh (the manifest is reloaded)."""
+        self._init_threading()
+        if not self._fs_injected:
+            self._fs = self._root = None
+        self._loaded = False
+
+    def notify(self) -> None:
+        """Look at the spool now (a capture was saved)."""
+        self._wake.set()
+
+    def _saved(self, meta: dict[str, Any]) -> None:
+        self._wake.set()  # the export thread: one Event.set, nothing else
+
+    def _evicted(self, meta: dict[str, Any]) -> None:
+        cid = meta.get("id")
+        if isinstance(cid, str) and cid not in self._uploaded and cid not in self._gone:
+            self.stats.dropped["retention"] += 1
+            if self._log is not None:
+                self._log.warning("trace_upload_dropped", id=cid, reason="retention",
+                                  note="removed by trace_max_files/trace_max_bytes before it was uploaded")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                wait = self.step()
+            except Exception as exc:  # a bug here must not end the thread: count it, slow down
+                self._internal.report("trace_upload", exc)
+                wait = self.poll_seconds
+            self._wake.wait(wait)
+
+    # -- one attempt ---------------------------------------------------------------------------
+
+    def step(self) -> float:
+        """Upload at most one capture; returns seconds until the next step is due (0: go on at once)."""
+        with self._lock:
+            pending = self._scan()  # the spool gauges stay current through an outage too
+            now = self.clock()
+            if now < self.retry_at:
+                return self.retry_at - now
+            if not pending:
+                return self.poll_seconds
+            cid = pending[0]
+            ok = self._upload(cid)
+            if ok is None:  # nothing to send (gone, unreadable): on to the next one
+                return 0.0
+            if ok:
+                self.failures = 0
+                self.retry_at = 0.0
+                self.stats.uploads["ok"] += 1
+                self.stats.last_ok = self.clock()
+                self._scan()  # refresh the spool gauges
+                return 0.0
+            self.failures += 1
+            self.stats.uploads["failed"] += 1
+            delay = backoff_seconds(self.failures, initial=self.backoff_initial_seconds,
+                                    cap=self.backoff_max_seconds, jitter=self._jitter())
+            self.retry_at = self.clock() + delay
+            return delay
+
+    def _scan(self) -> list[str]:
+        """Ids waiting for upload, oldest first; updates the spool gauges (each capture's size read once)."""
+        if not self._loaded:
+            self._load_manifest()
+        ids = self.store.ids()
+        pending = [i for i in reversed(ids) if i not in self._uploaded and i not in self._gone]
+        sizes = {}
+        for cid in pending:
+            size = self._sizes.get(cid)
+            if size is None:
+                meta = self.store.get(cid) or {}
+                trace_bytes = meta.get("trace_bytes")
+                body = len(json.dumps(meta, indent=1, sort_keys=True, default=str))
+                if isinstance(trace_bytes, int) and not isinstance(trace_bytes, bool):
+                    size = (2, body + trace_bytes)
+                else:
+                    size = (1, body)
+            sizes[cid] = size
+        self._sizes = sizes
+        self.stats.spool_files = sum(f for f, _ in sizes.values())
+        self.stats.spool_bytes = sum(b for _, b in sizes.values())
+        return pending
+
+    def _filesystem(self) -> tuple[Any, str]:
+        if self._fs is None or self._root is None:
+            # Built lazily, on this thread: an SDK that resolves credentials slowly never holds up start().
+            self._fs, self._root = open_store(self.url, timeout_seconds=self.timeout_seconds)
+        return self._fs, self._root
+
+    def _upload(self, cid: str) -> bool | None:
+        """Put one capture's trace, then its metadata; True done, False failed (retry), None nothing to send."""
+        meta = self.store.get(cid)
+        if meta is None:
+            self._missing(cid)
+            return None
+        key = capture_key(meta)
+        trace_name = meta.get("trace_file")
+        data = None
+        if isinstance(trace_name, str):
+            found = self.store.read_trace(cid) if TRACE_NAME.fullmatch(trace_name) else None
+            if found is None:
+                self._missing(cid)
+                return None
+            data = found[1]
+        if key is None:
+            self._missing(cid)
+            return None
+        body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
+        try:
+            fs, root = self._filesystem()
+            if data is not None:
+                fs.pipe_file(f"{root}/{key}/{trace_name}", data)
+            fs.pipe_file(f"{root}/{key}/{cid}.meta.json", body)  # last: a listed capture has its trace
+        except Exception as exc:
+            first = self.failures == 0
+            self.last_error = f"{type(exc).__name__}: {_scrub(str(exc), self.url)}"[:300]
+            if first and self._log is not None:  # once per outage, not per retry
+                self._log.warning("trace_upload_failed", store=self.destination, id=cid, error=self.last_error,
+                                  note="the capture stays in trace_dir and is retried with backoff")
+            return False
+        if self.failures and self._log is not None:
+            self._log.info("trace_upload_recovered", store=self.destination, failed_attempts=self.failures)
+        self._uploaded[cid] = key
+        self._write_manifest()
+        return True
+
+    def _missing(self, cid: str) -> None:
+        """The capture cannot be read: removed by retention meanwhile (already counted) or unreadable."""
+        if cid in self.store.ids():
+            self.stats.dropped["unreadable"] += 1
+            self._gone.add(cid)
+            self._write_manifest()
+
+    # -- the manifest --------------------------------------------------------------------------
+
+    def _load_manifest(self) -> None:
+        self._loaded = True
+        data = _read_manifest(self.store)
+        # A manifest written for another destination says nothing about this one: upload everything again.
+        if data.get("destination") != self.destination:
+            return
+        up, gone = data.get("uploaded"), data.get("unreadable")
+        if isinstance(up, dict):
+            self._uploaded.update({k: v for k, v in up.items() if isinstance(k, str) and isinstance(v, str)})
+        if isinstance(gone, list):
+            self._gone.update(g for g in gone if isinstance(g, str))
+
+    def _write_manifest(self) -> None:
+        """Atomically replace the manifest, pruned to the captures still in the directory (so it stays
+        as small as the spool); a failure is counted and the marks are kept in memory (at worst a capture
+        is uploaded again after a restart, under the same key)."""
+        present = set(self.store.ids())
+        self._uploaded = {k: v for k, v in self._uploaded.items() if k in present}
+        self._gone &= present
+        body = json.dumps({"version": 1, "destination": self.destination, "uploaded": self._uploaded,
+                           "unreadable": sorted(self._gone)}, indent=1, sort_keys=True).encode()
+        try:
+            with self.store.opened() as dfd:
+                assert dfd is not None
+                write_at(dfd, MANIFEST_NAME, body)
+        except Exception as exc:
+            self._internal.report("trace_upload_manifest", exc)
+
+
+def _read_manifest(store: TraceStore) -> dict[str, Any]:
+    from .traces import _read_at
+
+    try:
+        with store.opened(create=False) as dfd:
+            body = None if dfd is None else _read_at(dfd, MANIFEST_NAME, 16 * 2**20)
+        data = json.loads(body) if body else {}
+    except Exception:  # absent, unsafe directory, torn by hand: start from nothing (uploads are idempotent)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _check_usable(url: str) -> str:
+    """The URL's protocol; ``ConfigError`` when fsspec or the protocol's package is missing. Builds nothing."""
+    try:
+        import fsspec
+        from fsspec.core import split_protocol
+    except ImportError:
+        raise ConfigError("trace_store needs fsspec: pip install 'perfmon[s3]' (or fsspec and your store's "
+                          "package)") from None
+    protocol, _ = split_protocol(url)
+    if not protocol:
+        raise ConfigError(f"trace_store={redact(url)!r}: expected a URL such as s3://bucket/prefix")
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        extra = " (pip install 'perfmon[s3]')" if protocol in ("s3", "s3a") else ""
+        raise ConfigError(f"trace_store {protocol}:// is not usable here{extra}: {exc}") from None
+    return str(protocol)
+
+
+def _scrub(text: str, url: str) -> str:
+    """An SDK's error message with the configured URL (and so any user-info in it) replaced by its redaction."""
+    return text.replace(url, redact(url)) if url else text
+
+
+# -- the fleet's view: `perfmon profiles --store` ------------------------------------------------
+
+_FOLDER = re.compile(r"^(?P<stamp>[0-9]{8}T[0-9]{6}Z)-(?P<id>[0-9a-f]{22})$")
+
+
+def list_remote(url: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
+                since: float | None = None, limit: int = 100, fs: Any = None,
+                root: str | None = None) -> list[dict[str, Any]]:
+    """Captures in the store, newest first: each one's metadata plus ``key`` (its folder under the prefix).
+
+    ``model`` and ``host`` match the key's segments (as ``capture_key`` spells them), ``since`` is Unix
+    seconds (from the capture id's time), ``trigger`` is read from the metadata; at most ``limit``.
+    Only metadata objects are read (in batches), never traces.
+    """
+    if fs is None or root is None:
+        fs, root = open_store(url)
+    pattern = f"{root}/{_part(model, '*') if model else '*'}/{_part(host, '*') if host else '*'}/*/*/*.meta.json"
+    found = []
+    for path in fs.glob(pattern):
+        rel = str(path)[len(root) + 1:] if str(path).startswith(root + "/") else str(path).lstrip("/")
+        parts = rel.split("/")
+        if len(parts) != 5:
+            continue
+        m = _FOLDER.fullmatch(parts[3])
+        if m is None or parts[4] != f"{m['id']}.meta.json":
+            continue
+        if since is not None and int(m["id"][:16], 16) / 1e9 < since:
+            continue
+        found.append((m["id"], "/".join(parts[:4]), path))
+    found.sort(reverse=True)  # ids start with time_ns: newest first
+    out: list[dict[str, Any]] = []
+    for start in range(0, len(found), 32):
+        batch = found[start:start + 32]
+        bodies = fs.cat([p for _, _, p in batch], on_error="omit")
+        for _cid, key, path in batch:
+            body = bodies.get(path)
+            try:
+                meta = json.loads(body) if body is not None else None
+            except ValueError:
+                meta = None
+            if not isinstance(meta, dict) or (trigger is not None and meta.get("trigger") != trigger):
+                continue
+            out.append({**meta, "key": key})
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def download_remote(url: str, capture_id: str, out_dir: str, *, fs: Any = None,
+                    root: str | None = None) -> list[str]:
+    """Fetch one capture's objects (trace and metadata) into ``out_dir``; returns the local paths written.
+
+    Raises ``LookupError`` when the store has no capture with that id, ``ValueError`` for a malformed id.
+    """
+    import os
+
+    if not valid_id(capture_id):
+        raise ValueError(f"not a capture id: {capture_id!r}")
+    if fs is None or root is None:
+        fs, root = open_store(url)
+    paths = sorted(str(p) for p in fs.glob(f"{root}/*/*/*/*-{capture_id}/*"))
+    if not any(p.endswith(f"{capture_id}.meta.json") for p in paths):
+        raise LookupError(f"no capture {capture_id} in {redact(url)}")
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for p in paths:
+        name = p.rsplit("/", 1)[-1]
+        if not (name == f"{capture_id}.meta.json" or TRACE_NAME.fullmatch(name)):
+            continue  # only names perfmon writes: a planted "../x" never becomes a local path
+        target = os.path.join(out_dir, name)
+        fs.get_file(p, target)
+        written.append(target)
+    return written
+

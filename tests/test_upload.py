@@ -1,0 +1,254 @@
+"""The trace uploader: keys, backoff, spool bound, restart and idempotency, on fsspec's memory and file stores."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from perfmon.cli import main
+from perfmon.exceptions import ConfigError
+from perfmon.metrics import UploadCollector
+from perfmon.traces import TraceStore, new_id, worker_name
+from perfmon.upload import (
+    MANIFEST_NAME,
+    TraceUploader,
+    UploadStats,
+    backoff_seconds,
+    capture_key,
+    download_remote,
+    list_remote,
+    redact,
+)
+
+
+class Clock:
+    """A hand-driven monotonic clock."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FlakyFs:
+    """An fsspec filesystem whose next ``fail`` writes raise; ``fail_after_trace`` fails only metadata writes."""
+
+    def __init__(self, inner: Any, fail: int = 0) -> None:
+        self.inner = inner
+        self.fail = fail
+        self.fail_meta = 0
+        self.puts: list[str] = []
+
+    def pipe_file(self, path: str, data: bytes) -> None:
+        if self.fail > 0:
+            self.fail -= 1
+            raise ConnectionError("store unreachable")
+        if path.endswith(".meta.json") and self.fail_meta > 0:
+            self.fail_meta -= 1
+            raise TimeoutError("metadata write timed out")
+        self.puts.append(path)
+        self.inner.pipe_file(path, data)
+
+
+def _save(store: TraceStore, model: str = "enc", trigger: str = "manual", size: int = 100) -> str:
+    cid = new_id()
+    store.save({"id": cid, "model": model, "trigger": trigger, "status": "done", "outcome": "ok"},
+               b"\x1f" * size, f"{worker_name()}.{time.time_ns()}.pt.trace.json.gz")
+    return cid
+
+
+def _uploader(store: TraceStore, fs: Any, root: str, clock: Clock | None = None, **kw: Any) -> TraceUploader:
+    return TraceUploader(store, "memory://bucket/fleet", fs=fs, root=root, clock=clock or Clock(),
+                         jitter=lambda: 1.0, **kw)
+
+
+@pytest.fixture
+def mem() -> Any:
+    fs = fsspec.filesystem("memory")
+    root = f"/perfmon-test-{new_id()}"
+    yield fs, root
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_uploads_trace_then_metadata_under_a_deterministic_key(tmp_path: Path, mem: Any) -> None:
+    """One step puts one capture: trace first, metadata last, under {model}/{host}/{worker}/{time}-{id}."""
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    cid = _save(store)
+    flaky = FlakyFs(fs)
+    up = _uploader(store, flaky, root)
+    assert up.step() == 0.0
+    key = capture_key(store.get(cid) or {})
+    assert key is not None and key.startswith("enc/") and key.endswith(f"-{cid}")
+    assert [p.rsplit("/", 1)[1] for p in flaky.puts] == [store.get(cid)["trace_file"], f"{cid}.meta.json"]
+    assert all(p.startswith(f"{root}/{key}/") for p in flaky.puts)
+    assert up.stats.uploads == {"ok": 1, "failed": 0}
+    assert (up.stats.spool_files, up.stats.spool_bytes) == (0, 0)
+    manifest = json.loads((tmp_path / "t" / MANIFEST_NAME).read_text())
+    assert manifest["uploaded"] == {cid: key}
+    assert up.step() == up.poll_seconds  # nothing left: idle until the next capture or rescan
+    assert len(flaky.puts) == 2
+
+
+def test_failures_back_off_exponentially_up_to_the_cap_then_recover(tmp_path: Path, mem: Any) -> None:
+    """Each failed attempt is counted and waits 1, 2, 4 ... s (capped); the capture stays spooled until it goes up."""
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    _save(store, size=1000)
+    clock = Clock()
+    flaky = FlakyFs(fs, fail=5)
+    up = _uploader(store, flaky, root, clock=clock, backoff_initial_seconds=1.0, backoff_max_seconds=4.0)
+    delays = []
+    for _ in range(5):
+        delays.append(up.step())
+        assert up.step() == pytest.approx(delays[-1])  # not due yet: no attempt, same wait
+        clock.t += delays[-1]
+    assert delays == [1.0, 2.0, 4.0, 4.0, 4.0]
+    assert up.stats.uploads == {"ok": 0, "failed": 5}
+    assert up.stats.spool_files == 2 and up.stats.spool_bytes > 1000
+    assert clock() - up.stats.last_ok == pytest.approx(sum(delays))  # the age gauge grows through the outage
+    assert up.step() == 0.0
+    assert up.stats.uploads == {"ok": 1, "failed": 5} and up.failures == 0 and up.stats.last_ok == clock()
+    assert backoff_seconds(100_000, initial=1.0, cap=300.0, jitter=0.0) == 150.0  # jitter halves at most
+
+
+def test_a_partial_upload_is_overwritten_on_retry_never_duplicated(tmp_path: Path, mem: Any) -> None:
+    """Trace written, metadata failed: the capture is not listed; the retry writes the same two keys, once each."""
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    cid = _save(store)
+    flaky = FlakyFs(fs)
+    flaky.fail_meta = 1
+    clock = Clock()
+    up = _uploader(store, flaky, root, clock=clock)
+    assert up.step() == 1.0
+    assert list_remote("", fs=fs, root=root) == []  # a trace without metadata is never listed
+    clock.t += 1.0
+    assert up.step() == 0.0
+    assert len(set(flaky.puts)) == 2 and len(flaky.puts) == 3  # the trace key written twice, the same object
+    listed = list_remote("", fs=fs, root=root)
+    assert [p["id"] for p in listed] == [cid]
+    assert len(fs.find(root)) == 2
+
+
+def test_a_restart_uploads_what_was_spooled_and_nothing_twice(tmp_path: Path) -> None:
+    """What one process spooled while the store was down goes up from the next process; a third uploads nothing."""
+    dest = tmp_path / "bucket"
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    ids = [_save(store), _save(store, model="dec")]
+    down = TraceUploader(store, f"file://{dest}", fs=FlakyFs(fsspec.filesystem("file"), fail=10**6),
+                         root=str(dest), clock=Clock(), jitter=lambda: 1.0)
+    assert down.step() == 1.0 and down.stats.uploads["failed"] == 1
+    store.on_saved.clear()
+    store.on_evicted.clear()
+    # "The next process": a fresh store object and uploader over the same directory, through the real URL.
+    store2 = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    up = TraceUploader(store2, f"file://{dest}", clock=Clock())
+    assert [up.step(), up.step()] == [0.0, 0.0]
+    assert up.step() == up.poll_seconds
+    assert sorted(p["id"] for p in list_remote(f"file://{dest}")) == sorted(ids)
+    third = TraceUploader(TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9), f"file://{dest}",
+                          clock=Clock())
+    assert third.step() == third.poll_seconds and third.stats.uploads["ok"] == 0
+
+
+def test_retention_bounds_the_spool_and_counts_unuploaded_captures_as_dropped(tmp_path: Path, mem: Any) -> None:
+    """With the store down, trace_max_files keeps the spool bounded; each capture it removes unsent is counted."""
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=2, max_bytes=10**9)
+    up = _uploader(store, FlakyFs(fs, fail=10**6), root)
+    for _ in range(5):
+        _save(store)
+        up.step()
+    assert up.stats.dropped == {"retention": 3, "unreadable": 0}
+    assert up.stats.spool_files == 4  # two captures, a trace and metadata each
+    assert len(store.ids()) == 2
+
+
+def test_the_thread_uploads_a_saved_capture_without_waiting_for_its_poll(tmp_path: Path, mem: Any) -> None:
+    """A saved capture wakes the upload thread at once (poll 1 h); stop() returns within its timeout."""
+    from .conftest import wait_until
+
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    up = TraceUploader(store, "memory://x", fs=fs, root=root, poll_seconds=3600.0)
+    up.start()
+    try:
+        _save(store)
+        wait_until(lambda: up.stats.uploads["ok"] == 1, timeout=10, what="the upload")
+    finally:
+        t0 = time.monotonic()
+        up.stop(2.0)
+        assert time.monotonic() - t0 < 2.5
+
+
+def test_a_manifest_for_another_destination_is_not_trusted(tmp_path: Path, mem: Any) -> None:
+    """Pointing trace_store elsewhere uploads the spooled captures again, to the new destination."""
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    _save(store)
+    assert _uploader(store, fs, root).step() == 0.0
+    other = TraceUploader(store, "memory://elsewhere", fs=fs, root=root + "/b", clock=Clock())
+    assert other.step() == 0.0 and other.stats.uploads["ok"] == 1
+
+
+def test_metrics_read_the_uploader() -> None:
+    """The collector exports both outcomes and both drop reasons from the start, and the age from the clock."""
+    registry = CollectorRegistry()
+
+    class Stub:
+        clock = staticmethod(lambda: 50.0)
+        stats = UploadStats(uploads={"ok": 2, "failed": 0}, spool_files=2, spool_bytes=300, last_ok=20.0)
+
+    registry.register(UploadCollector(Stub()))
+    assert registry.get_sample_value("perfmon_trace_uploads_total", {"outcome": "failed"}) == 0
+    assert registry.get_sample_value("perfmon_trace_spool_dropped_total", {"reason": "retention"}) == 0
+    assert registry.get_sample_value("perfmon_trace_spool_bytes") == 300
+    assert registry.get_sample_value("perfmon_trace_upload_age_seconds") == 30.0
+
+
+def test_keys_are_sanitised_and_urls_redacted() -> None:
+    """A model name cannot climb out of its key segment, and user-info never reaches a log line."""
+    cid = new_id()
+    key = capture_key({"id": cid, "model": "../../etc/pass wd", "host": "pod-1", "worker": "pod-1_7"})
+    assert key is not None and key.split("/")[:3] == ["-..-etc-pass-wd", "pod-1", "pod-1_7"]
+    assert capture_key({"id": "../x"}) is None
+    assert redact("s3://AKIA:secret@bucket/prefix?token=x") == "s3://bucket/prefix"
+    with pytest.raises(ConfigError):
+        TraceUploader(TraceStore("/nonexistent-perfmon", max_files=1, max_bytes=1), "nosuchproto://x/y")
+
+
+def test_cli_lists_filters_and_downloads_from_a_store(tmp_path: Path) -> None:
+    """`perfmon profiles --store` lists every host's captures, filters them, and `--download` fetches one."""
+    dest = tmp_path / "bucket"
+    url = f"file://{dest}"
+    a = TraceStore(tmp_path / "a", max_files=10, max_bytes=10**9)
+    b = TraceStore(tmp_path / "b", max_files=10, max_bytes=10**9)
+    first = _save(a, model="enc", trigger="regression")
+    second = _save(b, model="dec", trigger="manual")
+    for store in (a, b):
+        up = TraceUploader(store, url, clock=Clock())
+        while up.step() == 0.0:
+            pass
+    out = io.StringIO()
+    from perfmon.cli import store_profiles
+
+    assert store_profiles(url, stdout=out) == 0
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[1].startswith(second) and lines[2].startswith(first)  # newest first
+    assert [p["id"] for p in list_remote(url, model="enc")] == [first]
+    assert [p["id"] for p in list_remote(url, trigger="manual")] == [second]
+    assert list_remote(url, since=time.time() + 60) == []
+    got = download_remote(url, first, str(tmp_path / "dl"))
+    assert sorted(Path(p).name for p in got)[0] == f"{first}.meta.json" and len(got) == 2
+    assert main(["profiles", "--store", url, "--download", new_id(), "--out", str(tmp_path / "x")]) == 1
+    assert main(["profiles", "--store", url, "--since", "1h", "--host", "no-such-host"]) == 0
