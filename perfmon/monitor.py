@@ -126,6 +126,8 @@ class Monitor:
         #: model -> perf_counter_ns of the last look for its baseline capture (the store is read at most
         #: every BASELINE_CHECK_SECONDS per model).
         self._baseline_checked: dict[str, int] = {}
+        #: series key -> (state, options, reason, expiry ns): a regression capture that found the slot busy.
+        self._deferred: dict[str, tuple[Any, CaptureOptions, dict[str, Any], int]] = {}
         self.detector = Detector(regression) if regression is not None else None
         sinks: list[Any] = [self.metrics.observe, self.windows.add]
         if self.detector is not None:
@@ -370,6 +372,7 @@ class Monitor:
             self._health_server.abandon()
             self._health_server = None
         self._health_error = self._health_retry_ns = None
+        self._deferred, self._baseline_checked = {}, {}  # the parent's regressions are the parent's
         self._hub.reset_after_fork()
         for st in self._state_list():
             st.reset_after_fork()
@@ -574,6 +577,7 @@ class Monitor:
         """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history."""
         if self.detector is not None:
             self._fire(self.detector.tick(now_ns))
+            self._retry_deferred(now_ns)
             self._baseline_captures(now_ns)
         self.captures.tick()
         self.generations.drain(now_ns)
@@ -622,7 +626,22 @@ class Monitor:
                                      record_shapes=policy.capture_record_shapes,
                                      with_stack=policy.capture_with_stack,
                                      profile_memory=policy.capture_profile_memory)
-            self.captures.auto(st, options, details)
+            busy = self.captures.state != "idle"
+            if self.captures.auto(st, options, details) is None and busy:
+                # Another capture (a baseline, a manual one) holds the profiler: the detector fires once per
+                # regression, so keep this one and arm it when the slot frees, while the regression lasts.
+                self._deferred[r.model] = (st, options, details, perf_counter_ns() + int(DEFERRED_SECONDS * 1e9))
+
+    def _retry_deferred(self, now_ns: int) -> None:
+        """Arm a regression capture that found the slot busy, once it is free (resolver thread)."""
+        if not self._deferred or self.captures.state != "idle" or self.detector is None:
+            return
+        active = {key for key, _, _, is_active, _ in self.detector.views() if is_active}
+        for key, (st, options, details, expires_ns) in list(self._deferred.items()):
+            del self._deferred[key]
+            if key in active and now_ns < expires_ns:
+                self.captures.auto(st, options, details)
+                return  # one capture at a time
 
     def _baseline_captures(self, now_ns: int) -> None:
         """Arm a ``baseline`` capture of a model whose baseline is learned, no regression active, when it
@@ -943,6 +962,8 @@ def _prompt_shape(args: tuple[Any, ...], kwargs: Any) -> tuple[int, int | None]:
 
 #: How often (seconds) a model's baseline capture is looked up in the trace store (a directory read).
 BASELINE_CHECK_SECONDS = 30.0
+#: How long (seconds) a regression capture that found the capture slot busy waits for it to free.
+DEFERRED_SECONDS = 120.0
 
 
 def _age_seconds(iso: Any) -> float | None:

@@ -392,3 +392,46 @@ def test_dashboard_capture_annotation_shows_the_comparison_gist(make_monitor, tm
     assert by_trigger["manual"]["op"] == "aten::sort" and by_trigger["manual"]["status"] == "new"
     assert "vs_baseline" not in by_trigger["baseline"] and by_trigger["baseline"]["outcome"] == "ok"
     assert all(float(r["value"][1]) > 1e12 for r in result)  # milliseconds since the epoch: Grafana's time
+
+
+class _Switch(torch.nn.Module):
+    """A small MLP that, once ``extra`` is set, also sorts a large tensor every call (an identifiable op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.extra = False
+        self.noise = torch.randn(400_000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.lin(x))
+        if self.extra:
+            y = y + torch.sort(self.noise)[0][:1]
+        return y
+
+
+def test_a_regression_from_a_new_op_is_detected_and_its_capture_ranks_that_op_first(make_monitor) -> None:
+    """End to end, automatic: the learned baseline takes its baseline capture; at a switch the model starts
+    sorting a large tensor each call; the detector fires, the regression capture is compared with the
+    baseline, and the comparison ranks aten::sort first, as new, naming it in its sentence."""
+    from .conftest import wait_until
+
+    policy = perfmon.RegressionPolicy(window_seconds=0.3, min_samples=10, baseline_windows=2, consecutive=2,
+                                      capture_steps=4)
+    mon = make_monitor(sample_rate=1.0, warmup_calls=2, regression=policy, resolve_interval_seconds=0.02).start()
+    model = mon.wrap(_Switch(), name="switch")
+    x = torch.randn(8, 32)
+    base = wait_until(lambda: mon.captures.latest_baseline("switch"), timeout=60, what="the baseline capture",
+                      between=lambda: model(x))
+    model.extra = True
+    wait_until(lambda: any(k[:2] == ("switch", "regression") for k in mon.captures.finished), timeout=60,
+               what="the regression capture", between=lambda: model(x))
+    (reg,) = [p for p in mon.profiles() if p["trigger"] == "regression"]
+    meta = mon.profile(reg["id"])
+    assert meta["outcome"] == "ok" and meta["reason"]["exceeded"]
+    comparison = meta["comparison"]
+    assert comparison["baseline"] == base["id"]
+    top = comparison["ops"][0]
+    assert (top["op"], top["status"]) == ("aten::sort", "new"), comparison["ops"][:3]
+    assert top["calls_per_call_before"] == 0 and top["calls_per_call_after"] == 1
+    assert "aten::sort" in comparison["summary"]

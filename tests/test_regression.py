@@ -269,12 +269,18 @@ def test_ten_minutes_of_20pct_noise_with_a_drifting_mix_never_fire(seed: int) ->
     assert len(det.classes("m")) >= 6
 
 
-def test_a_learned_baseline_takes_one_baseline_capture_that_later_captures_compare_with(make_monitor) -> None:
+def test_a_learned_baseline_takes_one_baseline_capture_that_later_captures_compare_with(
+        make_monitor, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a model's baseline is learned, the monitor takes one short `baseline` capture by itself (not
-    again while it is younger than its max age); a manual capture then carries a comparison with it."""
+    again while it is younger than its max age, even looked up at every tick); a manual capture then
+    carries a comparison with it."""
     import torch
 
+    import perfmon.monitor as monitor_module
+
     from .conftest import wait_capture, wait_until
+
+    monkeypatch.setattr(monitor_module, "BASELINE_CHECK_SECONDS", 0.0)
 
     policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, capture_steps=3)
     mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
@@ -284,10 +290,12 @@ def test_a_learned_baseline_takes_one_baseline_capture_that_later_captures_compa
     base = wait_until(lambda: mon.captures.latest_baseline("mlp"), timeout=60, what="a baseline capture",
                       between=lambda: model(x))
     assert base["trigger"] == "baseline" and base["outcome"] == "ok" and base["reason"]["baseline_seconds"]
-    for _ in range(50):  # more windows close: no second baseline capture while the first is young
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:  # several more windows close: no second one while the first is young
         model(x)
     mon.flush()
     assert [p["trigger"] for p in mon.profiles()].count("baseline") == 1
+    wait_until(lambda: mon.captures.state == "idle", timeout=30, what="the baseline capture's export to end")
     cap = mon.capture("mlp", steps=3)
     meta = wait_capture(mon, cap["id"], drive=lambda: model(x))
     assert meta["outcome"] == "ok" and meta["comparison"]["baseline"] == base["id"]
@@ -309,3 +317,57 @@ def test_no_baseline_capture_when_switched_off(make_monitor) -> None:
     mon.flush()
     mon._tick(time.perf_counter_ns())
     assert mon.captures.state == "idle" and mon.profiles() == []
+
+
+def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`baseline_capture_max_age_seconds`: once the latest baseline capture is older, a new one is taken
+    (the store is looked up every BASELINE_CHECK_SECONDS; zero here so the test need not wait 30 s)."""
+    import torch
+
+    import perfmon.monitor as monitor_module
+
+    from .conftest import wait_until
+
+    monkeypatch.setattr(monitor_module, "BASELINE_CHECK_SECONDS", 0.0)
+    policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, capture_steps=2,
+                              baseline_capture_max_age_seconds=0.5)
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
+    model = mon.wrap(torch.nn.Linear(16, 16), name="lin")
+    x = torch.randn(4, 16)
+
+    def baselines() -> list[str]:
+        return [p["id"] for p in mon.profiles() if p["trigger"] == "baseline" and p.get("outcome") == "ok"]
+
+    wait_until(lambda: len(baselines()) >= 2, timeout=60, what="a second baseline capture",
+               between=lambda: model(x))
+    first, second = sorted(mon.profile(i)["ended_at"] for i in baselines()[:2])
+    assert first < second
+
+
+def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees(make_monitor) -> None:
+    """The detector fires once per regression: if another capture (a baseline, a manual one) holds the
+    profiler then, the regression capture is kept and armed as soon as the slot is free."""
+    import torch
+
+    from .conftest import wait_until
+
+    policy = RegressionPolicy(window_seconds=1, min_samples=5, baseline_windows=2, consecutive=1,
+                              baseline_capture=False)
+    mon = make_monitor(regression=policy)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    manual = mon.capture("m", steps=1)  # holds the slot until the model's next call
+    det, t0 = mon.detector, time.perf_counter_ns()
+    fired: list = []
+    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):
+        for i in range(10):
+            fired += det.add("m", latency, t0 + w * S + i * 1_000_000)
+    fired += det.tick(t0 + 4 * S)
+    assert len(fired) == 1
+    mon._fire(fired)
+    assert mon.captures.suppressed["busy"] == 1 and "m" in mon._deferred
+    model(torch.randn(1, 4))  # the manual capture records its step and exports
+    wait_until(lambda: mon.captures.state == "idle", timeout=30, what="the manual capture to finish")
+    mon._tick(time.perf_counter_ns())
+    assert mon.captures.current is not None and mon.captures.current.trigger == "regression"
+    assert mon.captures.current.id != manual["id"] and not mon._deferred
