@@ -126,19 +126,22 @@ def flops(name: str, dims: list[Any], types: list[Any], concrete: list[Any]) -> 
     return 0
 
 
-#: A ``"name"`` line (Kineto writes one field a line) with a quote after its closing one: torch's
-#: Chrome trace writer does not escape quotes in op and annotation names (``record_function('a "b"')``
-#: gives ``"name": "a "b"",``), which makes the whole file invalid JSON. Checked per chunk in C.
-_SUSPECT = re.compile(rb'(?m)^[ \t]*"name": "[^"\n]*"[^\n]*"')
-_NAME_LINE = re.compile(rb'(?m)^([ \t]*"name": ")(.*)(",?[ \t\r]*)$')
+#: torch's Chrome trace writer does not escape quotes in op and annotation names
+#: (``record_function('a "b"')`` gives ``"name": "a "b"",``), which makes the whole file invalid JSON.
+#: A chunk is suspect (checked in C) when a quote inside a ``"name"`` value is followed by something
+#: other than what ends a value; only then are its names rewritten. A name's value ends at the first
+#: quote followed by ``, "key":``, the end of the line or ``}`` (Kineto's layouts: a field a line in
+#: torch 2.13, several a line in others).
+_SUSPECT = re.compile(rb'"name": "[^"\n]*"[^,}\r\n]')
+_NAME = re.compile(rb'"name": "(.*?)"(?=[ \t]*(?:,[ \t]*"[A-Za-z_ ]+"[ \t]*:|,?[ \t]*\r?$|\}))', re.M)
 _BARE_QUOTE = re.compile(rb'(?<!\\)"')
 
 
 def _escape_name(m: re.Match[bytes]) -> bytes:
-    inner = m.group(2)
+    inner = m.group(1)
     if b'"' not in inner.replace(b'\\"', b""):
-        return m.group(0)  # escaped already: valid
-    return m.group(1) + _BARE_QUOTE.sub(b'\\"', inner) + m.group(3)
+        return m.group(0)  # no bare quote: left byte for byte
+    return b'"name": "' + _BARE_QUOTE.sub(b'\\"', inner) + b'"'
 
 
 def repairing(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
@@ -164,9 +167,9 @@ def repairing(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
                 return out
             if cut >= 0:
                 out, pending = pending[:cut + 1], pending[cut + 1:]
-                return _NAME_LINE.sub(_escape_name, out) if _SUSPECT.search(out) else out
+                return _NAME.sub(_escape_name, out) if _SUSPECT.search(out) else out
         out, pending = pending, b""
-        return _NAME_LINE.sub(_escape_name, out) if _SUSPECT.search(out) else out
+        return _NAME.sub(_escape_name, out) if _SUSPECT.search(out) else out
 
     return read_lines
 

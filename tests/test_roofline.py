@@ -188,3 +188,30 @@ def test_a_quote_in_an_annotation_name_does_not_break_the_trace(tmp_path) -> Non
     assert any(r["name"] == 'my "quoted" op' for r in got["rows"])
     names = {e.get("name") for e in json.loads(gzip.decompress(buf.getvalue()))["traceEvents"]}
     assert 'my "quoted" op' in names and "aten::sum" in names
+
+
+@pytest.mark.parametrize("trace, names, unchanged", [
+    # torch 2.13's layout: a field a line
+    (b'{"traceEvents": [\n  {\n    "ph": "X", "cat": "user_annotation",\n    "name": "my "quoted" op",\n'
+     b'    "pid": 1, "tid": 1\n  }\n]}\n', ['my "quoted" op'], False),
+    # several fields a line, a valid name after the broken one, a "name" inside args
+    (b'{"traceEvents": [\n  {"ph": "X", "name": "a "b" c", "pid": 1, "tid": 1},\n'
+     b'  {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "args": {"name": "x"}}\n]}\n',
+     ['a "b" c', "aten::mm"], False),
+    # valid traces pass through byte for byte, escaped quotes included
+    (b'{"traceEvents": [\n  {"name": "ok \\"esc\\" one", "ph": "X", "cat": "cpu_op", "pid": 1}\n]}\n',
+     ['ok "esc" one'], True),
+    (b'{"traceEvents": [{"ph": "X", "name": "aten::add", "cat": "cpu_op"}]}', ["aten::add"], True),
+])
+def test_the_trace_repair_escapes_bare_quotes_in_names_only(trace: bytes, names: list, unchanged: bool) -> None:
+    """``repairing`` (the exporter's reader) makes torch's unescaped names valid JSON in either layout and
+    leaves every valid trace exactly as it was."""
+    import io
+    import json
+
+    from perfmon.trace_summary import repairing
+
+    read = repairing(io.BytesIO(trace).read)
+    out = b"".join(iter(lambda: read(1 << 20), b""))
+    assert [e.get("name") for e in json.loads(out)["traceEvents"]] == names
+    assert (out == trace) is unchanged
