@@ -26,9 +26,13 @@ def otel_reader() -> TraceReader | None:
 
     def read() -> tuple[int, int] | None:
         ctx = get_current_span().get_span_context()
-        # A span that is not sampled has no trace to link to in the tracing backend: no exemplar.
-        if ctx.trace_id and ctx.span_id and ctx.trace_flags.sampled:
-            return (ctx.trace_id, ctx.span_id)
+        # A span that is not sampled has no trace to link to in the tracing backend: no exemplar. Ids
+        # are checked as W3C trace context defines them (a non-SDK tracer may hand anything): a 128-bit
+        # trace id and a 64-bit span id, neither zero; anything else would make labels no parser accepts.
+        trace_id, span_id = ctx.trace_id, ctx.span_id
+        if (type(trace_id) is int and type(span_id) is int and 0 < trace_id < 1 << 128 and 0 < span_id < 1 << 64
+                and ctx.trace_flags.sampled):
+            return (trace_id, span_id)
         return None
 
     return read

@@ -42,7 +42,7 @@ from urllib.parse import unquote
 
 from .faults import InternalErrors
 from .selfcost import AgentCpu, CpuBudget, HttpShedding
-from .server import MAX_BODY_BYTES, REASONS, Response, Router, metrics_format
+from .server import MAX_BODY_BYTES, REASONS, Response, Router, accepts_gzip, metrics_format
 
 __all__ = ["MAX_CONNECTIONS", "AgentServer", "AuthThrottle"]
 
@@ -572,7 +572,7 @@ class AgentServer:
             # at most 6 distinct /metrics renders (text, OpenMetrics, protobuf; gzip or not) and one /stats render.
             if clean == "/metrics":
                 key = (metrics_format(request.headers.get("accept", ""))[1],
-                       "gzip" in request.headers.get("accept-encoding", ""))
+                       accepts_gzip(request.headers.get("accept-encoding", "")))
             else:
                 key = ("/stats", False)
             cached = self._renders.get(key)
@@ -689,6 +689,10 @@ class AgentServer:
                 pass
 
 
+#: Control characters a header value may not hold (horizontal tab is allowed).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def _parse(inbox: bytearray) -> _Request | None:
     """The first complete request in ``inbox`` (removed from it), None if it is not all here yet.
 
@@ -717,6 +721,11 @@ def _parse(inbox: bytearray) -> _Request | None:
             raise _Refusal(Response.json(400, {"error": "malformed header line", "line": line[:100]}), "bad_request")
         name = name.lower()
         value = value.strip()
+        if _CONTROL.search(value):
+            # RFC 9110 5.5: no CR, LF, NUL (or other controls) in a field value. Kept, a bare CR would be
+            # read as a line end by a lenient peer: a header smuggled into whatever echoes the value.
+            raise _Refusal(Response.json(400, {"error": "control character in a header value", "header": name[:64]}),
+                           "bad_request")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     if "transfer-encoding" in headers:
         raise _Refusal(Response.json(411, {"error": "chunked request bodies are not supported; send Content-Length"}),

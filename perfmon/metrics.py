@@ -335,7 +335,10 @@ class Metrics:
                 hist = self._duration[key] = _Histogram(self._bounds, self._les, native=True)
             exemplar = None
             if sample.trace is not None:
-                exemplar = trace_exemplar(sample.trace, sample.duration_seconds, sample.end_ns)
+                try:
+                    exemplar = trace_exemplar(sample.trace, sample.duration_seconds, sample.end_ns)
+                except (TypeError, ValueError, OverflowError):
+                    exemplar = None  # ids a tracer made up: the exemplar goes, the sample stays
             hist.observe(sample.duration_seconds, exemplar)
             # On a wall clock, host time is the same measurement: exported only where they differ (CUDA).
             if sample.device.startswith("cuda"):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from . import promproto
 from ._version import __version__
@@ -29,8 +30,8 @@ from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["CONTROL_HEADER", "MAX_BODY_BYTES", "REASONS", "Response", "Router", "host_names_agent", "is_loopback",
-           "make_asgi_app", "make_wsgi_app", "metrics_format", "owner_without_token"]
+__all__ = ["CONTROL_HEADER", "MAX_BODY_BYTES", "REASONS", "Response", "Router", "accepts_gzip", "host_names_agent",
+           "is_loopback", "make_asgi_app", "make_wsgi_app", "metrics_format", "owner_without_token"]
 
 _JSON = "application/json"
 
@@ -198,7 +199,7 @@ class Router:
         encoder, content_type = metrics_format(headers.get("accept", ""))
         body = self._render(encoder, content_type)
         extra: list[tuple[str, str]] = []
-        if "gzip" in headers.get("accept-encoding", ""):
+        if accepts_gzip(headers.get("accept-encoding", "")):
             body = gzip.compress(body, compresslevel=1)
             extra.append(("Content-Encoding", "gzip"))
         return Response(200, body, content_type, extra)
@@ -431,13 +432,64 @@ def _brief(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The three /metrics formats, with fixed content types: nothing of the client's Accept is echoed.
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
 def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
     """The /metrics encoder and content type ``accept`` asks for: the protobuf exposition when it ranks
-    first (Prometheus with native histograms enabled: the only format it reads them from), else what
-    prometheus_client negotiates (OpenMetrics, with exemplars, or the text format by default)."""
+    first (Prometheus with native histograms enabled: the only format it reads them from), OpenMetrics
+    1.0.0 (with exemplars) when offered, else the text format 0.0.4.
+
+    Negotiated here rather than by prometheus_client's ``choose_encoder``, which copies the client's
+    ``version=`` and ``escaping=`` parameters into the response's Content-Type (a header a client could
+    fill with anything, and a render-cache key per variant: unbounded), raises on a version that is not
+    numeric, and honours escaping schemes its own parser rejects. Three formats, three fixed types.
+    """
     if promproto.wants_protobuf(accept):
         return promproto.generate, promproto.CONTENT_TYPE
-    return choose_encoder(accept)
+    if _offers_openmetrics(accept):
+        return generate_openmetrics, OPENMETRICS_CONTENT_TYPE
+    return generate_latest, TEXT_CONTENT_TYPE
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether ``Accept-Encoding`` allows gzip: listed (or ``*``) with a q-value above 0."""
+    for part in accept_encoding.split(",")[:64]:
+        fields = [f.strip() for f in part.split(";")]
+        if fields[0].lower() not in ("gzip", "*"):
+            continue
+        q = 1.0
+        for f in fields[1:]:
+            name, _, value = f.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        return q > 0 and q == q
+    return False
+
+
+def _offers_openmetrics(accept: str) -> bool:
+    """Whether ``accept`` lists ``application/openmetrics-text`` with a q-value above 0 (its parameters,
+    version included, are not read: perfmon serves OpenMetrics 1.0.0)."""
+    for part in accept.split(",")[:64]:  # a header is at most 16 KiB; a scraper lists a handful of types
+        fields = [f.strip() for f in part.split(";")]
+        if fields[0].lower() != "application/openmetrics-text":
+            continue
+        q = 1.0
+        for f in fields[1:]:
+            name, _, value = f.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if q > 0 and q == q:  # not NaN
+            return True
+    return False
 
 
 def _typename(typ: type | tuple[type, ...]) -> str:

@@ -130,10 +130,11 @@ def flops(name: str, dims: list[Any], types: list[Any], concrete: list[Any]) -> 
 #: (``record_function('a "b"')`` gives ``"name": "a "b"",``), which makes the whole file invalid JSON.
 #: A chunk is suspect (checked in C) when a quote inside a ``"name"`` value is followed by something
 #: other than what ends a value; only then are its names rewritten. A name's value ends at the first
-#: quote followed by ``, "key":``, the end of the line or ``}`` (Kineto's layouts: a field a line in
-#: torch 2.13, several a line in others).
-_SUSPECT = re.compile(rb'"name": "[^"\n]*"[^,}\r\n]')
-_NAME = re.compile(rb'"name": "(.*?)"(?=[ \t]*(?:,[ \t]*"[A-Za-z_ ]+"[ \t]*:|,?[ \t]*\r?$|\}))', re.M)
+#: quote followed by ``, "key":`` or the end of the line (Kineto's layouts: a field a line in torch
+#: 2.13, several a line in others; a name is never an event's last field), and never spans another
+#: ``"name"``. A name that itself holds ``", "key":`` stays ambiguous: torch wrote valid JSON for it.
+_SUSPECT = re.compile(rb'"name": "[^"\n]*"[^,\r\n]')
+_NAME = re.compile(rb'"name": "((?:(?!"name": ").)*?)"(?=[ \t]*(?:,[ \t]*"[A-Za-z_ ]+"[ \t]*:|,?[ \t]*\r?$))', re.M)
 _BARE_QUOTE = re.compile(rb'(?<!\\)"')
 
 

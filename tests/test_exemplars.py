@@ -142,3 +142,43 @@ def test_a_failing_trace_reader_costs_the_exemplar_not_the_sample(make_monitor) 
     assert mon.registry.get_sample_value("perfmon_internal_errors_total", {"stage": "exemplar"}) == 5
     assert mon.registry.get_sample_value("perfmon_forward_duration_seconds_count",
                                          {"model": "lin", "device": "cpu", "phase": "steady", "stage": ""}) == 4
+
+
+@pytest.mark.parametrize("trace_id, span_id, kept", [
+    (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, True), ((1 << 128) - 1, (1 << 64) - 1, True),
+    (1 << 128, 1, False), (1, 1 << 64, False), (-5, 7, False), ("abc", 7, False), (1.5, 7, False), (0, 7, False),
+])
+def test_only_w3c_sized_sampled_ids_make_exemplars(monkeypatch: pytest.MonkeyPatch, trace_id, span_id,
+                                                    kept: bool) -> None:
+    """A non-SDK tracer may hand any ids: only a 128-bit trace id and a 64-bit span id, non-zero, are read
+    (oversized ones made labels no OpenMetrics parser accepts; strings made the histogram drop the sample)."""
+    import types
+
+    import opentelemetry.trace as otel_trace
+
+    from perfmon.exemplars import otel_reader
+
+    ctx = types.SimpleNamespace(trace_id=trace_id, span_id=span_id, trace_flags=types.SimpleNamespace(sampled=True))
+    monkeypatch.setattr(otel_trace, "get_current_span",
+                        lambda: types.SimpleNamespace(get_span_context=lambda: ctx))
+    reader = otel_reader()
+    assert reader is not None
+    assert (reader() is not None) is kept
+
+
+def test_an_exemplar_that_cannot_be_built_costs_the_exemplar_not_the_sample() -> None:
+    """Metrics.observe with ids it cannot render still counts the sample in the histogram."""
+    from prometheus_client import CollectorRegistry
+
+    from perfmon.config import Config
+    from perfmon.faults import InternalErrors
+    from perfmon.metrics import Metrics
+    from perfmon.records import STEADY, Sample
+
+    reg = CollectorRegistry()
+    metrics = Metrics(reg, Config.from_env({}), states=list, internal=InternalErrors(), started_ns=lambda: 0,
+                      process_collectors=False)
+    metrics.observe(Sample("m", "cpu", STEADY, 0, 0.002, 0.002, 1, trace=("not", "ints")))  # type: ignore[arg-type]
+    count = reg.get_sample_value("perfmon_forward_duration_seconds_count",
+                                 {"model": "m", "device": "cpu", "phase": "steady", "stage": ""})
+    assert count == 1

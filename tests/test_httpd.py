@@ -453,3 +453,48 @@ def test_a_scrape_is_answered_ahead_of_queued_junk(make_monitor) -> None:
         for s in junk:
             s.close()
 
+
+
+def test_metrics_negotiation_never_echoes_the_accept_header(make_monitor) -> None:
+    """The client's `version=`/`escaping=` parameters are not copied into Content-Type (they were: one
+    render-cache entry per variant, unbounded, and a CR smuggled into a response header); a version that is
+    not a number gets the format it names instead of a dropped connection; three formats, three types."""
+    mon = make_monitor(port=0).start()
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    seen = set()
+    for accept in [*(f"application/openmetrics-text; version=1.0.{i}" for i in range(40)),
+                   "application/openmetrics-text; version=1.x", "text/plain; version=abc",
+                   "application/openmetrics-text; version=1.0.0; escaping=dots", "text/plain; version=1.0.0",
+                   "application/openmetrics-text;q=0", "*/*", ""]:
+        conn.request("GET", "/metrics", headers={"Accept": accept} if accept else {})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read(), accept
+        seen.add(resp.getheader("Content-Type"))
+    conn.close()
+    assert seen == {"text/plain; version=0.0.4; charset=utf-8",
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8"}
+    assert mon._server is not None and len(mon._server._renders) <= 2
+    assert (value(mon, "perfmon_internal_errors_total", stage="http") or 0) == 0
+
+
+def test_a_control_character_in_a_header_value_is_a_400(make_monitor) -> None:
+    """A bare CR (or any control but tab) inside a header value is refused, never carried into an answer."""
+    mon = make_monitor(port=0).start()
+    answer = _raw(_port(mon), b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                              b"Accept: application/openmetrics-text; version=2.\rX-Injected: yes\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400") and b"X-Injected" not in answer.split(b"\r\n\r\n")[0]
+    ok = _raw(_port(mon), b"GET /healthz HTTP/1.0\r\nAccept:\ttext/plain\r\n\r\n")
+    assert ok.startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("encoding, gzipped", [("gzip", True), ("gzip;q=0", False), ("br, gzip;q=0.5", True),
+                                               ("identity", False), ("*", True), ("*;q=0", False)])
+def test_gzip_only_when_accept_encoding_allows_it(make_monitor, encoding: str, gzipped: bool) -> None:
+    mon = make_monitor(port=0).start()
+    conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
+    conn.request("GET", "/metrics", headers={"Accept-Encoding": encoding})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    assert (resp.getheader("Content-Encoding") == "gzip") is gzipped
+    assert (body[:2] == b"\x1f\x8b") is gzipped

@@ -215,3 +215,21 @@ def test_the_trace_repair_escapes_bare_quotes_in_names_only(trace: bytes, names:
     out = b"".join(iter(lambda: read(1 << 20), b""))
     assert [e.get("name") for e in json.loads(out)["traceEvents"]] == names
     assert (out == trace) is unchanged
+
+
+@pytest.mark.parametrize("name", ['x"}', '{"k": "v"}', 'a "b" c', '"', 'end"'])
+def test_names_with_quotes_and_braces_are_repaired_in_both_layouts(name: str) -> None:
+    """Names an attacker (or an unlucky user) can give ``record_function``: the repaired trace holds them intact."""
+    import io
+    import json
+
+    from perfmon.trace_summary import repairing
+
+    raw = name.encode()
+    for trace in (b'{"traceEvents": [\n  {\n    "ph": "X",\n    "name": "' + raw + b'",\n    "pid": 1\n  },\n'
+                  b'  {\n    "ph": "X",\n    "name": "aten::mm",\n    "pid": 1\n  }\n]}\n',
+                  b'{"traceEvents": [\n  {"ph": "X", "name": "' + raw + b'", "pid": 1},'
+                  b' {"ph": "X", "name": "aten::mm", "pid": 1}\n]}\n'):
+        read = repairing(io.BytesIO(trace).read)
+        out = b"".join(iter(lambda read=read: read(1 << 20), b""))
+        assert [e["name"] for e in json.loads(out)["traceEvents"]] == [name, "aten::mm"]
