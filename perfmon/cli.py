@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -16,6 +18,7 @@ from typing import Any, TextIO
 
 from ._version import __version__
 from .exceptions import ConfigError
+from .traces import TRACE_NAME, valid_id
 
 __all__ = ["ControlError", "diff_profiles", "list_profiles", "main", "run_profile", "store_profiles"]
 
@@ -48,6 +51,33 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0..65535 (0 = any free port), got {text}")
     return value
+
+
+#: Terminal escape sequences: CSI (ESC [ ... final, or the C1 CSI), OSC / DCS / SOS / PM / APC strings up to
+#: their terminator (BEL or ST; an unterminated one runs to the end of the text), and two-character ESC
+#: sequences. A capture's fields come from an agent or a store that may be hostile or corrupt; printed raw,
+#: these would retitle the window, clear the screen, hide text or forge lines.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x9b[0-?]*[ -/]*[@-~]?"
+                      r"|(?:\x1b[\]P^_X]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                      r"|\x1b[ -/]*[0-~]?")
+#: What is left after the sequences: C0 controls (newline, CR, BS... too: a field is one line), DEL, C1
+#: controls, and the bidirectional overrides and isolates that make text display in another order.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _clean(value: Any, limit: int | None = None) -> str:
+    """``value`` as text safe to print on a terminal: escape sequences and control characters removed, then cut
+    to ``limit`` characters (a megabyte-long field must not flood the listing)."""
+    text = value if isinstance(value, str) else str(value)
+    if limit is not None:
+        text = text[: limit * 8 + 256]  # bound the work; what is cut would not be shown anyway
+    text = _CONTROLS.sub("", _ESCAPES.sub("", text))
+    return text if limit is None else text[:limit]
+
+
+def _or(value: Any, default: str) -> Any:
+    """``default`` for a missing or empty value (as ``value or default`` would), the value otherwise."""
+    return value if value not in (None, "") else default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     profiles.add_argument("--limit", type=int, default=100, help="with --store: at most this many, newest first")
     profiles.add_argument("--download", metavar="ID", default=None,
                           help="with --store: fetch this capture's trace and metadata (into --out)")
-    profiles.add_argument("--out", default=".", help="with --download: the directory to write to (default: here)")
+    profiles.add_argument("--out", default=".",
+                          help="with --download: the directory to write to (default: here); a file of the same "
+                               "name there is replaced, a symbolic link or directory of that name is refused")
     diff = control("diff", "compare two captures op by op (per model call, noise-aware): what got slower, new or gone")
     diff.add_argument("before", help="the earlier capture's id (e.g. a baseline capture)")
     diff.add_argument("after", help="the later capture's id")
@@ -133,12 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             return list_profiles(args.url, token=args.token, timeout=args.timeout)
         if args.command == "diff":
+            bad = [i for i in (args.before, args.after) if not valid_id(i)]
+            if bad:  # a usage error, before any request: "<id>/trace" must not reach another route
+                print(f"perfmon: diff: not a capture id: {_clean(repr(bad[0]), 80)} (expected 22 lowercase hex "
+                      "digits, as `perfmon profiles` lists them)", file=sys.stderr)
+                return 2
             return diff_profiles(args.url, args.before, args.after, token=args.token, timeout=args.timeout,
                                  rows=args.rows)
         return run_profile(args.url, token=args.token, model=args.model, steps=args.steps,
                            max_seconds=args.max_seconds, out=args.out, timeout=args.timeout)
     except ControlError as exc:
-        print(f"perfmon: {exc}", file=sys.stderr)
+        print(f"perfmon: {_clean(exc)}", file=sys.stderr)  # it may quote what an agent or a store said
         return 1
 
 
@@ -182,33 +219,40 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     base = url.rstrip("/")
     payload = {k: v for k, v in (("model", model), ("steps", steps), ("max_seconds", max_seconds)) if v is not None}
     _, _, body = _request(f"{base}/profile", token=token, method="POST", payload=payload)
-    cap_id = json.loads(body)["id"]
+    cap_id = _json_object(body, "POST /profile").get("id")
+    if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
+        raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(repr(cap_id), 80)})")
     print(f"capture {cap_id} armed; waiting for the model's next calls...", file=stdout, flush=True)
     deadline = time.monotonic() + timeout
     meta: dict[str, Any] = {}
     last = None
     while time.monotonic() < deadline:
         _, _, body = _request(f"{base}/profiles/{cap_id}", token=token)
-        meta = json.loads(body)
+        meta = _json_object(body, f"capture {cap_id}")
         if meta.get("status") != last:
             last = meta.get("status")
-            print(f"  {last} (steps recorded: {meta.get('steps_recorded', 0)})", file=stdout, flush=True)
+            print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})", file=stdout,
+                  flush=True)
         if meta.get("outcome"):
             break
         time.sleep(0.2)
     else:
-        raise ControlError(f"capture {cap_id} did not finish within {timeout:g} s (status {meta.get('status')})")
+        raise ControlError(f"capture {cap_id} did not finish within {timeout:g} s "
+                           f"(status {_clean(meta.get('status'), 40)})")
     if meta["outcome"] == "failed":
         raise ControlError(f"capture {cap_id} failed: {meta.get('error')}")
     _, _, trace = _request(f"{base}/profiles/{cap_id}/trace", token=token, timeout=timeout)
-    name = meta.get("trace_file") or f"{cap_id}.pt.trace.json.gz"
+    name = meta.get("trace_file")
+    if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
+        name = f"{cap_id}.pt.trace.json.gz"
     target = Path(out) if out else Path(name)
     target.write_bytes(trace)
     print(f"trace: {target} ({len(trace)} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
     _print_ops(meta.get("summary") or [], stdout)
     comparison = meta.get("comparison")
     if isinstance(comparison, dict):
-        print(f"\nvs baseline {comparison.get('baseline')}: {comparison.get('summary')}", file=stdout)
+        print(f"\nvs baseline {_clean(comparison.get('baseline'), 40)}: {_clean(comparison.get('summary'), 500)}",
+              file=stdout)
     compute = meta.get("compute") or {}
     if compute.get("achieved_flops_per_second"):
         mfu = f", MFU {compute['mfu_ratio']:.1%}" if compute.get("mfu_ratio") is not None else ""
@@ -227,44 +271,77 @@ def _print_ops(ops: list[dict[str, Any]], stdout: TextIO) -> None:
     for op in ops[:15]:
         rate = op.get("achieved_flops_per_second")
         cpu_ms = op["cpu_time_total_seconds"] * 1e3
-        print(f"{op['name'][:34]:<34} {op['calls']:>6} {op[key] * 1e3:>13.3f} {cpu_ms:>12.3f} "
+        print(f"{_clean(op['name'], 34):<34} {op['calls']:>6} {op[key] * 1e3:>13.3f} {cpu_ms:>12.3f} "
               f"{(op.get('flops') or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
-              f"{op.get('bound') or '-'}", file=stdout)
+              f"{_clean(op.get('bound') or '-', 20)}", file=stdout)
+
+
+def _json_object(body: bytes, what: str) -> dict[str, Any]:
+    """The JSON object an agent answered, or ``ControlError``: a body that is not JSON (or nests past the
+    parser's depth, a ``RecursionError``) or not an object is a broken or hostile agent, not a traceback."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ControlError(f"{what}: the agent's answer is not JSON") from None
+    if not isinstance(data, dict):
+        raise ControlError(f"{what}: the agent's answer is not a JSON object")
+    return data
 
 
 def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO | None = None) -> int:
     """Print the agent's captures, newest first."""
     stdout = stdout if stdout is not None else sys.stdout
     _, _, body = _request(f"{url.rstrip('/')}/profiles", token=token, timeout=timeout)
-    profiles = json.loads(body)["profiles"]
+    profiles = _json_object(body, "GET /profiles").get("profiles")
+    if not isinstance(profiles, list):
+        raise ControlError("GET /profiles: the agent's answer has no list of profiles")
+    profiles = [p for p in profiles if isinstance(p, dict)]
     if not profiles:
         print("no captures", file=stdout)
         return 0
     print(f"{'id':<24} {'model':<16} {'trigger':<11} {'status':<10} {'outcome':<8} {'steps':>5}  {'armed at':<29}  "
           "vs baseline", file=stdout)
-    for p in profiles:
-        print(f"{p['id']:<24} {p['model'][:16]:<16} {p['trigger']:<11} {p['status']:<10} {p.get('outcome') or '-':<8} "
-              f"{p.get('steps_recorded', 0):>5}  {p.get('armed_at', ''):<29}  {_short_comparison(p)}", file=stdout)
+    for p in profiles:  # every field cleaned (and cut) for the terminal: the agent is not trusted to be honest
+        print(f"{_clean(p.get('id', ''), 64):<24} {_clean(p.get('model', ''), 16):<16} "
+              f"{_clean(p.get('trigger', ''), 32):<11} {_clean(p.get('status', ''), 32):<10} "
+              f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
+              f"{_clean(p.get('armed_at', ''), 64):<29}  {_short_comparison(p)}", file=stdout)
     return 0
 
 
 def store_profiles(store: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
                    since: float | None = None, limit: int = 100, download: str | None = None, out: str = ".",
-                   stdout: TextIO | None = None) -> int:
-    """List the fleet's captures in object storage (``trace_store``), newest first, or download one."""
+                   stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """List the fleet's captures in object storage (``trace_store``), newest first, or download one.
+
+    Metadata objects the listing cannot use (over 1 MiB, not JSON, a field of the wrong type: see
+    ``perfmon.upload.list_remote``) are left out and counted in one line on ``stderr``.
+    """
     from .upload import download_remote, list_remote, redact
 
     stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    skipped: list[tuple[str, str]] = []
+
+    def on_skip(key: str, reason: str) -> None:
+        skipped.append((key, reason))
+
     try:
         if download is not None:
-            for path in download_remote(store, download, out):
-                print(path, file=stdout)
+            paths = download_remote(store, download, out, on_skip=on_skip)
+            for key, reason in skipped:
+                print(f"perfmon: skipped {_clean(key, 300)}: {reason}", file=stderr)
+            for path in paths:
+                print(_clean(path), file=stdout)
             return 0
-        profiles = list_remote(store, model=model, host=host, trigger=trigger, since=since, limit=limit)
+        profiles = list_remote(store, model=model, host=host, trigger=trigger, since=since, limit=limit,
+                               on_skip=on_skip)
     except (LookupError, ValueError, ConfigError) as exc:
         raise ControlError(str(exc)) from None
     except Exception as exc:  # the SDK's errors (no credentials, no bucket, unreachable): say which store
         raise ControlError(f"{redact(store)}: {type(exc).__name__}: {exc}") from None
+    if skipped:
+        print(f"perfmon: skipped {len(skipped)} malformed metadata objects", file=stderr)
     if not profiles:
         print("no captures", file=stdout)
         return 0
@@ -273,9 +350,10 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     for p in profiles:
         where = str(p.get("key", "")).split("/")  # {model}/{host}/{worker}/{time}-{id}
         host_part = where[1] if len(where) > 1 else ""
-        print(f"{p.get('id', ''):<24} {str(p.get('model', ''))[:16]:<16} {host_part[:20]:<20} "
-              f"{p.get('trigger', '')!s:<11} {p.get('outcome') or '-':<8} {p.get('steps_recorded', 0):>5}  "
-              f"{p.get('ended_at') or ''!s:<29}  {_short_comparison(p)}", file=stdout)
+        print(f"{_clean(p.get('id', ''), 64):<24} {_clean(_or(p.get('model'), ''), 16):<16} "
+              f"{_clean(host_part, 20):<20} {_clean(_or(p.get('trigger'), ''), 32):<11} "
+              f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
+              f"{_clean(_or(p.get('ended_at'), ''), 64):<29}  {_short_comparison(p)}", file=stdout)
     return 0
 
 
@@ -284,48 +362,79 @@ def _short_comparison(meta: dict[str, Any], width: int = 60) -> str:
     comparison = meta.get("comparison")
     if not isinstance(comparison, dict):
         return "-"
-    text = str(comparison.get("error") or comparison.get("summary") or "-")
+    text = _clean(comparison.get("error") or comparison.get("summary") or "-", width * 4)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+#: The per-step op table's numeric fields ``perfmon.compare`` reads (``perfmon.trace_summary.step_table``).
+_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step")
+
+
+def _check_ops(meta: dict[str, Any], capture_id: str) -> None:
+    """``ControlError`` unless every entry of the capture's op table is an object whose numeric fields are
+    finite numbers (or absent): ``compare`` would otherwise fail with a ``ValueError`` from ``float("abc")``
+    or print nonsense from NaN. Only a broken or hostile agent sends such a table."""
+    ops = meta.get("ops")
+    if not isinstance(ops, dict):
+        return  # no table: compare says the captures are not comparable
+    for name, entry in ops.items():
+        if not isinstance(entry, dict):
+            raise ControlError(f"capture {capture_id}: op {_clean(name, 60)!r} is not an object in its op table")
+        for field in _OP_FIELDS:
+            value = entry.get(field)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ControlError(f"capture {capture_id}: op {_clean(name, 60)!r} has a non-numeric {field} "
+                                   f"({_clean(repr(value), 40)}); the agent's op table is malformed")
 
 
 def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float) -> dict[str, Any]:
     _, _, body = _request(f"{base}/profiles/{urllib.parse.quote(capture_id, safe='')}", token=token, timeout=timeout)
-    meta: dict[str, Any] = json.loads(body)
+    meta = _json_object(body, f"capture {capture_id}")
     if not meta.get("ops"):
-        state = meta.get("outcome") or meta.get("status")
-        why = f"{state}: {meta['error']}" if meta.get("error") else state
+        state = _clean(meta.get("outcome") or meta.get("status"), 40)
+        why = f"{state}: {_clean(meta['error'], 200)}" if meta.get("error") else state
         raise ControlError(f"capture {capture_id} has no per-step op table to compare ({why})")
+    _check_ops(meta, capture_id)
     return meta
 
 
 def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeout: float = 30.0, rows: int = 20,
                   stdout: TextIO | None = None) -> int:
     """Fetch two captures' metadata from the agent and print their comparison (``perfmon.compare``):
-    per op, self time per model call before and after, calls per model call, the change and its status."""
+    per op, self time per model call before and after, calls per model call, the change and its status.
+
+    Both ids must be capture ids (``perfmon.traces.valid_id``; ``ControlError`` before any request
+    otherwise): an id is a path segment of the request, so "<id>/trace" would fetch another route."""
     from .compare import compare
 
     stdout = stdout if stdout is not None else sys.stdout
+    for capture_id in (before, after):
+        if not valid_id(capture_id):
+            raise ControlError(f"not a capture id: {_clean(repr(capture_id), 80)}")
     base = url.rstrip("/")
     a = _fetch_meta(base, before, token=token, timeout=timeout)
     b = _fetch_meta(base, after, token=token, timeout=timeout)
     if a.get("model") != b.get("model"):
-        print(f"note: different models ({a.get('model')} vs {b.get('model')})", file=stdout)
+        print(f"note: different models ({_clean(a.get('model'), 60)} vs {_clean(b.get('model'), 60)})", file=stdout)
     result = compare(a, b)
     if result.get("error"):
-        raise ControlError(f"cannot compare {before} and {after}: {result['error']}")
+        raise ControlError(f"cannot compare {before} and {after}: {_clean(result['error'], 300)}")
     per = "device" if str(b.get("device", "")).startswith("cuda") else "CPU"
-    print(f"{before} ({a.get('trigger')}, {a.get('steps')} steps) -> {after} ({b.get('trigger')}, {b.get('steps')} "
-          f"steps); self {per} time per model call", file=stdout)
+    print(f"{before} ({_clean(a.get('trigger'), 32)}, {_clean(a.get('steps'), 12)} steps) -> {after} "
+          f"({_clean(b.get('trigger'), 32)}, {_clean(b.get('steps'), 12)} steps); self {per} time per model call",
+          file=stdout)
     print(f"\n{'op':<34} {'status':<7} {'before ms':>10} {'after ms':>10} {'added ms':>10} {'ratio':>7} "
           f"{'calls before':>12} {'calls after':>12}", file=stdout)
     for r in result["ops"][:max(rows, 0)]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"{r['op'][:34]:<34} {r['status']:<7} {r['seconds_per_call_before'] * 1e3:>10.3f} "
+        print(f"{_clean(r['op'], 34):<34} {r['status']:<7} {r['seconds_per_call_before'] * 1e3:>10.3f} "
               f"{r['seconds_per_call_after'] * 1e3:>10.3f} {r['added_seconds_per_call'] * 1e3:>+10.3f} {ratio:>7} "
               f"{r['calls_per_call_before']:>12.1f} {r['calls_per_call_after']:>12.1f}", file=stdout)
     if len(result["ops"]) > rows:
         print(f"({len(result['ops']) - rows} more rows)", file=stdout)
-    print(f"\n{result['summary']}", file=stdout)
+    print(f"\n{_clean(result['summary'])}", file=stdout)
     return 0
 
 
