@@ -15,7 +15,7 @@ import ipaddress
 import json
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -456,29 +456,20 @@ def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
 
 def accepts_gzip(accept_encoding: str) -> bool:
     """Whether ``Accept-Encoding`` allows gzip: listed (or ``*``) with a q-value above 0."""
-    for part in accept_encoding.split(",")[:64]:
-        fields = [f.strip() for f in part.split(";")]
-        if fields[0].lower() not in ("gzip", "*"):
-            continue
-        q = 1.0
-        for f in fields[1:]:
-            name, _, value = f.partition("=")
-            if name.strip().lower() == "q":
-                try:
-                    q = float(value)
-                except ValueError:
-                    q = 0.0
-        return q > 0 and q == q
-    return False
+    return any(media in ("gzip", "*") and q > 0 for media, q in _ranges(accept_encoding))
 
 
 def _offers_openmetrics(accept: str) -> bool:
     """Whether ``accept`` lists ``application/openmetrics-text`` with a q-value above 0 (its parameters,
     version included, are not read: perfmon serves OpenMetrics 1.0.0)."""
-    for part in accept.split(",")[:64]:  # a header is at most 16 KiB; a scraper lists a handful of types
+    return any(media == "application/openmetrics-text" and q > 0 for media, q in _ranges(accept))
+
+
+def _ranges(header: str) -> Iterator[tuple[str, float]]:
+    """(lower-cased media range or coding, q-value) of an ``Accept``/``Accept-Encoding`` header; a q that is
+    not a number (NaN included) is 0. At most 64: a header is at most 16 KiB, a client lists a handful."""
+    for part in header.split(",")[:64]:
         fields = [f.strip() for f in part.split(";")]
-        if fields[0].lower() != "application/openmetrics-text":
-            continue
         q = 1.0
         for f in fields[1:]:
             name, _, value = f.partition("=")
@@ -487,9 +478,7 @@ def _offers_openmetrics(accept: str) -> bool:
                     q = float(value)
                 except ValueError:
                     q = 0.0
-        if q > 0 and q == q:  # not NaN
-            return True
-    return False
+        yield fields[0].lower(), (q if q == q else 0.0)
 
 
 def _typename(typ: type | tuple[type, ...]) -> str:
