@@ -222,10 +222,14 @@ def test_uvicorn_workers_start_even_when_the_port_is_taken(tmp_path: Path) -> No
         states: set[str] = set()
         wait_until(lambda: _try(f"http://127.0.0.1:{app_port}/perfmon/healthz"), timeout=90,
                    what="uvicorn to serve")
-        for _ in range(400):  # bounded: connections are spread over the two workers
+
+        def both_seen() -> bool:
+            # Connections are spread over the workers only once both accept: the second may still be
+            # importing torch when the first serves, so poll (bounded by the deadline), not a count.
             states.add(_get_json(f"http://127.0.0.1:{app_port}/perfmon/healthz")["http"])
-            if states == {"listening", "unbound"}:
-                break
+            return states == {"listening", "unbound"}
+
+        wait_until(both_seen, timeout=90, what="one worker listening and one unbound")
         assert states == {"listening", "unbound"}
         assert _listening(base)
     _stop(proc)
