@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from perfmon.httpd import MAX_HEADER_BYTES
 from perfmon.selfcost import CpuBudget
 
-from .conftest import churning, value, wait_until
+from .conftest import assert_answered_in_time, churning, value, wait_until
 
 
 def _raw(port: int, data: bytes, *, timeout: float = 10) -> bytes:
@@ -375,13 +375,13 @@ def test_health_is_answered_while_the_budget_is_in_debt(make_monitor) -> None:
         stop.set()
         for t in threads:
             t.join(10)
-    assert max(took) < 0.5, took
+    assert_answered_in_time(took, typical=0.25)
     assert mon._server.budget.wait_seconds() > 0  # the flood was still waiting for the work budget
 
 
 def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(make_monitor) -> None:
     """Triage itself far in debt, keep-alive clients sending junk and 45 idle sockets reopened constantly: each
-    /healthz, a new connection, still goes through the health lane within 0.5 s (before: seconds, or reset).
+    /healthz, a new connection, still goes through the health lane within kubelet's 1 s, typically far less (before: seconds, or reset).
 
     (A churn fast enough to spend the lane's own allowance fills the port's accept queue, where a probe's
     SYN can be dropped and retried after 1 s: that case is the health port's, tested in test_lifecycle.py.)"""
@@ -402,13 +402,13 @@ def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(m
         server.budget.charge(0.3)  # the work budget ~30 s in debt
         server.triage.charge(0.3)  # and triage ~60 s: only the health lane reads anything
         took = [_probe(port) for _ in range(10)]
-    assert max(took) < 0.5, took
+    assert_answered_in_time(took, typical=0.25)
     assert server.triage.wait_seconds() > 0
 
 
 def test_a_keep_alive_scraper_is_served_while_idle_connections_churn(make_monitor) -> None:
     """With triage and the health lane both in debt and 150 idle sockets reopened constantly, a scraper on its
-    keep-alive connection still gets every scrape within 0.5 s: it is read by the lane and never evicted."""
+    keep-alive connection still gets every scrape within 1 s, typically far less: it is read by the lane and never evicted."""
     mon = make_monitor(port=0).start()
     port = _port(mon)
     server = mon._server
@@ -429,7 +429,7 @@ def test_a_keep_alive_scraper_is_served_while_idle_connections_churn(make_monito
                 took.append(time.monotonic() - t0)
     finally:
         scraper.close()
-    assert max(took) < 0.5, took
+    assert_answered_in_time(took, typical=0.25)
 
 
 def test_a_scrape_is_answered_ahead_of_queued_junk(make_monitor) -> None:

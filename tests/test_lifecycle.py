@@ -12,7 +12,7 @@ import torch
 import perfmon
 from perfmon.monitor import _is_loopback, _prefork_server
 
-from .conftest import churning, value, wait_until
+from .conftest import assert_answered_in_time, churning, value, wait_until
 
 
 def _free_port() -> int:
@@ -228,7 +228,7 @@ def test_health_port_taken_is_logged_retried_and_never_fails_the_start(make_moni
 
 def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monitor) -> None:
     """Both of the agent port's allowances in debt and its accept queue churned by idle sockets: probes on the
-    health port (its own queue and thread) are answered within 0.2 s each."""
+    health port (its own queue and thread) are answered within 1 s each, typically under 0.1 s."""
     import time
 
     mon = make_monitor(port=0, health_port=0).start()
@@ -243,7 +243,7 @@ def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monito
             t0 = time.monotonic()
             assert _health_get(mon.health_url)[0] == 200
             took.append(time.monotonic() - t0)
-    assert max(took) < 0.2, took
+    assert_answered_in_time(took, typical=0.1)
 
 
 def test_health_port_is_not_held_by_slow_clients(make_monitor) -> None:
@@ -270,4 +270,4 @@ def test_health_port_is_not_held_by_slow_clients(make_monitor) -> None:
     finally:
         for s in slow:
             s.close()
-    assert max(took) < 0.2, took
+    assert_answered_in_time(took, typical=0.1)

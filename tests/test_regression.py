@@ -330,8 +330,10 @@ def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor,
     from .conftest import wait_until
 
     monkeypatch.setattr(monitor_module, "BASELINE_CHECK_SECONDS", 0.0)
+    # A ratio no noise reaches: a regression blocks baseline captures (only a healthy model gets one), and
+    # 0.2 s windows of a 16x16 Linear on a loaded 2-core CI box once fired one. Regressions are not the point.
     policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, capture_steps=2,
-                              baseline_capture_max_age_seconds=0.5)
+                              baseline_capture_max_age_seconds=0.5, ratio=1000.0)
     mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
     model = mon.wrap(torch.nn.Linear(16, 16), name="lin")
     x = torch.randn(4, 16)
@@ -339,8 +341,13 @@ def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor,
     def baselines() -> list[str]:
         return [p["id"] for p in mon.profiles() if p["trigger"] == "baseline" and p.get("outcome") == "ok"]
 
-    wait_until(lambda: len(baselines()) >= 2, timeout=60, what="a second baseline capture",
-               between=lambda: model(x))
+    try:
+        wait_until(lambda: len(baselines()) >= 2, timeout=60, what="a second baseline capture",
+                   between=lambda: model(x))
+    except AssertionError as exc:  # say why: what was captured, what was suppressed, what the detector saw
+        seen = [(p["trigger"], p.get("outcome"), p.get("ended_at")) for p in mon.profiles()]
+        raise AssertionError(f"{exc}; captures {seen}; suppressed {dict(mon.captures.suppressed)}; "
+                             f"detector {list(mon.detector.views())}") from None
     first, second = sorted(mon.profile(i)["ended_at"] for i in baselines()[:2])
     assert first < second
 
