@@ -381,7 +381,8 @@ def test_health_is_answered_while_the_budget_is_in_debt(make_monitor) -> None:
 
 def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(make_monitor) -> None:
     """Triage itself far in debt, keep-alive clients sending junk and 45 idle sockets reopened constantly: each
-    /healthz, a new connection, still goes through the health lane within kubelet's 1 s, typically far less (before: seconds, or reset).
+    /healthz, a new connection, still goes through the health lane within kubelet's 1 s, typically far less
+    (before: seconds, or reset).
 
     (A churn fast enough to spend the lane's own allowance fills the port's accept queue, where a probe's
     SYN can be dropped and retried after 1 s: that case is the health port's, tested in test_lifecycle.py.)"""
@@ -408,7 +409,8 @@ def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(m
 
 def test_a_keep_alive_scraper_is_served_while_idle_connections_churn(make_monitor) -> None:
     """With triage and the health lane both in debt and 150 idle sockets reopened constantly, a scraper on its
-    keep-alive connection still gets every scrape within 1 s, typically far less: it is read by the lane and never evicted."""
+    keep-alive connection still gets every scrape within 1 s, typically far less: it is read by the lane and
+    never evicted."""
     mon = make_monitor(port=0).start()
     port = _port(mon)
     server = mon._server
