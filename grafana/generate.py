@@ -288,6 +288,21 @@ def overview() -> dict[str, Any]:
          "{{instance}} HTTP refused/s: {{reason}}"),
     ], "short", description="CPU seconds per second of perfmon's own threads; the share of time its HTTP server "
         "paused because it spent its CPU budget (http_cpu_budget), and connections it refused or cut, by reason.")
+    # Only agents with trace_store set export these; elsewhere the two panels stay empty.
+    b.panel("Trace uploads (trace_store)", [
+        (f"sum by (instance, outcome) (rate(perfmon_trace_uploads_total{{{BASE}}}[{RATE}]))",
+         "{{instance}} {{outcome}}"),
+        (f"sum by (instance, reason) (rate(perfmon_trace_spool_dropped_total{{{BASE}}}[{RATE}]))",
+         "{{instance}} dropped unsent: {{reason}}"),
+    ], "ops", description="Capture uploads to object storage per second: ok, and failed attempts (each retried with "
+        "backoff); captures removed from trace_dir by retention before they went up. Alert: "
+        "PerfmonTraceUploadsFailing.")
+    b.panel("Trace spool (trace_store)", [
+        (f"max by (instance) (perfmon_trace_spool_files{{{BASE}}})", "{{instance}} files waiting"),
+        (f"max by (instance) (perfmon_trace_spool_bytes{{{BASE}}}) / 2^20", "{{instance}} MiB waiting"),
+        (f"max by (instance) (perfmon_trace_upload_age_seconds{{{BASE}}}) / 60", "{{instance}} minutes since an upload"),
+    ], "short", description="What waits in trace_dir for upload (files, MiB) and minutes since the last upload "
+        "went through: a spool that grows while the age climbs is a store that is down or refusing writes.")
     b.panel("Agent process", [
         (f"rate(process_cpu_seconds_total{{{BASE}}}[{RATE}])", "{{instance}} CPU"),
         (f"process_resident_memory_bytes{{{BASE}}} / 2^30", "{{instance}} RSS GiB"),

@@ -138,7 +138,7 @@ class Monitor:
         #: Captures copied to object storage (trace_store), or None: they stay in trace_dir only.
         self.uploads: TraceUploader | None = None if cfg.trace_store is None else TraceUploader(
             self.traces, cfg.trace_store, internal=self._hub.internal, timeout_seconds=cfg.trace_upload_timeout_seconds,
-            backoff_max_seconds=cfg.trace_upload_max_backoff_seconds,
+            backoff_max_seconds=cfg.trace_upload_max_backoff_seconds, cpu=self._hub.cpu,
             log=make_logger(cfg.log_format, cfg.log_level, component="upload"))
         if self.uploads is not None:
             self.registry.register(UploadCollector(self.uploads))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 __all__ = ["AgentCpu", "CpuBudget", "HttpShedding"]
 
 #: The ``thread`` label values.
-THREADS = ("resolver", "nvml", "http", "capture_export")
+THREADS = ("resolver", "nvml", "http", "capture_export", "upload")
 
 
 class AgentCpu:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .exceptions import ConfigError
 from .faults import InternalErrors
+from .selfcost import AgentCpu
 from .traces import TRACE_NAME, TraceStore, valid_id, write_at
 
 __all__ = [
@@ -144,14 +145,16 @@ class TraceUploader:
     injectable, so tests drive ``step()`` by hand. ``backoff_initial_seconds`` doubles per consecutive
     failure up to ``backoff_max_seconds``; ``poll_seconds`` is how often the spool is rescanned when idle
     (a capture saved in this process wakes the thread at once; the rescan finds other processes' captures).
+    The thread's CPU seconds are added to ``cpu`` as ``thread="upload"``.
     """
 
     def __init__(self, store: TraceStore, url: str, *, internal: InternalErrors | None = None, log: Any = None,
                  timeout_seconds: float = 30.0, backoff_initial_seconds: float = 1.0,
                  backoff_max_seconds: float = 300.0, poll_seconds: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, jitter: Callable[[], float] = random.random,
-                 fs: Any = None, root: str | None = None) -> None:
+                 fs: Any = None, root: str | None = None, cpu: AgentCpu | None = None) -> None:
         self.store = store
+        self._cpu = cpu if cpu is not None else AgentCpu()
         self.url = url
         self.destination = redact(url)
         self.timeout_seconds = timeout_seconds
@@ -230,7 +233,9 @@ class TraceUploader:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                wait = self.step()
+                # Its CPU (gzip'd trace reads, the SDK's TLS and signing) is the agent's own cost too.
+                with self._cpu.measure("upload"):
+                    wait = self.step()
             except Exception as exc:  # a bug here must not end the thread: count it, slow down
                 self._internal.report("trace_upload", exc)
                 wait = self.poll_seconds

@@ -164,7 +164,8 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     nvml.failing.add((1, "nvmlDeviceGetPowerUsage"))  # an NVML error series exists
     policy = perfmon.RegressionPolicy(window_seconds=1, baseline_windows=2, min_samples=5)
     mon = make_monitor(port=0, sample_rate=0.5, regression=policy, cuda=FakeCuda(gpu), nvml=nvml,
-                       memory=FakeTorchMemory(), nvml_interval_seconds=0.5, resolve_interval_seconds=0.05).start()
+                       memory=FakeTorchMemory(), nvml_interval_seconds=0.5, resolve_interval_seconds=0.05,
+                       trace_store=(tmp_path / "store").as_uri()).start()  # the upload panels: file:// store
     enc = mon.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)),
                    name="encoder")
     on_gpu = mon.wrap(GpuWork(gpu, ms=2.0), name="gpu_model", device="cuda:0")

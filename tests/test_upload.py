@@ -175,16 +175,21 @@ def test_retention_bounds_the_spool_and_counts_unuploaded_captures_as_dropped(tm
 
 
 def test_the_thread_uploads_a_saved_capture_without_waiting_for_its_poll(tmp_path: Path, mem: Any) -> None:
-    """A saved capture wakes the upload thread at once (poll 1 h); stop() returns within its timeout."""
+    """A saved capture wakes the upload thread at once (poll 1 h); stop() returns within its timeout; the
+    thread's CPU is the agent's own cost (`perfmon_agent_cpu_seconds_total{thread="upload"}`)."""
+    from perfmon.selfcost import AgentCpu
+
     from .conftest import wait_until
 
     fs, root = mem
     store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
-    up = TraceUploader(store, "memory://x", fs=fs, root=root, poll_seconds=3600.0)
+    cpu = AgentCpu()
+    up = TraceUploader(store, "memory://x", fs=fs, root=root, poll_seconds=3600.0, cpu=cpu)
     up.start()
     try:
         _save(store)
         wait_until(lambda: up.stats.uploads["ok"] == 1, timeout=10, what="the upload")
+        wait_until(lambda: cpu.totals()["upload"] > 0, timeout=10, what="the upload thread's CPU counted")
     finally:
         t0 = time.monotonic()
         up.stop(2.0)
