@@ -7,7 +7,8 @@ percentile of the same values. Grids: the default (43 bounds), ``FINE_BUCKETS`` 
 and the native histogram at perfmon's schema 3 (Prometheus 2.42 interpolates linearly in a native
 bucket too). The sweep rows take 97 medians log-spaced from 1 ms to 0.5 s (where both classic grids are
 fine-grained; beyond 1 s they are coarse tails), so where a narrow distribution falls against the
-bounds averages out: mean and worst |error| over them.
+bounds averages out: mean and worst |error| over them. A last sweep does the same for time to first
+token, 97 medians from 10 ms to 10 s: TTFT_BUCKETS (12 a decade) against its previous 24-a-decade grid.
 
     python benchmarks/buckets.py [--samples 20000] [--json out.json]
 """
@@ -22,7 +23,8 @@ from collections.abc import Sequence
 
 from common import dump, machine, table
 
-from perfmon.config import DEFAULT_BUCKETS, FINE_BUCKETS
+from perfmon.config import DEFAULT_BUCKETS, FINE_BUCKETS, log_buckets
+from perfmon.generation import TTFT_BUCKETS
 from perfmon.native import SCHEMA, bucket_index
 from perfmon.testing import histogram_quantile
 from perfmon.windows import quantile
@@ -68,6 +70,14 @@ GRIDS = {
     f"native schema {SCHEMA}": native,
 }
 
+#: Time to first token: the shipped grid, the one it replaced (24 a decade, 116 bounds), native.
+PREVIOUS_TTFT = log_buckets(0.001, 60.0, 24)
+TTFT_GRIDS = {
+    f"TTFT_BUCKETS ({len(TTFT_BUCKETS)} bounds)": lambda vs, q: classic(vs, TTFT_BUCKETS, q),
+    f"previous ({len(PREVIOUS_TTFT)} bounds)": lambda vs, q: classic(vs, PREVIOUS_TTFT, q),
+    f"native schema {SCHEMA}": native,
+}
+
 
 def sample(median: float, sigma: float, n: int, seed: int) -> list[float]:
     rng = random.Random(seed)
@@ -77,6 +87,22 @@ def sample(median: float, sigma: float, n: int, seed: int) -> list[float]:
 def errors(values: list[float], estimate: object, q: float) -> float:
     exact = quantile(sorted(values), q)
     return estimate(values, q) / exact - 1  # type: ignore[operator]
+
+
+def sweep(grids: dict[str, object], low: float, high: float, n: int) -> list[list[str]]:
+    """Rows (shape, grid, then "mean% / worst%" |error| per quantile) over 97 log-spaced medians."""
+    medians = [low * (high / low) ** (i / 96) for i in range(97)]
+    rows = []
+    for shape, sigma in SHAPES.items():
+        for name, estimate in grids.items():
+            errs: dict[float, list[float]] = {q: [] for q in QS}
+            for i, median in enumerate(medians):
+                values = sample(median, sigma, n, seed=i)
+                for q in QS:
+                    errs[q].append(abs(errors(values, estimate, q)))
+            rows.append([shape, name, *(f"{100 * sum(e) / len(e):.1f}% / {100 * max(e):.1f}%"
+                                        for e in errs.values())])
+    return rows
 
 
 def main() -> int:
@@ -97,20 +123,14 @@ def main() -> int:
     print("\nError of histogram_quantile vs the exact percentile (p50 / p95 / p99):\n")
     print(table(["shape", "median", *GRIDS], rows, "lr" + "r" * len(GRIDS)))
     out["medians"] = rows
-    sweep_rows = []
-    medians = [10 ** (-3 + math.log10(500) * i / 96) for i in range(97)]
-    for shape, sigma in SHAPES.items():
-        for name, estimate in GRIDS.items():
-            errs = {q: [] for q in QS}  # type: dict[float, list[float]]
-            for i, median in enumerate(medians):
-                values = sample(median, sigma, args.samples // 4, seed=i)
-                for q in QS:
-                    errs[q].append(abs(errors(values, estimate, q)))
-            sweep_rows.append([shape, name, *(f"{100 * sum(e) / len(e):.1f}% / {100 * max(e):.1f}%"
-                                             for e in errs.values())])
+    sweep_rows = sweep(GRIDS, 0.001, 0.5, args.samples // 4)
     print("\nSweep, 97 medians from 1 ms to 0.5 s: mean / worst |error|:\n")
     print(table(["shape", "grid", "p50", "p95", "p99"], sweep_rows, "llrrr"))
     out["sweep"] = sweep_rows
+    ttft_rows = sweep(TTFT_GRIDS, 0.01, 10.0, args.samples // 4)
+    print("\nTime to first token, 97 medians from 10 ms to 10 s: mean / worst |error|:\n")
+    print(table(["shape", "grid", "p50", "p95", "p99"], ttft_rows, "llrrr"))
+    out["ttft_sweep"] = ttft_rows
     dump(args.json, out)
     return 0
 

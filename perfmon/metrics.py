@@ -693,6 +693,9 @@ def _register_process_collectors(registry: CollectorRegistry) -> None:
 
 
 #: Generation histogram -> its bounds (fixed: dashboards and alert rules rely on them, docs/metrics.md).
+#: Generation histograms that also carry native buckets in protobuf scrapes: the two latency signals.
+#: (Duration and token counts stay classic: coarse on purpose, see generation.py.)
+NATIVE_GENERATION = frozenset({"perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds"})
 GENERATION_HISTOGRAMS: dict[str, tuple[float, ...]] = {
     "perfmon_time_to_first_token_seconds": TTFT_BUCKETS,
     "perfmon_inter_token_latency_seconds": ITL_BUCKETS,
@@ -723,9 +726,12 @@ class GenerationCollector(Collector):
         """Lock held."""
         h = self._hists.get((name, model))
         if h is None:
-            h = self._hists[(name, model)] = _Histogram(GENERATION_HISTOGRAMS[name], self._les[name])
+            h = self._hists[(name, model)] = _Histogram(GENERATION_HISTOGRAMS[name], self._les[name],
+                                                        native=name in NATIVE_GENERATION)
         h.counts[bisect_left(h.bounds, value)] += weight
         h.sum += value * weight
+        if h.native is not None:
+            h.native.observe(value, weight)
 
     def observe(self, events: list[GenerationEvent]) -> None:
         """Sink: a batch of generation events into the histograms (resolver thread)."""
@@ -760,10 +766,13 @@ class GenerationCollector(Collector):
                 dropped.add_metric([m, reason], count_value(c.dropped[reason]))
         yield from (requests, prompt, generated, dropped)
         with self._lock:
-            rows = [(name, model, h.cumulative()) for (name, model), h in sorted(self._hists.items())]
+            rows = [(name, model, h.cumulative(), h.native.snapshot() if h.native is not None else None)
+                    for (name, model), h in sorted(self._hists.items())]
         for name in GENERATION_HISTOGRAMS:
-            fam = HistogramMetricFamily(name, METRICS[name][3], labels=["model"])
-            for row_name, model, (buckets, total) in rows:
+            fam = NativeHistogramFamily(name, METRICS[name][3], labels=["model"])
+            for row_name, model, (buckets, total), native in rows:
                 if row_name == name:
                     fam.add_metric([model], buckets, total)
+                    if native is not None:
+                        fam.add_native((model,), native)
             yield fam

@@ -36,3 +36,25 @@ def test_default_grid_meets_the_series_budget_at_half_the_fine_grid(make_monitor
     assert len(fine) == 2 * (len(perfmon.FINE_BUCKETS) + 1) and len(latency) <= len(fine) // 2
     # every series the model costs (latency, batch size, counts, drops, gauges), within the documented budget
     assert len(lines) <= MODEL_SERIES_BUDGET, len(lines)
+
+
+#: docs/metrics.md, "Generation series": per generation name, histograms and counters.
+GENERATION_SERIES_BUDGET = 180
+
+
+def test_a_generation_name_costs_at_most_its_budget_and_no_latency_histogram_over_100(make_monitor) -> None:
+    """One generation name (requests ok, error and cancelled, chunks): <= 180 series in all, and neither TTFT
+    nor ITL over the 100-series latency budget a model's forward histogram has (they were 119 and 89)."""
+    mon = make_monitor().start()
+    for _ in range(3):
+        for _tok in mon.stream(iter(range(5)), name="chat", prompt_tokens=7):
+            pass
+    with mon.generation(name="chat") as g:
+        g.token(4)
+    assert mon.flush()
+    lines = [ln for ln in generate_latest(mon.registry).decode().splitlines()
+             if ln and not ln.startswith("#") and 'model="chat"' in ln]
+    assert len(lines) <= GENERATION_SERIES_BUDGET, len(lines)
+    for name in ("perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds"):
+        buckets = [ln for ln in lines if ln.startswith(name + "_bucket{")]
+        assert 0 < len(buckets) <= LATENCY_BUCKET_BUDGET, (name, len(buckets))

@@ -92,13 +92,14 @@ def test_scripted_stream_ttft_and_itl_match_truth_in_stats_and_histograms(make_m
     assert abs(gen["time_to_first_token"]["p50_seconds"] / truth_ttft - 1) < 0.05, (gen, truth_ttft)
     assert abs(gen["inter_token_latency"]["p50_seconds"] / truth_itl - 1) < 0.05, (gen, truth_itl)
     assert gen["tokens_per_second"] > 0
-    # Histograms: exact counts; p50 within half a 10% bucket (<= 5.04%) plus the truth's own spread.
+    # Histograms: exact counts; p50 within half a 21% bucket (the midpoint of a 12-a-decade bucket is at most
+    # 10.6% from any value in it) plus the truth's own spread.
     ttft_b = buckets(mon, "perfmon_time_to_first_token_seconds", "scripted")
     itl_b = buckets(mon, "perfmon_inter_token_latency_seconds", "scripted")
     assert (len(ttft_b), len(itl_b)) == (len(TTFT_BUCKETS) + 1, len(ITL_BUCKETS) + 1)
     assert (ttft_b[-1][1], itl_b[-1][1]) == (4, 4 * (TOKENS - 1))
-    assert abs(histogram_quantile(0.5, ttft_b) / truth_ttft - 1) < 0.06
-    assert abs(histogram_quantile(0.5, itl_b) / truth_itl - 1) < 0.06
+    assert abs(histogram_quantile(0.5, ttft_b) / truth_ttft - 1) < 0.12
+    assert abs(histogram_quantile(0.5, itl_b) / truth_itl - 1) < 0.12
     assert value(mon, "perfmon_generated_tokens_total", model="scripted") == 4 * TOKENS
     assert value(mon, "perfmon_prompt_tokens_total", model="scripted") == 4 * 7
     assert value(mon, "perfmon_generation_output_tokens_sum", model="scripted") == 4 * TOKENS
@@ -110,7 +111,8 @@ def test_scripted_stream_ttft_and_itl_match_truth_in_stats_and_histograms(make_m
 
 @pytest.mark.prometheus
 def test_real_prometheus_histogram_quantile_within_bucket_resolution(make_monitor, tmp_path: Path) -> None:
-    """Prometheus' histogram_quantile of TTFT and ITL is within ~10% of the truth; token counts exact."""
+    """Prometheus' histogram_quantile of TTFT and ITL (classic buckets, 21% apart) is within half a bucket
+    (10.6%) of the truth, plus its spread; token counts exact."""
     mon = make_monitor(port=0).start()
     ttft, itl = consume(mon, "scripted", requests=3)
     assert mon.flush()
@@ -118,7 +120,7 @@ def test_real_prometheus_histogram_quantile_within_bucket_resolution(make_monito
         for metric, truth in (("perfmon_time_to_first_token_seconds", statistics.median(ttft)),
                               ("perfmon_inter_token_latency_seconds", statistics.median(itl))):
             got = prom.wait_for(f'histogram_quantile(0.5, {metric}_bucket{{model="scripted"}})')
-            assert abs(float(got[0]["value"][1]) / truth - 1) < 0.10, (metric, got, truth)
+            assert abs(float(got[0]["value"][1]) / truth - 1) < 0.12, (metric, got, truth)
         got = prom.wait_for('perfmon_generated_tokens_total{model="scripted"}')
         assert float(got[0]["value"][1]) == 3 * TOKENS
         got = prom.wait_for('perfmon_generation_requests_total{model="scripted",outcome="ok"}')

@@ -6,9 +6,10 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,6 +185,47 @@ def test_live_agent_protobuf_matches_its_text_scrape(make_monitor) -> None:
     assert math.isclose(steady["sample_sum"], text_sum)
 
 
+def _spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` (a bounded loop on the monotonic clock): a token that takes CPU time to make."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _tokens(n: int, first: float = 0.002, gap: float = 0.0005) -> Iterator[int]:
+    _spin(first)
+    for i in range(n):
+        yield i
+        if i < n - 1:
+            _spin(gap)
+
+
+def test_ttft_and_itl_carry_native_buckets_in_protobuf_and_the_other_generation_histograms_do_not(
+        make_monitor) -> None:
+    """TTFT and ITL (the generation latency signals) get native buckets whose counts add up to the classic
+    ones; duration and token counts stay classic (coarse on purpose)."""
+    mon = make_monitor(port=0).start()
+    for _ in range(5):
+        for _tok in mon.stream(_tokens(4), name="chat", prompt_tokens=3):
+            pass
+    with mon.generation(name="chat") as g:  # a chunk of 3 tokens after the first: 3 ITL observations
+        g.token()
+        g.token(3)
+    assert mon.flush()
+    status, _, body = http(mon.url + "/metrics", headers={"Accept": PROMETHEUS_NATIVE_ACCEPT})
+    assert status == 200
+    fams = {f["name"]: f for f in protowire.families(body)}
+    ttft = fams["perfmon_time_to_first_token_seconds"]["metric"][0]["histogram"]
+    itl = fams["perfmon_inter_token_latency_seconds"]["metric"][0]["histogram"]
+    assert ttft["sample_count"] == 6 and itl["sample_count"] == 5 * 3 + 3
+    for h in (ttft, itl):
+        assert h["schema"] == native.SCHEMA
+        assert sum(protowire.native_counts(h).values()) + h.get("zero_count", 0) == h["sample_count"]
+    for name in ("perfmon_generation_duration_seconds", "perfmon_generation_output_tokens"):
+        h = fams[name]["metric"][0]["histogram"]
+        assert h["sample_count"] == 6 and not protowire.native_counts(h) and "schema" not in h, name
+
+
 def test_exemplars_ride_on_classic_buckets_in_protobuf() -> None:
     """A bucket's exemplar is encoded in the protobuf Bucket (labels, value, timestamp)."""
     fam = promproto.NativeHistogramFamily("h_seconds", "h", labels=["model"])
@@ -203,26 +245,54 @@ def test_real_prometheus_reads_native_histograms_within_schema_resolution(make_m
     """Prometheus 2.42 with native histograms scrapes protobuf; its native p50 matches /stats within one bucket."""
     mon = make_monitor(port=0, sample_rate=0.25).start()
     model = mon.wrap(BusyWait(0.002), name="busy")
-    with _driven(model) as calls, \
-            running_prometheus(tmp_path, [mon.url.removeprefix("http://")], features=("native-histograms",)) as prom:
-        q = 'histogram_quantile(0.5, rate(perfmon_forward_duration_seconds{model="busy",phase="steady"}[1m]))'
+    stop = threading.Event()
 
-        def median() -> float | None:
+    def chat() -> None:  # generation requests: a 2 ms first token, then 0.5 ms gaps (bounded: 120 s)
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            for _tok in mon.stream(_tokens(4), name="chat"):
+                pass
+            stop.wait(0.005)
+
+    streams = threading.Thread(target=chat)
+    streams.start()
+    try:
+        with _driven(model) as calls, running_prometheus(tmp_path, [mon.url.removeprefix("http://")],
+                                                         features=("native-histograms",)) as prom:
+            _check_native_prometheus(mon, prom, calls)
+    finally:
+        stop.set()
+        streams.join(10)
+
+
+def _check_native_prometheus(mon: perfmon.Monitor, prom: Any, calls: list[int]) -> None:
+    """Forward latency and TTFT medians from Prometheus' native series agree with /stats; no classic buckets."""
+    def median(q: str) -> Callable[[], float | None]:
+        def read() -> float | None:
             result = prom.query(q)
             v = float(result[0]["value"][1]) if result else math.nan
             return v if not math.isnan(v) else None
+        return read
 
-        got = wait_until(median, timeout=40, what="a native latency median in Prometheus")
-        exact = mon.stats()["models"]["busy"]["latency"]["steady"]["duration"]["p50_seconds"]
-        # Within one bucket of schema 3 (adjacent bounds 2**(1/8) apart): both lie in the same or
-        # neighbouring buckets, whatever the interpolation inside it.
-        width = 2.0 ** (2.0**-native.SCHEMA)
-        assert 1 / width <= got / exact <= width, (got, exact)
-        # It is a native histogram: one series, no classic _bucket series (Prometheus 2.42 keeps one form)
-        series = prom.query('perfmon_forward_duration_seconds{model="busy",phase="steady"}')
-        assert series and "histogram" in series[0], series
-        assert prom.query('perfmon_forward_duration_seconds_bucket{model="busy"}') == []
-        # and every other family came through protobuf too: the exact call count
-        wait_until(lambda: float(prom.query('perfmon_forward_calls_total{model="busy"}')[0]["value"][1]) > 0,
-                   timeout=20, what="the call counter")
-        assert calls[0] > 0 and prom.query('up{job="perfmon"}')[0]["value"][1] == "1"
+    # Within one bucket of schema 3 (adjacent bounds 2**(1/8) apart): both lie in the same or neighbouring
+    # buckets, whatever the interpolation inside it.
+    width = 2.0 ** (2.0**-native.SCHEMA)
+    got = wait_until(median('histogram_quantile(0.5, rate(perfmon_forward_duration_seconds'
+                            '{model="busy",phase="steady"}[1m]))'),
+                     timeout=40, what="a native latency median in Prometheus")
+    exact = mon.stats()["models"]["busy"]["latency"]["steady"]["duration"]["p50_seconds"]
+    assert 1 / width <= got / exact <= width, (got, exact)
+    # TTFT too (generation histograms): native where scraped so, the same agreement with /stats
+    got = wait_until(median('histogram_quantile(0.5, rate(perfmon_time_to_first_token_seconds{model="chat"}[1m]))'),
+                     timeout=40, what="a native TTFT median in Prometheus")
+    exact = mon.stats()["generation"]["chat"]["time_to_first_token"]["p50_seconds"]
+    assert 1 / width <= got / exact <= width, (got, exact)
+    assert prom.query('perfmon_time_to_first_token_seconds_bucket{model="chat"}') == []
+    # It is a native histogram: one series, no classic _bucket series (Prometheus 2.42 keeps one form)
+    series = prom.query('perfmon_forward_duration_seconds{model="busy",phase="steady"}')
+    assert series and "histogram" in series[0], series
+    assert prom.query('perfmon_forward_duration_seconds_bucket{model="busy"}') == []
+    # and every other family came through protobuf too: the exact call count
+    wait_until(lambda: float(prom.query('perfmon_forward_calls_total{model="busy"}')[0]["value"][1]) > 0,
+               timeout=20, what="the call counter")
+    assert calls[0] > 0 and prom.query('up{job="perfmon"}')[0]["value"][1] == "1"
