@@ -87,6 +87,24 @@ def test_noise_rule_spread_relative_share_and_absolute_floors() -> None:
     assert noise_bound(0.0, 0.0, 5, 0.0, 5) == pytest.approx(2e-6)
 
 
+def test_an_op_in_every_call_on_one_side_is_new_or_gone_whatever_its_spread() -> None:
+    """Found on a loaded CPU: a 3 ms op added to every call, one of four steps preempted (4.8 ms mean, 3.5 ms
+    spread), compared as `same` because 3 standard errors exceeded its mean. Its presence is not noise: an
+    op called once a call on one side and never on the other is new (gone) past the floors alone; an op
+    that shows up in some steps only still has to clear its spread."""
+    base = {"aten::addmm": (50e-6, 5e-6, 1)}
+    preempted = compare(_meta("b", base, steps=4),
+                        _meta("a", {**base, "hostile": (4.8e-3, 3.5e-3, 1)}, steps=4))
+    row = _row(preempted, "hostile")
+    assert row["status"] == "new" and preempted["ops"][0]["op"] == "hostile"
+    assert row["noise_seconds_per_call"] == pytest.approx(2e-6)  # the floors: 2 % of 50 µs is under 2 µs
+    gone = compare(_meta("b", {**base, "hostile": (4.8e-3, 3.5e-3, 1)}, steps=4), _meta("a", base, steps=4))
+    assert _row(gone, "hostile")["status"] == "gone"
+    sporadic = compare(_meta("b", base, steps=4),
+                       _meta("a", {**base, "gc_alloc": (1e-3, 2e-3, 0.25)}, steps=4))  # one step of four
+    assert _row(sporadic, "gc_alloc")["status"] == "same"
+
+
 def test_summary_sentence_names_the_largest_moves() -> None:
     """The sentence names the biggest changes with their factor and time a call; nothing changed says so."""
     before = _meta("b", {"aten::addmm": (1.2e-3, 0, 1), "aten::relu": (1e-4, 0, 1)})
