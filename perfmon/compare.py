@@ -29,10 +29,12 @@ not reported. All four are keyword arguments of ``compare``. Statuses:
 
 * ``slower`` / ``faster``: in both tables, ``|Δ| > noise``;
 * ``new``: absent before (or called 0 times a step), and its time after is above the noise bound
-  (computed with ``before = 0``); ``gone``: the reverse. An op called at least once a step on average
-  on the side where it exists is there systematically, not by chance: its spread says how much time it
-  adds, not whether it exists, so only the floors apply to it (2 % of the call, 2 µs). Found on a loaded
-  CPU: a 3 ms op added to every call, one of four steps preempted, had a spread that hid it as ``same``;
+  (computed with ``before = 0``); ``gone``: the reverse. An op called in every step used on the side
+  where it exists (``share_of_steps`` 1) is there systematically, not by chance: its spread says how much
+  time it adds, not whether it exists, so only the floors apply to it (2 % of the call, 2 µs); not when
+  the other side's table summed names into ``[other]`` (the op may hide there). Found on a loaded CPU: a
+  3 ms op added to every call, one of four steps preempted, had a spread that hid it as ``same``. An op
+  called in some steps only (a burst in one step: allocator, lazy init) still has to clear its spread;
 * ``same``: everything else, tiny ops that appear or disappear included.
 
 Rows are ranked by added seconds per call, largest first (the ops that cost the most extra time lead;
@@ -119,7 +121,7 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
                             rel_floor=rel_floor, share_floor=share_floor, abs_floor=abs_floor)
         delta = sec_a - sec_b
         if bool(calls_b) != bool(calls_a):  # on one side only
-            if max(calls_a, calls_b) >= 1.0:  # in every call on average: systematic, only the floors apply
+            if _systematic(name, a if calls_a else b, table_b if calls_a else table_a):
                 noise = max(share_floor * call_before, abs_floor)
             present, side = (sec_a, "new") if calls_a else (sec_b, "gone")
             status = side if present > noise else "same"
@@ -157,6 +159,16 @@ def _table(meta: Mapping[str, Any]) -> tuple[dict[str, Any] | None, int]:
     if not isinstance(ops, Mapping) or not isinstance(steps, int) or isinstance(steps, bool):
         return None, 0
     return dict(ops), steps
+
+
+def _systematic(name: str, present: Any, other_table: Mapping[str, Any]) -> bool:
+    """An op on one side only that is there in every step used (``share_of_steps`` 1; captures without
+    that field never qualify), when the other side's table is complete (no ``[other]`` row, into which
+    the op could have been summed) and it is not ``[other]`` itself."""
+    if name == OTHER or OTHER in other_table or not isinstance(present, Mapping):
+        return False
+    share = present.get("share_of_steps")
+    return isinstance(share, (int, float)) and not isinstance(share, bool) and share >= 1.0
 
 
 def _stats(entry: Any) -> tuple[float, float, float]:

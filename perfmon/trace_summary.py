@@ -348,7 +348,8 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
 
 def step_table(seconds: dict[str, array.array[float]], calls: dict[str, array.array[int]], count: int, *,
                limit: int = STEP_TABLE_OPS) -> tuple[dict[str, dict[str, float]], int]:
-    """``({op name: {"calls_per_step", "seconds_per_step", "seconds_per_step_stdev"}}, steps used)``.
+    """``({op name: {"calls_per_step", "seconds_per_step", "seconds_per_step_stdev", "share_of_steps"}},
+    steps used)``; ``share_of_steps`` is the fraction of the steps used in which the op was called at all.
 
     ``seconds[name][i]`` and ``calls[name][i]`` are the op's self seconds and calls in step ``i`` of
     ``count``. With two steps or more the first is left out: it runs right after the profiler started
@@ -375,6 +376,7 @@ def step_table(seconds: dict[str, array.array[float]], calls: dict[str, array.ar
         per_step = seconds[name][first:]
         if rank < limit:
             table[name] = _step_stats(per_step, sum(calls[name][first:]), n)
+            table[name]["share_of_steps"] = round(sum(1 for c in calls[name][first:] if c) / n, 6)
         else:
             rest_s = [a + b for a, b in zip(rest_s, per_step)]
             rest_c += sum(calls[name][first:])

@@ -35,6 +35,7 @@ import random
 import re
 import secrets
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -108,7 +109,8 @@ def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
 
     Raises ``ConfigError`` when fsspec or the protocol's package is missing. For S3 the SDK's own retries
     are off (one try, ``timeout_seconds`` to connect and to read): retrying is the uploader's, with its
-    backoff, so one attempt is bounded.
+    backoff, so one attempt is bounded. For GCS each request gets ``timeout_seconds`` (gcsfs's own six
+    tries stay: they are fixed when its class is defined).
     """
     protocol = _check_usable(url)
     from fsspec.core import url_to_fs
@@ -117,6 +119,9 @@ def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
     if protocol in ("s3", "s3a"):
         options["config_kwargs"] = {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
                                     "retries": {"max_attempts": 1}}
+    elif protocol in ("gs", "gcs"):
+        # gcsfs has no per-request timeout by default (aiohttp's 5 minutes) and retries 6 times itself.
+        options["requests_timeout"] = timeout_seconds
     elif protocol in ("file", "local"):
         options["auto_mkdir"] = True
     fs, root = url_to_fs(url, **options)
@@ -233,7 +238,8 @@ class TraceUploader:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                # Its CPU (gzip'd trace reads, the SDK's TLS and signing) is the agent's own cost too.
+                # Its CPU (trace reads, a sync SDK's requests) is the agent's own cost too; an async SDK's
+                # requests run on fsspec's IO thread, added per attempt by _count_io.
                 with self._cpu.measure("upload"):
                     wait = self.step()
             except Exception as exc:  # a bug here must not end the thread: count it, slow down
@@ -318,6 +324,7 @@ class TraceUploader:
             self._missing(cid)
             return None
         body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
+        io_before = io_thread_cpu()
         try:
             fs, root = self._filesystem()
             if data is not None:
@@ -329,12 +336,23 @@ class TraceUploader:
             if first and self._log is not None:  # once per outage, not per retry
                 self._log.warning("trace_upload_failed", store=self.destination, id=cid, error=self.last_error,
                                   note="the capture stays in trace_dir and is retried with backoff")
+            self._count_io(io_before)
             return False
+        self._count_io(io_before)
         if self.failures and self._log is not None:
             self._log.info("trace_upload_recovered", store=self.destination, failed_attempts=self.failures)
         self._uploaded[cid] = key
         self._write_manifest()
         return True
+
+    def _count_io(self, before: float | None) -> None:
+        """Add what fsspec's IO thread spent during this attempt to ``thread="upload"``: async filesystems
+        (s3fs, gcsfs, adlfs) run their requests, TLS and signing there, not on the upload thread. The
+        thread is shared, so other fsspec work of the process in that interval counts too (rare in a
+        model server). Created during the attempt (``before`` None): all of its CPU is this attempt's."""
+        after = io_thread_cpu()
+        if after is not None:
+            self._cpu.add("upload", max(0.0, after - (before or 0.0)))
 
     def _missing(self, cid: str) -> None:
         """The capture cannot be read: removed by retention meanwhile (already counted) or unreadable."""
@@ -372,6 +390,36 @@ class TraceUploader:
                 write_at(dfd, MANIFEST_NAME, body)
         except Exception as exc:
             self._internal.report("trace_upload_manifest", exc)
+
+
+def io_thread_cpu() -> float | None:
+    """CPU seconds (user + system) of fsspec's shared IO thread, or None (no async filesystem used yet,
+    not Linux, unreadable). Read from ``/proc/self/task/<tid>/stat`` (10 ms ticks): a file read, safe
+    whatever the thread's state, where a pthread CPU clock of a thread that is gone is undefined behaviour."""
+    asyn = sys.modules.get("fsspec.asyn")
+    thread = getattr(asyn, "iothread", [None])[0] if asyn is not None else None
+    tid = getattr(thread, "native_id", None)
+    if not isinstance(tid, int):
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            stat_line = f.read()
+        # Fields after the parenthesised name (which may hold spaces): state is field 3, utime 14, stime 15.
+        fields = stat_line.rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _clock_ticks() -> float:
+    """Clock ticks per second of /proc's CPU times (100 on Linux)."""
+    try:
+        return float(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100.0
+
+
+_CLOCK_TICKS = _clock_ticks()
 
 
 def _read_manifest(store: TraceStore) -> dict[str, Any]:

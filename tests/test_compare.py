@@ -87,22 +87,32 @@ def test_noise_rule_spread_relative_share_and_absolute_floors() -> None:
     assert noise_bound(0.0, 0.0, 5, 0.0, 5) == pytest.approx(2e-6)
 
 
-def test_an_op_in_every_call_on_one_side_is_new_or_gone_whatever_its_spread() -> None:
+def test_an_op_in_every_step_on_one_side_is_new_or_gone_whatever_its_spread() -> None:
     """Found on a loaded CPU: a 3 ms op added to every call, one of four steps preempted (4.8 ms mean, 3.5 ms
     spread), compared as `same` because 3 standard errors exceeded its mean. Its presence is not noise: an
-    op called once a call on one side and never on the other is new (gone) past the floors alone; an op
-    that shows up in some steps only still has to clear its spread."""
+    op called in every step on one side and never on the other is new (gone) past the floors alone. A burst
+    in one step (as many calls, all in one step), a capture without `share_of_steps`, or a table that summed
+    names into [other] still go by the spread."""
     base = {"aten::addmm": (50e-6, 5e-6, 1)}
-    preempted = compare(_meta("b", base, steps=4),
-                        _meta("a", {**base, "hostile": (4.8e-3, 3.5e-3, 1)}, steps=4))
+
+    def with_op(spec: tuple[float, float, float], share: float | None) -> dict[str, Any]:
+        meta = _meta("a", {**base, "hostile": spec}, steps=4)
+        if share is not None:
+            meta["ops"]["hostile"]["share_of_steps"] = share
+        return meta
+
+    preempted = compare(_meta("b", base, steps=4), with_op((4.8e-3, 3.5e-3, 1), 1.0))
     row = _row(preempted, "hostile")
     assert row["status"] == "new" and preempted["ops"][0]["op"] == "hostile"
     assert row["noise_seconds_per_call"] == pytest.approx(2e-6)  # the floors: 2 % of 50 µs is under 2 µs
-    gone = compare(_meta("b", {**base, "hostile": (4.8e-3, 3.5e-3, 1)}, steps=4), _meta("a", base, steps=4))
+    gone = compare(with_op((4.8e-3, 3.5e-3, 1), 1.0), _meta("b", base, steps=4))
     assert _row(gone, "hostile")["status"] == "gone"
-    sporadic = compare(_meta("b", base, steps=4),
-                       _meta("a", {**base, "gc_alloc": (1e-3, 2e-3, 0.25)}, steps=4))  # one step of four
-    assert _row(sporadic, "gc_alloc")["status"] == "same"
+    # The same mean calls (1 a step) as a burst of 4 calls in one step of four: the spread decides.
+    burst = compare(_meta("b", base, steps=4), with_op((1e-3, 2e-3, 1.0), 0.25))
+    assert _row(burst, "hostile")["status"] == "same"
+    assert _row(compare(_meta("b", base, steps=4), with_op((4.8e-3, 3.5e-3, 1), None)), "hostile")["status"] == "same"
+    lumped = _meta("b", {**base, "[other]": (1e-5, 0, 3)}, steps=4)  # 'hostile' could be inside [other]
+    assert _row(compare(lumped, with_op((4.8e-3, 3.5e-3, 1), 1.0)), "hostile")["status"] == "same"
 
 
 def test_summary_sentence_names_the_largest_moves() -> None:
@@ -177,7 +187,12 @@ def test_step_table_keeps_the_top_names_and_sums_the_rest() -> None:
     assert table["[other]"]["seconds_per_step"] == pytest.approx(((0 + 1 + 2) + (1 + 2 + 3)) / 2)
     assert table["[other]"]["calls_per_step"] == 3
     one, n = step_table({"a": array.array("d", [2.0])}, {"a": array.array("q", [1])}, 1)
-    assert n == 1 and one["a"] == {"calls_per_step": 1.0, "seconds_per_step": 2.0, "seconds_per_step_stdev": 0.0}
+    assert n == 1 and one["a"] == {"calls_per_step": 1.0, "seconds_per_step": 2.0, "seconds_per_step_stdev": 0.0,
+                                   "share_of_steps": 1.0}
+    # share_of_steps: in how many of the steps used an op was called (the warm-up step left out)
+    burst, n = step_table({"b": array.array("d", [1.0, 0.0, 3.0, 0.0, 0.0])},
+                          {"b": array.array("q", [1, 0, 4, 0, 0])}, 5)
+    assert n == 4 and burst["b"]["calls_per_step"] == 1.0 and burst["b"]["share_of_steps"] == 0.25
 
 
 class Switchable(torch.nn.Module):

@@ -146,6 +146,37 @@ def _substitute(expr: str, values: dict[str, str]) -> str:
     return expr
 
 
+def _either_form_terms(expr: str) -> list[str]:
+    """The parenthesised `classic or native` terms of an alert expression (offsets dropped: the live agent
+    has no day of history): each must have data under either scrape, as the recording rules must."""
+    terms = []
+    for start, ch in enumerate(expr):
+        if ch != "(":
+            continue
+        depth = 0
+        for end in range(start, len(expr)):
+            depth += {"(": 1, ")": -1}.get(expr[end], 0)
+            if depth == 0:
+                break
+        inner = expr[start + 1:end]
+        top, level = [], 0
+        for c in inner:  # the inner text at its own top level: where an `or` joins the two forms
+            level += {"(": 1, ")": -1}.get(c, 0)
+            top.append(c if level == 0 else "_")
+        if " or " in "".join(top) and "histogram_" in inner:
+            terms.append(inner.replace(" offset 1d", ""))
+    return terms
+
+
+def test_either_form_terms_finds_the_itl_alerts_four_terms() -> None:
+    """The helper finds what the live test evaluates: the ITL alert's p50 and token rate, now and a day ago."""
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    itl = next(r["expr"] for g in groups for r in g["rules"] if r.get("alert") == "PerfmonInterTokenLatencyRegression")
+    terms = _either_form_terms(itl)
+    assert len(terms) == 4 and all(" offset " not in t for t in terms)
+    assert sum("histogram_quantile(0.50" in t for t in terms) == 2 and sum("histogram_count" in t for t in terms) == 2
+
+
 def _has_data(result: list[dict[str, Any]]) -> bool:
     return any(not math.isnan(float(r["value"][1])) for r in result)
 
@@ -220,6 +251,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
             recorded = [(name, expr) for name, expr in _rule_exprs() if ":" in name]
             queries += [(f"rule {name}", expr) for name, expr in recorded]
             queries += [(f"recorded {name}", name) for name, _ in recorded]
+            # Alerts that read histograms themselves (the ITL regression): each `classic or native` term.
+            queries += [(f"alert {name} term", term) for name, expr in _rule_exprs() if ":" not in name
+                        for term in _either_form_terms(expr)]
             assert mon.profile(cap["id"])
             missing = queries
 

@@ -270,4 +270,5 @@ def test_health_port_is_not_held_by_slow_clients(make_monitor) -> None:
     finally:
         for s in slow:
             s.close()
-    assert_answered_in_time(took, typical=0.1)
+    # Nothing floods here: a probe held until a slow client is cut (1 s) is the failure, so 0.5 s at worst.
+    assert_answered_in_time(took, typical=0.1, worst=0.5)

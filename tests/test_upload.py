@@ -196,6 +196,32 @@ def test_the_thread_uploads_a_saved_capture_without_waiting_for_its_poll(tmp_pat
         assert time.monotonic() - t0 < 2.5
 
 
+def test_an_async_filesystems_io_thread_cpu_counts_as_the_uploads(tmp_path: Path) -> None:
+    """s3fs, gcsfs and adlfs run each request on fsspec's IO thread, not the upload thread: an attempt adds
+    that thread's CPU to thread="upload" (before: a store burning 0.3 s of CPU counted 0.0001 s)."""
+    import fsspec.asyn
+
+    from perfmon.selfcost import AgentCpu
+    from perfmon.upload import io_thread_cpu
+
+    class BurningFs(fsspec.asyn.AsyncFileSystem):
+        """An async store whose every write costs 50 ms of CPU on the thread that runs it."""
+
+        async def _pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+            end = time.thread_time() + 0.05
+            while time.thread_time() < end:
+                pass
+
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    cpu = AgentCpu()
+    up = TraceUploader(store, "memory://x", fs=BurningFs(skip_instance_cache=True), root="/r", cpu=cpu,
+                       clock=Clock())
+    _save(store)
+    assert up.step() == 0.0 and up.stats.uploads["ok"] == 1  # step() itself is not measured: only _count_io
+    assert io_thread_cpu() is not None
+    assert cpu.totals()["upload"] >= 0.08, cpu.totals()  # trace and metadata: 2 x 50 ms, in 10 ms ticks
+
+
 def test_a_manifest_for_another_destination_is_not_trusted(tmp_path: Path, mem: Any) -> None:
     """Pointing trace_store elsewhere uploads the spooled captures again, to the new destination."""
     fs, root = mem
