@@ -188,7 +188,9 @@ def test_two_agents_upload_through_an_outage_and_a_restart(fleet: tuple[Moto, An
     expected |= {third["id"], fourth["id"]}
     wait_until(lambda: b.ask(cmd="stats")["uploads"]["failed"] >= 1, timeout=30, what="a failed upload attempt")
     served = a.ask(cmd="serve", seconds=1.5)  # model calls while the uploads keep failing
-    assert served["calls"] > 100 and served["max_seconds"] < 0.25, served
+    # Never waiting on the store: the p99 call is a model call's, and no call took anything like an SDK
+    # timeout (the slowest can still be one preemption on a loaded 2-core box).
+    assert served["calls"] > 100 and served["p99_seconds"] < 0.05 and served["max_seconds"] < 1.0, served
 
     moto.start(replay=True, frozen=(a, b))  # the same port, the state replayed: what went up before is there
     for agent_ in (a, b):

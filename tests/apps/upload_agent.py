@@ -2,8 +2,8 @@
 
 Each line is a JSON command; each answer one JSON line on stdout:
 ``{"cmd": "capture"}`` takes a one-step capture and waits for its outcome; ``{"cmd": "serve", "seconds": s}``
-calls the model in a loop and reports the slowest call; ``{"cmd": "stats"}`` the uploader's counters;
-``{"cmd": "quit"}`` stops the monitor and exits. Settings come from PERFMON_* variables.
+calls the model in a loop and reports the count, the slowest call and the p99; ``{"cmd": "stats"}`` the
+uploader's counters; ``{"cmd": "quit"}`` stops the monitor and exits. Settings come from PERFMON_* variables.
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ def main() -> None:
                 time.sleep(0.02)
             out = {"id": cap["id"], "outcome": (meta or {}).get("outcome")}
         elif cmd["cmd"] == "serve":
-            calls, slowest = 0, 0.0
+            took: list[float] = []
             end = time.monotonic() + float(cmd["seconds"])
             while time.monotonic() < end:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     model(x)
-                slowest = max(slowest, time.perf_counter() - t0)
-                calls += 1
-            out = {"calls": calls, "max_seconds": slowest}
+                took.append(time.perf_counter() - t0)
+            took.sort()
+            out = {"calls": len(took), "max_seconds": took[-1] if took else 0.0,
+                   "p99_seconds": took[int(0.99 * (len(took) - 1))] if took else 0.0}
         elif cmd["cmd"] == "stats":
             s = monitor.uploads.stats
             out = {"uploads": s.uploads, "dropped": s.dropped, "spool_files": s.spool_files}
