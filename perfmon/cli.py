@@ -367,7 +367,7 @@ def _short_comparison(meta: dict[str, Any], width: int = 60) -> str:
 
 
 #: The per-step op table's numeric fields ``perfmon.compare`` reads (``perfmon.trace_summary.step_table``).
-_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step")
+_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step", "share_of_steps")
 
 
 def _check_ops(meta: dict[str, Any], capture_id: str) -> None:

@@ -168,7 +168,8 @@ def _systematic(name: str, present: Any, other_table: Mapping[str, Any]) -> bool
     if name == OTHER or OTHER in other_table or not isinstance(present, Mapping):
         return False
     share = present.get("share_of_steps")
-    return isinstance(share, (int, float)) and not isinstance(share, bool) and share >= 1.0
+    # Exactly 1 (n/n, rounded): anything above is a broken table, not "more than every step".
+    return isinstance(share, (int, float)) and not isinstance(share, bool) and share == 1.0
 
 
 def _stats(entry: Any) -> tuple[float, float, float]:

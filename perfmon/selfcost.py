@@ -2,7 +2,9 @@
 
 Each background loop adds the CPU time its thread spent (``time.thread_time``, per-thread CPU
 seconds) after every iteration; the HTTP server does the same per loop turn and spends from a
-``CpuBudget``. Reading any of it is a dictionary copy; nothing here touches the request path.
+``CpuBudget``. The trace uploader also adds what fsspec's shared IO thread spent during each attempt
+(async SDKs do their requests there; ``upload.io_thread_cpu``, 10 ms ticks). Reading any of it is a
+dictionary copy; nothing here touches the request path.
 """
 
 from __future__ import annotations

@@ -109,8 +109,9 @@ def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
 
     Raises ``ConfigError`` when fsspec or the protocol's package is missing. For S3 the SDK's own retries
     are off (one try, ``timeout_seconds`` to connect and to read): retrying is the uploader's, with its
-    backoff, so one attempt is bounded. For GCS each request gets ``timeout_seconds`` (gcsfs's own six
-    tries stay: they are fixed when its class is defined).
+    backoff, so one attempt is bounded. For GCS a request gets ``timeout_seconds`` to connect and to read
+    and ten times that in all, and the bucket-layout lookup ``timeout_seconds``; gcsfs's own retries of a
+    refused or failed request (six tries, 1-16 s apart) stay: they are fixed when its class is defined.
     """
     protocol = _check_usable(url)
     from fsspec.core import url_to_fs
@@ -120,14 +121,27 @@ def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
         options["config_kwargs"] = {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
                                     "retries": {"max_attempts": 1}}
     elif protocol in ("gs", "gcs"):
-        # gcsfs has no per-request timeout by default (aiohttp's 5 minutes) and retries 6 times itself.
-        options["requests_timeout"] = timeout_seconds
+        # gcsfs hands requests_timeout to aiohttp as it is (default: aiohttp's 5 minutes for a whole request)
+        # and does not retry a request that timed out: bound connecting and each read like S3's, and the
+        # whole request (a trace body included, up to 50 MiB a request) by ten of them.
+        options["requests_timeout"] = _aiohttp_timeout(timeout_seconds)
+        # Its default class first looks up the bucket's layout over gRPC, retrying for up to 60 s.
+        options["retry_timeout"] = timeout_seconds
     elif protocol in ("file", "local"):
         options["auto_mkdir"] = True
     fs, root = url_to_fs(url, **options)
     if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default) would multiply an attempt's length
     return fs, str(root).rstrip("/")
+
+
+def _aiohttp_timeout(seconds: float) -> Any:
+    """An ``aiohttp.ClientTimeout`` (connect and read ``seconds``, all ``10 * seconds``), or ``seconds``."""
+    try:
+        import aiohttp
+    except ImportError:
+        return seconds
+    return aiohttp.ClientTimeout(total=10 * seconds, sock_connect=seconds, sock_read=seconds)
 
 
 @dataclass
@@ -396,9 +410,12 @@ def io_thread_cpu() -> float | None:
     """CPU seconds (user + system) of fsspec's shared IO thread, or None (no async filesystem used yet,
     not Linux, unreadable). Read from ``/proc/self/task/<tid>/stat`` (10 ms ticks): a file read, safe
     whatever the thread's state, where a pthread CPU clock of a thread that is gone is undefined behaviour."""
-    asyn = sys.modules.get("fsspec.asyn")
-    thread = getattr(asyn, "iothread", [None])[0] if asyn is not None else None
-    tid = getattr(thread, "native_id", None)
+    try:
+        asyn = sys.modules.get("fsspec.asyn")
+        thread = getattr(asyn, "iothread", [None])[0] if asyn is not None else None
+        tid = getattr(thread, "native_id", None)
+    except (TypeError, IndexError, AttributeError):  # a future fsspec with another shape: count nothing
+        return None
     if not isinstance(tid, int):
         return None
     try:

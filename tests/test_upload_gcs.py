@@ -2,8 +2,9 @@
 and CLI as S3, through Google's SDK and its credential chain (STORAGE_EMULATOR_HOST points it at the emulator).
 
 The outage and restart behaviour is the uploader's own and is proven against S3 in test_upload_s3.py; one
-thing differs on gs://: gcsfs retries a failed request itself (6 tries, ~30 s of backoff) before the
-uploader's own backoff applies, so an attempt during an outage lasts that long (on the upload thread)."""
+thing differs on gs://: gcsfs retries a failed request itself (six tries, ~31 s of sleeps) before the
+uploader's own backoff applies, so an attempt during an outage lasts that long or more (docs/design.md;
+on the upload thread)."""
 
 from __future__ import annotations
 
