@@ -51,7 +51,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "headline", "noise_bound"]
+__all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "headline", "noise_bound",
+           "uniform_ratio"]
 
 #: Standard errors of the difference of two means beyond which a change is not run-to-run spread.
 SIGMAS = 3.0
@@ -92,7 +93,9 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
     device kinds, no op table). Each row: ``op``; ``seconds_per_call_before`` / ``_after`` (the op's
     self seconds per model call); ``calls_per_call_before`` / ``_after`` (its calls per model call);
     ``added_seconds_per_call`` (after - before); ``ratio`` (after / before, None when before is 0);
-    ``noise_seconds_per_call`` (the bound the change was judged against); ``status``.
+    ``noise_seconds_per_call`` (the bound the change was judged against); ``status``. ``uniform_ratio``
+    is the factor by which all large ops moved together (``uniform_ratio()``), or None; when set, the
+    summary starts by saying so.
     """
     out: dict[str, Any] = {"baseline": before_meta.get("id"), "capture": after_meta.get("id"), "ops": [],
                            "summary": ""}
@@ -138,7 +141,56 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
     out["seconds_per_call_before"] = sum(r["seconds_per_call_before"] for r in rows)
     out["seconds_per_call_after"] = sum(r["seconds_per_call_after"] for r in rows)
     out["summary"] = _sentence(rows, out["seconds_per_call_before"], out["seconds_per_call_after"])
+    uniform = uniform_ratio(rows)
+    out["uniform_ratio"] = uniform
+    if uniform is not None and out["summary"] != "no op changed beyond run-to-run spread":
+        factor, way = (uniform, "slower") if uniform > 1 else (1 / uniform, "faster")
+        out["summary"] = (f"every large op ~{factor:.1f}{TIMES} {way} alike: the machine or runtime more likely than "
+                          f"one op (CPU contention, clocks, threads, a library); {out['summary']}")
     return out
+
+
+#: uniform_ratio(): the whole call moved by at least this factor (either way) ...
+UNIFORM_MIN_RATIO = 1.25
+#: ... and each op of the top UNIFORM_COVERAGE of the baseline's time moved within this factor of it ...
+UNIFORM_SPREAD = 1.3
+UNIFORM_COVERAGE = 0.8
+#: ... with at least this many such ops (one dominant op that moved is that op's change).
+UNIFORM_MIN_OPS = 3
+
+
+def uniform_ratio(rows: list[dict[str, Any]]) -> float | None:
+    """The factor by which the ops in both captures moved together, or None.
+
+    A whole machine or runtime that got slower (CPU contention on a shared host, a lower clock, fewer
+    threads, another library build) moves every op by about the same factor; a model change moves some
+    ops. The call's common ops must have moved by at least ``UNIFORM_MIN_RATIO`` in all, and each of
+    the largest ops carrying ``UNIFORM_COVERAGE`` of the baseline's time (at least ``UNIFORM_MIN_OPS``
+    of them) within ``UNIFORM_SPREAD`` of that factor. A hint for the reader, not a status: the rows
+    are judged as before. Measured where it came from: under CPU contention, an unchanged model's
+    comparison otherwise names whichever op is largest as ``slower``."""
+    common = [r for r in rows if r["seconds_per_call_before"] > 0 and r["seconds_per_call_after"] > 0
+              and r["calls_per_call_before"] and r["calls_per_call_after"]]
+    before = sum(r["seconds_per_call_before"] for r in common)
+    after = sum(r["seconds_per_call_after"] for r in common)
+    if before <= 0 or after <= 0:
+        return None
+    ratio = after / before
+    if 1 / UNIFORM_MIN_RATIO < ratio < UNIFORM_MIN_RATIO:
+        return None
+    covered, large = 0.0, []
+    for r in sorted(common, key=lambda r: -r["seconds_per_call_before"]):
+        if covered >= UNIFORM_COVERAGE * before:
+            break
+        large.append(r)
+        covered += r["seconds_per_call_before"]
+    if len(large) < UNIFORM_MIN_OPS:
+        return None
+    for r in large:
+        moved = r["seconds_per_call_after"] / r["seconds_per_call_before"]
+        if not ratio / UNIFORM_SPREAD <= moved <= ratio * UNIFORM_SPREAD:
+            return None
+    return float(round(ratio, 3))
 
 
 def headline(comparison: Mapping[str, Any]) -> dict[str, Any] | None:

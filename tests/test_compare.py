@@ -468,3 +468,30 @@ def test_a_regression_from_a_new_op_is_detected_and_its_capture_ranks_that_op_fi
     assert (top["op"], top["status"]) == ("aten::sort", "new"), comparison["ops"][:3]
     assert top["calls_per_call_before"] == 0 and top["calls_per_call_after"] == 1
     assert "aten::sort" in comparison["summary"]
+
+
+def test_a_whole_call_moving_alike_is_named_as_such_and_one_op_moving_is_not() -> None:
+    """Contention, clocks or a runtime change move every op by about one factor: the comparison says so
+    (`uniform_ratio`, the summary's opening) while the rows are judged as before; a model change that
+    moves one op, or a call dominated by one op, gets no such hint."""
+    from perfmon.compare import uniform_ratio
+
+    before = {"aten::addmm": (2e-3, 1e-5, 2), "aten::relu": (5e-4, 1e-5, 1), "aten::gelu": (6e-4, 1e-5, 1),
+              "aten::copy_": (3e-4, 1e-5, 1), "aten::view": (2e-6, 0, 3)}
+    contended = {name: (s * f, sd, c) for (name, (s, sd, c)), f in zip(before.items(), (1.8, 1.7, 2.0, 1.9, 1.0))}
+    got = compare(_meta("b", before), _meta("a", contended))
+    assert got["uniform_ratio"] == pytest.approx(1.829, abs=0.001)
+    assert got["summary"].startswith(f"every large op ~1.8{TIMES} slower alike: the machine or runtime")
+    assert _row(got, "aten::addmm")["status"] == "slower"  # the rows themselves are unchanged
+    faster = compare(_meta("b", contended), _meta("a", before))
+    assert faster["summary"].startswith(f"every large op ~1.8{TIMES} faster alike")
+    # One op 2x slower, the rest the same: the op's change, no hint.
+    one = compare(_meta("b", before), _meta("a", {**before, "aten::addmm": (4e-3, 1e-5, 2)}))
+    assert one["uniform_ratio"] is None and one["summary"].startswith("aten::addmm")
+    # One op dominating the call (a 4 ms wait and two tiny ops) moving 1.8x: fewer than three large ops.
+    dominated = {"busy_wait": (4e-3, 1e-5, 1), "aten::linear": (2e-5, 1e-6, 1), "aten::relu": (5e-6, 1e-6, 1)}
+    assert compare(_meta("b", dominated), _meta("a", {k: (s * 1.8, sd, c) for k, (s, sd, c) in dominated.items()}))[
+        "uniform_ratio"] is None
+    # Unchanged: no ratio (inside 1.25 either way).
+    assert compare(_meta("b", before), _meta("a", before))["uniform_ratio"] is None
+    assert uniform_ratio([]) is None
