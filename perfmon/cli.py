@@ -341,7 +341,8 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     except Exception as exc:  # the SDK's errors (no credentials, no bucket, unreachable): say which store
         raise ControlError(f"{redact(store)}: {type(exc).__name__}: {exc}") from None
     if skipped:
-        print(f"perfmon: skipped {len(skipped)} malformed metadata objects", file=stderr)
+        print(f"perfmon: skipped {len(skipped)} metadata objects (malformed or unreadable; "
+              f"first: {_clean(skipped[0][0], 200)}: {_clean(skipped[0][1], 200)})", file=stderr)
     if not profiles:
         print("no captures", file=stdout)
         return 0

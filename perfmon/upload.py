@@ -586,11 +586,14 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     out: list[dict[str, Any]] = []
     for start in range(0, len(found), 32):
         batch = found[start:start + 32]
-        bodies = fs.cat([p for _, _, p in batch], on_error="omit")
+        bodies = _read_all(fs, [p for _, _, p in batch])
         for cid, key, path in batch:
             body = bodies.get(path)
             if body is None:
                 continue  # removed since the listing: not malformed, just gone
+            if isinstance(body, Exception):  # still failing after the retries: say so, never drop it silently
+                skip(key, f"unreadable: {type(body).__name__}: {_scrub(str(body), url)}"[:300])
+                continue
             if len(body) > REMOTE_META_MAX_BYTES:  # grown since the listing said its size
                 skip(key, f"over {REMOTE_META_MAX_BYTES} bytes")
                 continue
@@ -608,6 +611,38 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
             out.append(entry)
             if len(out) >= limit:
                 return out
+    return out
+
+
+#: Reads of listed metadata objects that failed (not "not found"): tries in all, and the pause before each retry.
+LIST_READ_TRIES = 3
+LIST_RETRY_SECONDS = 0.5
+
+
+def _read_all(fs: Any, paths: list[str]) -> dict[str, bytes | Exception]:
+    """``fs.cat`` of ``paths``: bytes, or the exception that still stood after ``LIST_READ_TRIES`` tries;
+    objects gone since the listing are left out. The stores are opened with the SDK's own retries off
+    (the uploader's backoff retries), so a listing retries here: one transient error (a reset, a 5xx)
+    once dropped a capture from the fleet listing silently (found by a loaded test run against moto)."""
+    out: dict[str, bytes | Exception] = {}
+    todo = list(paths)
+    for attempt in range(LIST_READ_TRIES):
+        if attempt:
+            time.sleep(LIST_RETRY_SECONDS * attempt)
+        got = fs.cat(todo, on_error="return") if todo else {}
+        failed = []
+        for path in todo:
+            body = got.get(path)
+            if isinstance(body, FileNotFoundError):
+                continue  # gone since the listing
+            if isinstance(body, Exception):
+                failed.append(path)
+                out[path] = body
+            elif isinstance(body, (bytes, bytearray)):
+                out[path] = bytes(body)
+        todo = failed
+        if not todo:
+            break
     return out
 
 

@@ -181,7 +181,8 @@ def test_one_malformed_metadata_object_is_skipped_and_counted(tmp_path: Path, ca
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     assert len(lines) == 2 and lines[1].startswith(good), captured
-    assert captured.err == "perfmon: skipped 1 malformed metadata objects\n"
+    assert captured.err.startswith("perfmon: skipped 1 metadata objects (malformed or unreadable; first: x/")
+    assert bad in captured.err and captured.err.count("\n") == 1
 
 
 def test_the_listing_takes_the_id_from_the_folder(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import io
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import fsspec
 import pytest
@@ -230,6 +230,56 @@ def test_a_manifest_for_another_destination_is_not_trusted(tmp_path: Path, mem: 
     assert _uploader(store, fs, root).step() == 0.0
     other = TraceUploader(store, "memory://elsewhere", fs=fs, root=root + "/b", clock=Clock())
     assert other.step() == 0.0 and other.stats.uploads["ok"] == 1
+
+
+def test_the_fleet_listing_retries_a_failed_read_and_reports_one_that_keeps_failing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores are opened with the SDK's retries off, so the listing retries a metadata read that failed (a
+    reset, a 5xx): once such an error dropped a capture from `perfmon profiles --store` without a word.
+    One that keeps failing is reported through on_skip, never silently left out."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    import perfmon.upload as upload_module
+
+    class Flaky(MemoryFileSystem):
+        fail: ClassVar[dict[str, int]] = {}  # path suffix -> reads left to fail
+
+        def cat(self, path: Any, recursive: bool = False, on_error: str = "raise", **kwargs: Any) -> Any:
+            got = dict(super().cat(path, recursive=recursive, on_error=on_error, **kwargs))
+            for p in list(got):
+                for suffix, left in self.fail.items():
+                    if p.endswith(suffix) and left > 0:  # fsspec's on_error semantics, as a remote store's
+                        self.fail[suffix] = left - 1
+                        error = ConnectionResetError("connection reset by peer")
+                        if on_error == "raise":
+                            raise error
+                        if on_error == "omit":
+                            del got[p]
+                        else:
+                            got[p] = error
+            return got
+
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    ids = [_save(store, model=f"m{i}") for i in range(3)]
+    fs, root = Flaky(skip_instance_cache=True), f"/perfmon-flaky-{new_id()}"
+    up = _uploader(store, fs, root)
+    while up.step() == 0.0 and up.stats.uploads["ok"] < 3:
+        pass
+    assert up.stats.uploads["ok"] == 3
+    monkeypatch.setattr(upload_module, "LIST_RETRY_SECONDS", 0.0)
+    try:
+        Flaky.fail = {f"{ids[0]}.meta.json": 1}  # one transient failure: retried, listed
+        skipped: list[tuple[str, str]] = []
+        listed = list_remote("memory://bucket/fleet", fs=fs, root=root, on_skip=lambda k, r: skipped.append((k, r)))
+        assert sorted(e["id"] for e in listed) == sorted(ids) and skipped == []
+        Flaky.fail = {f"{ids[1]}.meta.json": 10}  # keeps failing: reported, the others listed
+        listed = list_remote("memory://bucket/fleet", fs=fs, root=root, on_skip=lambda k, r: skipped.append((k, r)))
+        assert sorted(e["id"] for e in listed) == sorted([ids[0], ids[2]])
+        assert len(skipped) == 1 and ids[1] in skipped[0][0]
+        assert skipped[0][1].startswith("unreadable: ConnectionResetError")
+    finally:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
 
 
 def test_metrics_read_the_uploader() -> None:
