@@ -169,7 +169,7 @@ def _drained(agent: Agent, *, frozen: Agent | None = None) -> None:
     objects) appends each request to its file through a buffered file, several writes for a large body:
     two large PUTs at once could interleave into one torn line that the next restart cannot replay. That
     would be moto's loss, not the uploader's. (A capture once went missing from this test's final
-    listing under load; the cause found was the listing's, which dropped a failed read silently, fixed
+    listing under load; the likelier cause was the listing, which dropped a failed read silently, fixed
     in upload.list_remote. This guard removes the other possible cause.)"""
     if frozen is not None:
         os.kill(frozen.proc.pid, signal.SIGSTOP)
