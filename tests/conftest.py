@@ -79,14 +79,20 @@ def promtool_check(text: bytes) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, timeout=60)
 
 
-def assert_answered_in_time(took: Sequence[float], *, typical: float, worst: float = 1.0) -> None:
+def assert_answered_in_time(took: Sequence[float], *, typical: float, worst: float = 1.0,
+                            syn_retries: int = 0) -> None:
     """Probe/scrape latencies (seconds) from a test that floods the agent: the median under ``typical`` and
     every one under ``worst`` (default 1 s: kubelet's default probe timeout, and below the 1 s SYN retry
     that a dropped connection costs). The failures these tests guard against took seconds or were reset;
-    one probe held ~0.5 s by the GIL among a dozen client threads on a 2-core CI box is not one of them."""
+    one probe held ~0.5 s by the GIL among a dozen client threads on a 2-core CI box is not one of them.
+    ``syn_retries``: that many probes may take one retransmitted SYN longer (``worst`` + 1 s), where the
+    test churns the agent port's accept queue and a loaded box can let it fill."""
     ordered = sorted(took)
     assert ordered[len(ordered) // 2] < typical, ordered
-    assert ordered[-1] < worst, ordered
+    if syn_retries:
+        assert ordered[-1 - syn_retries] < worst and ordered[-1] < worst + 1.0, ordered
+    else:
+        assert ordered[-1] < worst, ordered
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition",

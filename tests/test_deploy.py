@@ -199,9 +199,13 @@ def test_streaming_example_counts_requests_tokens_and_a_client_that_leaves(monke
         assert sample('perfmon_prompt_tokens_total{model="gpt2"}') == 12
         assert sample('perfmon_forward_calls_total{model="gpt2",stage="prefill"}') == 1
         assert sample('perfmon_forward_calls_total{model="gpt2",stage="decode"}') == 7
+        # Histograms lag by a resolver tick, and the first token's TTFT can be drained a tick before the
+        # last tokens' gaps: wait for each (a loaded box once read the ITL count one short).
         wait_until(lambda: sample('perfmon_time_to_first_token_seconds_count{model="gpt2"}') == 1,
-                   what="the TTFT observation (histograms lag by a resolver tick)")
-        assert sample('perfmon_inter_token_latency_seconds_count{model="gpt2"}') == 7
+                   what="the TTFT observation")
+        wait_until(lambda: sample('perfmon_inter_token_latency_seconds_count{model="gpt2"}') == 7,
+                   what="all seven inter-token gaps")
+        assert sample('perfmon_inter_token_latency_seconds_count{model="gpt2"}') == 7  # and no more
 
         # A client that reads the first token of a long stream, then goes away.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

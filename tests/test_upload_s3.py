@@ -159,7 +159,9 @@ def _listed(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
     """Capture ids that `perfmon profiles --store` prints."""
     capsys.readouterr()
     assert main(["profiles", "--store", f"s3://{BUCKET}/fleet", *args]) == 0
-    return [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:] if line and line[0] != "n"]
+    captured = capsys.readouterr()
+    assert "skipped" not in captured.err, captured.err  # every metadata object read (retried if need be)
+    return [line.split()[0] for line in captured.out.splitlines()[1:] if line and line[0] != "n"]
 
 
 def _drained(agent: Agent, *, frozen: Agent | None = None) -> None:
@@ -228,7 +230,11 @@ def test_two_agents_upload_through_an_outage_and_a_restart(fleet: tuple[Moto, An
     wait_until(lambda: a2.ask(cmd="stats")["spool_files"] == 0, timeout=60, what="the restarted agent's upload")
 
     listed = _listed(capsys)
-    assert sorted(listed) == sorted(expected) and len(listed) == len(set(listed)) == 5
+    if sorted(listed) != sorted(expected):  # say what is where: the store's objects, each agent's counters
+        raise AssertionError(f"listed {sorted(listed)} expected {sorted(expected)}; ids {ids}, third "
+                             f"{third['id']}, fourth {fourth['id']}, fifth {fifth['id']}; objects {_objects()}; "
+                             f"a2 {a2.ask(cmd='stats')}; b {b.ask(cmd='stats')}")
+    assert len(listed) == len(set(listed)) == 5
     objects = _objects()
     metas = [o for o in objects if o.endswith(".meta.json")]
     traces = [o for o in objects if o.endswith(".pt.trace.json.gz")]

@@ -52,7 +52,8 @@ def main() -> None:
                    "p99_seconds": took[int(0.99 * (len(took) - 1))] if took else 0.0}
         elif cmd["cmd"] == "stats":
             s = monitor.uploads.stats
-            out = {"uploads": s.uploads, "dropped": s.dropped, "spool_files": s.spool_files}
+            out = {"uploads": s.uploads, "dropped": s.dropped, "spool_files": s.spool_files,
+                   "uploaded": sorted(monitor.uploads._uploaded), "last_error": monitor.uploads.last_error}
         else:
             monitor.stop()
             print(json.dumps({"bye": True}), flush=True)
