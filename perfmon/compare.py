@@ -51,6 +51,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from .trace_summary import OTHER  # the op table's bucket of the names past its cap
+
 __all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "headline", "noise_bound",
            "uniform_ratio"]
 
@@ -64,8 +66,6 @@ SHARE_FLOOR = 0.02
 ABS_FLOOR = 2e-6
 STATUSES = ("slower", "faster", "new", "gone", "same")
 TIMES = "\N{MULTIPLICATION SIGN}"  # as in "2.1x slower", with the typographic sign
-#: The op table's bucket of the names past its cap (see ``trace_summary.step_table``).
-OTHER = "[other]"
 
 
 def noise_bound(before: float, sd_before: float, n_before: int, sd_after: float, n_after: int, *,

@@ -131,17 +131,20 @@ def temp_name(suffix: str) -> str:
     return f".tmp.{os.getpid()}.{secrets.token_hex(8)}.{suffix}"
 
 
-def write_at(dir_fd: int, name: str, data: bytes) -> None:
-    """Write ``data`` to ``name`` in the directory ``dir_fd`` atomically: a fresh 0600 temp file, fsync, rename."""
-    if "/" in name or name.startswith(".") or not name:
-        raise ValueError(f"not a plain file name: {name!r}")
-    tmp = temp_name("write")
+@contextmanager
+def replacing_at(dir_fd: int, tmp: str, name: str, *,
+                 before_replace: Callable[[], None] | None = None) -> Iterator[Any]:
+    """A new private (0600) temp file ``tmp`` in the directory ``dir_fd``, opened for the block to write
+    (binary). When the block ends cleanly the file is fsynced, ``before_replace`` runs (it may raise to
+    refuse) and the file is renamed onto ``name``; on any failure the temp file is removed."""
     fd = os.open(tmp, _OPEN_NEW, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
@@ -149,6 +152,14 @@ def write_at(dir_fd: int, name: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``data`` to ``name`` in the directory ``dir_fd`` atomically: a fresh 0600 temp file, fsync, rename."""
+    if "/" in name or name.startswith(".") or not name:
+        raise ValueError(f"not a plain file name: {name!r}")
+    with replacing_at(dir_fd, temp_name("write"), name) as f:
+        f.write(data)
 
 
 def write_private(directory: str | os.PathLike[str], name: str, data: bytes) -> Path:

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit, urlunsplit
 from .exceptions import ConfigError
 from .faults import InternalErrors
 from .selfcost import AgentCpu
-from .traces import TRACE_NAME, TraceStore, valid_id, write_at
+from .traces import TRACE_NAME, TraceStore, replacing_at, valid_id, write_at
 
 __all__ = [
     "DROP_REASONS", "MANIFEST_NAME", "OUTCOMES", "REMOTE_META_MAX_BYTES", "REMOTE_TRACE_MAX_BYTES", "TraceUploader",
@@ -725,29 +725,22 @@ def _open_source(fs: Any, path: str, what: str, cap: int, local: bool) -> Any:
 def _fetch_to(fs: Any, path: str, what: str, dfd: int, name: str, cap: int, *, local: bool) -> None:
     """Copy the store object ``path`` to ``name`` in the directory ``dfd``: streamed (at most ``cap`` bytes)
     into a new private temp file, then renamed onto ``name`` unless that is not a regular file."""
-    tmp = f".{name}.{secrets.token_hex(8)}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-    try:
-        with os.fdopen(fd, "wb") as out, _open_source(fs, path, what, cap, local) as src:
-            total = 0
-            while chunk := src.read(_CHUNK):
-                total += len(chunk)
-                if total > cap:  # the object grew past what its size said, or the store did not say
-                    raise ValueError(f"{what} is over the {cap}-byte limit for it; refusing it")
-                out.write(chunk)
+
+    def only_onto_a_regular_file() -> None:
         try:
             st = os.lstat(name, dir_fd=dfd)
         except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{name} in the download directory is not a regular file (a symbolic link?); "
-                                 "refusing to replace it: remove it or choose another --out")
-        # rename replaces the entry itself: a link swapped in since the check is replaced, never followed.
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise
+            return
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{name} in the download directory is not a regular file (a symbolic link?); "
+                             "refusing to replace it: remove it or choose another --out")
+
+    # The rename replaces the entry itself: a link swapped in since the check is replaced, never followed.
+    with replacing_at(dfd, f".{name}.{secrets.token_hex(8)}.part", name, before_replace=only_onto_a_regular_file) \
+            as out, _open_source(fs, path, what, cap, local) as src:
+        total = 0
+        while chunk := src.read(_CHUNK):
+            total += len(chunk)
+            if total > cap:  # the object grew past what its size said, or the store did not say
+                raise ValueError(f"{what} is over the {cap}-byte limit for it; refusing it")
+            out.write(chunk)

@@ -79,6 +79,16 @@ def promtool_check(text: bytes) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, timeout=60)
 
 
+class HandClock:
+    """A monotonic clock (seconds) the test moves by hand: ``clock.t += 5``."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def assert_answered_in_time(took: Sequence[float], *, typical: float, worst: float = 1.0,
                             syn_retries: int = 0) -> None:
     """Probe/scrape latencies (seconds) from a test that floods the agent: the median under ``typical`` and

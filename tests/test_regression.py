@@ -10,6 +10,8 @@ import pytest
 import perfmon
 from perfmon.regression import Detector, RegressionPolicy
 
+from .conftest import HandClock
+
 S = 1_000_000_000  # ns per second
 
 
@@ -109,14 +111,6 @@ def test_policy_validation(kw: dict) -> None:
     assert RegressionPolicy(window_seconds=1).window_seconds == 1
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class _State:
     """The parts of a ModelState the controller touches."""
 
@@ -133,7 +127,7 @@ def test_automatic_captures_respect_cooldown_and_hourly_cap(tmp_path) -> None:
     from perfmon.faults import InternalErrors
     from perfmon.traces import TraceStore
 
-    clock = _Clock()
+    clock = HandClock()
     ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=InternalErrors(),
                             cooldown_seconds=600, max_auto_per_hour=2, arm_timeout_seconds=1, clock=clock)
     st = _State("m")

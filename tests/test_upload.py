@@ -27,15 +27,7 @@ from perfmon.upload import (
     redact,
 )
 
-
-class Clock:
-    """A hand-driven monotonic clock."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from .conftest import HandClock
 
 
 class FlakyFs:
@@ -65,8 +57,8 @@ def _save(store: TraceStore, model: str = "enc", trigger: str = "manual", size: 
     return cid
 
 
-def _uploader(store: TraceStore, fs: Any, root: str, clock: Clock | None = None, **kw: Any) -> TraceUploader:
-    return TraceUploader(store, "memory://bucket/fleet", fs=fs, root=root, clock=clock or Clock(),
+def _uploader(store: TraceStore, fs: Any, root: str, clock: HandClock | None = None, **kw: Any) -> TraceUploader:
+    return TraceUploader(store, "memory://bucket/fleet", fs=fs, root=root, clock=clock or HandClock(),
                          jitter=lambda: 1.0, **kw)
 
 
@@ -104,7 +96,7 @@ def test_failures_back_off_exponentially_up_to_the_cap_then_recover(tmp_path: Pa
     fs, root = mem
     store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
     _save(store, size=1000)
-    clock = Clock()
+    clock = HandClock()
     flaky = FlakyFs(fs, fail=5)
     up = _uploader(store, flaky, root, clock=clock, backoff_initial_seconds=1.0, backoff_max_seconds=4.0)
     delays = []
@@ -128,7 +120,7 @@ def test_a_partial_upload_is_overwritten_on_retry_never_duplicated(tmp_path: Pat
     cid = _save(store)
     flaky = FlakyFs(fs)
     flaky.fail_meta = 1
-    clock = Clock()
+    clock = HandClock()
     up = _uploader(store, flaky, root, clock=clock)
     assert up.step() == 1.0
     assert list_remote("", fs=fs, root=root) == []  # a trace without metadata is never listed
@@ -146,18 +138,18 @@ def test_a_restart_uploads_what_was_spooled_and_nothing_twice(tmp_path: Path) ->
     store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
     ids = [_save(store), _save(store, model="dec")]
     down = TraceUploader(store, f"file://{dest}", fs=FlakyFs(fsspec.filesystem("file"), fail=10**6),
-                         root=str(dest), clock=Clock(), jitter=lambda: 1.0)
+                         root=str(dest), clock=HandClock(), jitter=lambda: 1.0)
     assert down.step() == 1.0 and down.stats.uploads["failed"] == 1
     store.on_saved.clear()
     store.on_evicted.clear()
     # "The next process": a fresh store object and uploader over the same directory, through the real URL.
     store2 = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
-    up = TraceUploader(store2, f"file://{dest}", clock=Clock())
+    up = TraceUploader(store2, f"file://{dest}", clock=HandClock())
     assert [up.step(), up.step()] == [0.0, 0.0]
     assert up.step() == up.poll_seconds
     assert sorted(p["id"] for p in list_remote(f"file://{dest}")) == sorted(ids)
     third = TraceUploader(TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9), f"file://{dest}",
-                          clock=Clock())
+                          clock=HandClock())
     assert third.step() == third.poll_seconds and third.stats.uploads["ok"] == 0
 
 
@@ -215,7 +207,7 @@ def test_an_async_filesystems_io_thread_cpu_counts_as_the_uploads(tmp_path: Path
     store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
     cpu = AgentCpu()
     up = TraceUploader(store, "memory://x", fs=BurningFs(skip_instance_cache=True), root="/r", cpu=cpu,
-                       clock=Clock())
+                       clock=HandClock())
     _save(store)
     assert up.step() == 0.0 and up.stats.uploads["ok"] == 1  # step() itself is not measured: only _count_io
     assert io_thread_cpu() is not None
@@ -228,7 +220,7 @@ def test_a_manifest_for_another_destination_is_not_trusted(tmp_path: Path, mem: 
     store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
     _save(store)
     assert _uploader(store, fs, root).step() == 0.0
-    other = TraceUploader(store, "memory://elsewhere", fs=fs, root=root + "/b", clock=Clock())
+    other = TraceUploader(store, "memory://elsewhere", fs=fs, root=root + "/b", clock=HandClock())
     assert other.step() == 0.0 and other.stats.uploads["ok"] == 1
 
 
@@ -317,7 +309,7 @@ def test_cli_lists_filters_and_downloads_from_a_store(tmp_path: Path) -> None:
     first = _save(a, model="enc", trigger="regression")
     second = _save(b, model="dec", trigger="manual")
     for store in (a, b):
-        up = TraceUploader(store, url, clock=Clock())
+        up = TraceUploader(store, url, clock=HandClock())
         while up.step() == 0.0:
             pass
     out = io.StringIO()
