@@ -18,8 +18,8 @@ import time
 import torch
 from common import dump, machine, monitor, table
 
+from perfmon.stats.windows import quantile
 from perfmon.testing import histogram_quantile
-from perfmon.windows import quantile
 
 
 class Bimodal(torch.nn.Module):

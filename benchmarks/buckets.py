@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 from common import dump, machine, table
 
+from perfmon.agent.generation import TTFT_BUCKETS
 from perfmon.config import DEFAULT_BUCKETS, FINE_BUCKETS, log_buckets
-from perfmon.generation import TTFT_BUCKETS
-from perfmon.native import SCHEMA, bucket_index
+from perfmon.metrics.native import SCHEMA, bucket_index
+from perfmon.stats.windows import quantile
 from perfmon.testing import histogram_quantile
-from perfmon.windows import quantile
 
 QS = (0.5, 0.95, 0.99)
 MEDIANS = (0.0008, 0.002, 0.005, 0.013, 0.04, 0.12, 0.4)

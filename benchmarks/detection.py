@@ -19,9 +19,9 @@ import statistics
 import sys
 from typing import Any
 
+from perfmon.agent.sampling import Sampler
+from perfmon.captures.detector import Detector, RegressionPolicy
 from perfmon.config import Config
-from perfmon.regression import Detector, RegressionPolicy
-from perfmon.sampling import Sampler
 
 S = 1_000_000_000
 

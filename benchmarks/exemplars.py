@@ -45,8 +45,8 @@ def main() -> int:
     print(machine())
     import timeit
 
-    from perfmon.exemplars import otel_reader
-    from perfmon.metrics import trace_exemplar
+    from perfmon.agent.exemplars import otel_reader
+    from perfmon.metrics.store import trace_exemplar
 
     reader = otel_reader()
     assert reader is not None

@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 from ._version import __version__
-from .clocks import CudaBackend, TimingEvent
+from .agent.clocks import CudaBackend, TimingEvent
+from .agent.instrument import MonitoredFunction, MonitoredModule, Span
+from .captures.detector import RegressionPolicy
 from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, FINE_BUCKETS, Config, log_buckets
 from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, PortUnavailable, WrapError
-from .instrument import MonitoredFunction, MonitoredModule, Span
+from .http.routes import make_asgi_app, make_wsgi_app
 from .monitor import Monitor
-from .regression import RegressionPolicy
-from .server import make_asgi_app, make_wsgi_app
 
 __all__ = [
     "DEFAULT_BUCKETS",

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from ._version import __version__
 from .exceptions import ConfigError
-from .traces import TRACE_NAME, valid_id
+from .store.traces import TRACE_NAME, valid_id
 
 __all__ = ["ControlError", "diff_profiles", "list_profiles", "main", "run_profile", "store_profiles"]
 
@@ -315,9 +315,9 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     """List the fleet's captures in object storage (``trace_store``), newest first, or download one.
 
     Metadata objects the listing cannot use (over 1 MiB, not JSON, a field of the wrong type: see
-    ``perfmon.upload.list_remote``) are left out and counted in one line on ``stderr``.
+    ``perfmon.store.uploader.list_remote``) are left out and counted in one line on ``stderr``.
     """
-    from .upload import download_remote, list_remote, redact
+    from .store.uploader import download_remote, list_remote, redact
 
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
@@ -367,7 +367,7 @@ def _short_comparison(meta: dict[str, Any], width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-#: The per-step op table's numeric fields ``perfmon.compare`` reads (``perfmon.trace_summary.step_table``).
+#: The per-step op table's numeric fields ``captures.compare`` reads (``captures.trace_summary.step_table``).
 _OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step", "share_of_steps")
 
 
@@ -403,12 +403,12 @@ def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float
 
 def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeout: float = 30.0, rows: int = 20,
                   stdout: TextIO | None = None) -> int:
-    """Fetch two captures' metadata from the agent and print their comparison (``perfmon.compare``):
+    """Fetch two captures' metadata from the agent and print their comparison (``perfmon.captures.compare``):
     per op, self time per model call before and after, calls per model call, the change and its status.
 
-    Both ids must be capture ids (``perfmon.traces.valid_id``; ``ControlError`` before any request
+    Both ids must be capture ids (``perfmon.store.traces.valid_id``; ``ControlError`` before any request
     otherwise): an id is a path segment of the request, so "<id>/trace" would fetch another route."""
-    from .compare import compare
+    from .captures.compare import compare
 
     stdout = stdout if stdout is not None else sys.stdout
     for capture_id in (before, after):

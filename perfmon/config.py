@@ -145,7 +145,7 @@ class Config:
     trace_max_files: int = 20
     trace_max_bytes: int = 512 * 2**20
     #: Upload every finished capture to this fsspec URL (s3://bucket/prefix, gs://, az://, file://...) off the
-    #: serving thread; trace_dir becomes the bounded spool (perfmon.upload). None: captures stay local.
+    #: serving thread; trace_dir becomes the bounded spool (perfmon.store.uploader). None: captures stay local.
     #: Credentials and endpoint come from the SDK's chain (AWS_ENDPOINT_URL...); the URL is never logged whole.
     trace_store: str | None = field(default=None, repr=False)
     #: One upload request may take this long to connect, and to read, before the attempt counts as failed.

@@ -23,9 +23,9 @@ from typing import Any, TextIO
 
 import torch
 
+from .captures.detector import RegressionPolicy
 from .exceptions import ConfigError
 from .monitor import Monitor
-from .regression import RegressionPolicy
 
 __all__ = ["DemoUnavailable", "build_decoder", "build_model", "run_demo"]
 

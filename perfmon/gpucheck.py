@@ -48,7 +48,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ._version import __version__
-from .clocks import CudaBackend, TorchCuda
+from .agent.clocks import CudaBackend, TorchCuda
 from .monitor import Monitor
 
 __all__ = [

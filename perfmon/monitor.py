@@ -21,24 +21,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ._version import __version__
-from .capture import (
-    MAX_SECONDS,
-    MAX_STEPS,
-    CaptureController,
-    CaptureOptions,
-    ProfilerFactory,
-    torch_profiler,
-    warm_up_profiler,
-)
-from .clocks import CudaBackend, NoCuda, TorchCuda
-from .config import Config
-from .exceptions import ConfigError, PortUnavailable, WrapError
-from .faults import count_value
-from .generation import Generation, GenerationTracker
-from .healthport import HealthServer
-from .history import History
-from .httpd import AgentServer
-from .instrument import (
+from .agent.clocks import CudaBackend, NoCuda, TorchCuda
+from .agent.generation import Generation, GenerationTracker
+from .agent.instrument import (
     Hub,
     ModelState,
     MonitoredFunction,
@@ -49,19 +34,41 @@ from .instrument import (
     mark_for_dynamo,
     unwrap_module,
 )
+from .agent.records import STEADY, Sample, series_key, split_key
+from .agent.resolver import Resolver
+from .agent.stages import PREFILL, generative_stage, is_generative
+from .captures.controller import (
+    MAX_SECONDS,
+    MAX_STEPS,
+    CaptureController,
+    CaptureOptions,
+    ProfilerFactory,
+    torch_profiler,
+    warm_up_profiler,
+)
+from .captures.detector import Detector, Regression, RegressionPolicy
+from .captures.roofline import Peaks, peaks_for
+from .config import Config
+from .exceptions import ConfigError, PortUnavailable, WrapError
+from .faults import count_value
+from .http.agent_server import AgentServer
+from .http.health_port import HealthServer
+from .http.routes import Router, make_asgi_app, make_wsgi_app
 from .logs import make_logger
-from .memory import MemorySource, OomSnapshotter, TorchMemory, read_memory
-from .metrics import AgentCollector, CaptureCollector, GenerationCollector, Metrics, TelemetryCollector, UploadCollector
-from .nvml import NvmlPoller
-from .records import STEADY, Sample, series_key, split_key
-from .regression import Detector, Regression, RegressionPolicy
-from .resolver import Resolver
-from .roofline import Peaks, peaks_for
-from .server import Router, make_asgi_app, make_wsgi_app
-from .stages import PREFILL, generative_stage, is_generative
-from .traces import TraceStore
-from .upload import TraceUploader
-from .windows import Windows
+from .metrics.store import (
+    AgentCollector,
+    CaptureCollector,
+    GenerationCollector,
+    Metrics,
+    TelemetryCollector,
+    UploadCollector,
+)
+from .stats.history import History
+from .stats.windows import Windows
+from .store.traces import TraceStore
+from .store.uploader import TraceUploader
+from .telemetry.memory import MemorySource, OomSnapshotter, TorchMemory, read_memory
+from .telemetry.nvml import NvmlPoller
 
 __all__ = ["Monitor"]
 
@@ -436,7 +443,7 @@ class Monitor:
 
         ``stage`` splits a generative model's calls into stages, each with its own series
         (``stage="prefill"``/``"decode"``): None (default) does so for a module whose ``forward`` takes
-        ``past_key_values`` (Hugging Face-style decoders; see ``perfmon.stages``), a callable
+        ``past_key_values`` (Hugging Face-style decoders; see ``perfmon.agent.stages``), a callable
         ``(args, kwargs) -> str`` labels a custom loop's calls (at most 8 labels), False keeps one stage.
         """
         _check_items(items)

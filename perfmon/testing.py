@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .nvml import errors as _nvml_errors
+from .telemetry.nvml import errors as _nvml_errors
 
 __all__ = [
     "BusyWait",

@@ -118,7 +118,7 @@ def test_hostile_capture_ids_are_404_and_never_reach_the_trace_directory(make_mo
 def test_hostile_record_function_names_survive_capture_api_and_comparison(make_monitor: Any) -> None:
     """Names with markup, quotes and 5000 characters are captured (the capture succeeds) and returned
     intact by /profiles/{id}: in the op table and in the comparison with the baseline."""
-    from perfmon.capture import CaptureOptions
+    from perfmon.captures.controller import CaptureOptions
 
     names = ["<script>alert(1)</script>", "</td><img src=x onerror=alert(1)>", 'a "quoted" name', "L" * 5000]
     on = {"hostile": False}
@@ -171,7 +171,7 @@ def test_store_download_writes_only_perfmon_names_inside_out(tmp_path: Path) -> 
     pytest.importorskip("fsspec")
     from fsspec.implementations.local import LocalFileSystem
 
-    from perfmon.upload import download_remote, list_remote
+    from perfmon.store.uploader import download_remote, list_remote
 
     root = tmp_path / "store"
     cid = "18ea8d3d63ee184900000c"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import perfmon
-from perfmon.capture import CaptureOptions, torch_profiler
+from perfmon.captures.controller import CaptureOptions, torch_profiler
 from perfmon.cli import main as cli_main
 
 from .conftest import http, value, wait_capture
@@ -193,7 +193,7 @@ def test_concurrent_posts_get_one_202_and_the_rest_409(agent) -> None:
 
 def test_control_routes_forbidden_without_token_off_loopback_or_mounted(make_monitor) -> None:
     """No token: a mounted app or a non-loopback bind answers 403 on control routes; /metrics stays open."""
-    from perfmon.server import Router
+    from perfmon.http.routes import Router
 
     mon = make_monitor()
     mon.wrap(torch.nn.Linear(2, 2), name="m")
@@ -413,9 +413,9 @@ class _ModelState:
 
 def test_capture_ends_early_at_its_memory_bound(tmp_path: Path) -> None:
     """RSS growing 10 MiB a step, a 50 MiB bound (25 MiB while recording): 50 steps asked, 3 recorded, 'ok'."""
-    from perfmon.capture import CaptureController
+    from perfmon.captures.controller import CaptureController
     from perfmon.faults import InternalErrors
-    from perfmon.traces import TraceStore
+    from perfmon.store.traces import TraceStore
 
     ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=InternalErrors(),
                             max_bytes=50 * 2**20, memory=_GrowingMemory)
@@ -450,7 +450,7 @@ def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
     """Profiler start/stop through quiet_kineto print no USDT line; other fd-2 output in the window still appears."""
     import os
 
-    from perfmon.capture import quiet_kineto
+    from perfmon.captures.controller import quiet_kineto
 
     # Kineto prints USDT lines in some builds (torch 2.13 CPU) and not in others (2.11+cu130): the
     # window also gets one written the way Kineto writes it, so the filter is exercised on every build.
@@ -469,9 +469,9 @@ def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
 
 def test_export_child_over_its_memory_cap_fails_the_capture(tmp_path: Path) -> None:
     """An export child that runs out of its address-space cap fails the capture with its error; no trace listed."""
-    from perfmon.capture import CaptureController
+    from perfmon.captures.controller import CaptureController
     from perfmon.faults import InternalErrors
-    from perfmon.traces import TraceStore
+    from perfmon.store.traces import TraceStore
 
     internal = InternalErrors()
     ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=internal,
@@ -495,7 +495,7 @@ def test_torch_cycle_warning_never_fails_a_profiler_start(monkeypatch: pytest.Mo
 
     import torch.profiler.profiler as torch_prof
 
-    from perfmon.capture import quiet_kineto
+    from perfmon.captures.controller import quiet_kineto
 
     prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
     quiet_kineto(prof.start)

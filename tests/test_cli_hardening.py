@@ -15,10 +15,10 @@ import pytest
 
 from perfmon import cli, upload
 from perfmon.cli import _clean, diff_profiles, main, store_profiles
-from perfmon.traces import new_id
-from perfmon.upload import download_remote, list_remote
+from perfmon.store.traces import new_id
+from perfmon.store.uploader import download_remote, list_remote
 
-pytest.importorskip("fsspec")  # perfmon.upload imports it when a store is opened
+pytest.importorskip("fsspec")  # perfmon.store.uploader imports it when a store is opened
 
 TRACE = "h_1.1.pt.trace.json.gz"
 #: What no line printed to a terminal may contain: C0 controls, DEL, C1 controls (ESC, CSI, OSC, BEL, CR...).

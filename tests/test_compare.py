@@ -13,10 +13,10 @@ import torch
 from prometheus_client import generate_latest
 
 import perfmon
-from perfmon.capture import CaptureOptions
+from perfmon.captures.compare import TIMES, compare, headline, noise_bound
+from perfmon.captures.controller import CaptureOptions
+from perfmon.captures.trace_summary import STEP_ANNOTATION, step_table, summarise
 from perfmon.cli import main as cli_main
-from perfmon.compare import TIMES, compare, headline, noise_bound
-from perfmon.trace_summary import STEP_ANNOTATION, step_table, summarise
 
 from .conftest import http, promtool_check, value, wait_capture
 
@@ -219,7 +219,7 @@ class Switchable(torch.nn.Module):
 
 def test_trace_summary_step_table_on_a_real_cpu_trace(tmp_path: Path) -> None:
     """On a real torch.profiler trace each model call's ops are one step: calls per step are exact."""
-    from perfmon.capture import torch_profiler
+    from perfmon.captures.controller import torch_profiler
 
     model = Switchable()
     model.wait_seconds = 0.0005
@@ -355,7 +355,7 @@ def test_retention_keeps_each_models_newest_baseline(make_monitor, tmp_path: Pat
 
 def test_a_failing_comparison_never_fails_the_capture(make_monitor, monkeypatch: pytest.MonkeyPatch) -> None:
     """compare() raising leaves the capture ok without a comparison and counts a capture_compare internal error."""
-    import perfmon.capture as capture_module
+    import perfmon.captures.controller as capture_module
 
     def broken(before: Any, after: Any) -> dict[str, Any]:
         raise RuntimeError("compare broke")
@@ -474,7 +474,7 @@ def test_a_whole_call_moving_alike_is_named_as_such_and_one_op_moving_is_not() -
     """Contention, clocks or a runtime change move every op by about one factor: the comparison says so
     (`uniform_ratio`, the summary's opening) while the rows are judged as before; a model change that
     moves one op, or a call dominated by one op, gets no such hint."""
-    from perfmon.compare import uniform_ratio
+    from perfmon.captures.compare import uniform_ratio
 
     before = {"aten::addmm": (2e-3, 1e-5, 2), "aten::relu": (5e-4, 1e-5, 1), "aten::gelu": (6e-4, 1e-5, 1),
               "aten::copy_": (3e-4, 1e-5, 1), "aten::view": (2e-6, 0, 3)}

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from perfmon.clocks import EventPair, elapsed_seconds
+from perfmon.agent.clocks import EventPair, elapsed_seconds
 from perfmon.testing import FakeCuda, FakeEvent, FakeGpu, GpuWork
 
 from .conftest import hist_count, value, wait_until

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import perfmon
-from perfmon.metrics import METRICS
+from perfmon.metrics.store import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
 from .conftest import promtool, wait_until

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import perfmon
-from perfmon.capture import CaptureOptions
-from perfmon.metrics import METRICS
+from perfmon.captures.controller import CaptureOptions
+from perfmon.metrics.store import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
 from .conftest import wait_capture

@@ -163,7 +163,7 @@ def test_only_w3c_sized_sampled_ids_make_exemplars(monkeypatch: pytest.MonkeyPat
 
     import opentelemetry.trace as otel_trace
 
-    from perfmon.exemplars import otel_reader
+    from perfmon.agent.exemplars import otel_reader
 
     ctx = types.SimpleNamespace(trace_id=trace_id, span_id=span_id, trace_flags=types.SimpleNamespace(sampled=True))
     monkeypatch.setattr(otel_trace, "get_current_span",
@@ -177,10 +177,10 @@ def test_an_exemplar_that_cannot_be_built_costs_the_exemplar_not_the_sample() ->
     """Metrics.observe with ids it cannot render still counts the sample in the histogram."""
     from prometheus_client import CollectorRegistry
 
+    from perfmon.agent.records import STEADY, Sample
     from perfmon.config import Config
     from perfmon.faults import InternalErrors
-    from perfmon.metrics import Metrics
-    from perfmon.records import STEADY, Sample
+    from perfmon.metrics.store import Metrics
 
     reg = CollectorRegistry()
     metrics = Metrics(reg, Config.from_env({}), states=list, internal=InternalErrors(), started_ns=lambda: 0,

@@ -13,8 +13,8 @@ import torch
 from prometheus_client import generate_latest
 
 import perfmon
+from perfmon.captures.detector import Detector, RegressionPolicy
 from perfmon.faults import InternalErrors
-from perfmon.regression import Detector, RegressionPolicy
 
 from .conftest import value, wait_capture, wait_until
 

@@ -16,7 +16,7 @@ import torch
 from prometheus_client import generate_latest
 
 import perfmon
-from perfmon.generation import ITL_BUCKETS, TTFT_BUCKETS, Generation
+from perfmon.agent.generation import ITL_BUCKETS, TTFT_BUCKETS, Generation
 from perfmon.testing import histogram_quantile
 
 from .conftest import promtool_check, value

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from perfmon.server import Router
+from perfmon.http.routes import Router
 
 from .conftest import http, value, wait_until
 
@@ -164,7 +164,7 @@ def test_agent_stays_responsive_under_slowloris_floods_and_bad_tokens(make_monit
 def test_stuck_connections_are_cut_and_the_slowest_evicted_at_the_cap(make_monitor) -> None:
     """A connection older than http_connection_timeout_seconds is closed by the server; at the connection
     cap a new client is served and the oldest connection that never sent a request is closed instead."""
-    from perfmon.httpd import _SILENT_GRACE_SECONDS, MAX_CONNECTIONS
+    from perfmon.http.agent_server import _SILENT_GRACE_SECONDS, MAX_CONNECTIONS
 
     mon = make_monitor(port=0, http_connection_timeout_seconds=1).start()
     port = int(mon.url.rsplit(":", 1)[1])

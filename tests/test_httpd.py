@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from perfmon.httpd import MAX_HEADER_BYTES
+from perfmon.http.agent_server import MAX_HEADER_BYTES
 from perfmon.selfcost import CpuBudget
 
 from .conftest import assert_answered_in_time, churning, value, wait_until

@@ -20,7 +20,7 @@ from prometheus_client.samples import Exemplar
 
 import perfmon
 from perfmon import native, promproto
-from perfmon.server import metrics_format
+from perfmon.http.routes import metrics_format
 from perfmon.testing import BusyWait
 
 from . import protowire

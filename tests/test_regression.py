@@ -8,7 +8,7 @@ import time
 import pytest
 
 import perfmon
-from perfmon.regression import Detector, RegressionPolicy
+from perfmon.captures.detector import Detector, RegressionPolicy
 
 from .conftest import HandClock
 
@@ -123,9 +123,9 @@ class _State:
 
 def test_automatic_captures_respect_cooldown_and_hourly_cap(tmp_path) -> None:
     """Within the cooldown a second automatic capture is suppressed; past it, the hourly cap applies."""
-    from perfmon.capture import CaptureController, CaptureOptions
+    from perfmon.captures.controller import CaptureController, CaptureOptions
     from perfmon.faults import InternalErrors
-    from perfmon.traces import TraceStore
+    from perfmon.store.traces import TraceStore
 
     clock = HandClock()
     ctl = CaptureController(TraceStore(tmp_path, max_files=5, max_bytes=10**9), internal=InternalErrors(),

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from perfmon.roofline import peaks_for
+from perfmon.captures.roofline import peaks_for
 
 from .conftest import wait_capture
 
@@ -96,9 +96,9 @@ class _Mixed(torch.nn.Module):
 @pytest.mark.parametrize("with_stack", [False, True])
 def test_trace_summary_matches_torch_function_events(tmp_path, with_stack: bool) -> None:
     """The child's summary from the Chrome trace has the rows, counts, FLOPs, bytes and times of prof.events()."""
-    from perfmon.capture import CaptureOptions, torch_profiler
-    from perfmon.roofline import aggregate
-    from perfmon.trace_summary import summarise
+    from perfmon.captures.controller import CaptureOptions, torch_profiler
+    from perfmon.captures.roofline import aggregate
+    from perfmon.captures.trace_summary import summarise
 
     model = _Mixed()
     prof = torch_profiler(CaptureOptions(record_shapes=True, with_stack=with_stack), cuda=False)
@@ -145,7 +145,7 @@ def test_trace_summary_gives_the_device_busy_span() -> None:
     import io
     import json
 
-    from perfmon.trace_summary import summarise
+    from perfmon.captures.trace_summary import summarise
 
     host = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 10,
             "args": {"External id": 1}}
@@ -167,8 +167,8 @@ def test_a_quote_in_an_annotation_name_does_not_break_the_trace(tmp_path) -> Non
     import io
     import json
 
-    from perfmon.capture import CaptureOptions, torch_profiler
-    from perfmon.trace_summary import summarise
+    from perfmon.captures.controller import CaptureOptions, torch_profiler
+    from perfmon.captures.trace_summary import summarise
 
     prof = torch_profiler(CaptureOptions(record_shapes=True), cuda=False)
     prof.start()
@@ -209,7 +209,7 @@ def test_the_trace_repair_escapes_bare_quotes_in_names_only(trace: bytes, names:
     import io
     import json
 
-    from perfmon.trace_summary import repairing
+    from perfmon.captures.trace_summary import repairing
 
     read = repairing(io.BytesIO(trace).read)
     out = b"".join(iter(lambda: read(1 << 20), b""))
@@ -223,7 +223,7 @@ def test_names_with_quotes_and_braces_are_repaired_in_both_layouts(name: str) ->
     import io
     import json
 
-    from perfmon.trace_summary import repairing
+    from perfmon.captures.trace_summary import repairing
 
     raw = name.encode()
     for trace in (b'{"traceEvents": [\n  {\n    "ph": "X",\n    "name": "' + raw + b'",\n    "pid": 1\n  },\n'

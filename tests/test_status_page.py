@@ -209,7 +209,7 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
     an op named like HTML (a user's record_function) stays text."""
     from selenium.webdriver.common.by import By
 
-    from perfmon.capture import CaptureOptions
+    from perfmon.captures.controller import CaptureOptions
 
     from .conftest import wait_capture
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfmon.nvml import NvmlPoller
+from perfmon.telemetry.nvml import NvmlPoller
 from perfmon.testing import FakeNvml, FakeTorchMemory
 
 from .conftest import promtool_check, value, wait_until

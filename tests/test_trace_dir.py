@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import perfmon
-from perfmon.memory import OomSnapshotter
-from perfmon.traces import TraceStore, UnsafeTraceDir, new_id, open_private_dir, write_private
+from perfmon.store.traces import TraceStore, UnsafeTraceDir, new_id, open_private_dir, write_private
+from perfmon.telemetry.memory import OomSnapshotter
 
 from .conftest import http, value, wait_capture
 

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from perfmon.cli import main
 from perfmon.exceptions import ConfigError
-from perfmon.metrics import UploadCollector
-from perfmon.traces import TraceStore, new_id, worker_name
-from perfmon.upload import (
+from perfmon.metrics.store import UploadCollector
+from perfmon.store.traces import TraceStore, new_id, worker_name
+from perfmon.store.uploader import (
     MANIFEST_NAME,
     TraceUploader,
     UploadStats,
@@ -194,7 +194,7 @@ def test_an_async_filesystems_io_thread_cpu_counts_as_the_uploads(tmp_path: Path
     import fsspec.asyn
 
     from perfmon.selfcost import AgentCpu
-    from perfmon.upload import io_thread_cpu
+    from perfmon.store.uploader import io_thread_cpu
 
     class BurningFs(fsspec.asyn.AsyncFileSystem):
         """An async store whose every write costs 50 ms of CPU on the thread that runs it."""
@@ -231,7 +231,7 @@ def test_the_fleet_listing_retries_a_failed_read_and_reports_one_that_keeps_fail
     One that keeps failing is reported through on_skip, never silently left out."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    import perfmon.upload as upload_module
+    import perfmon.store.uploader as upload_module
 
     class Flaky(MemoryFileSystem):
         fail: ClassVar[dict[str, int]] = {}  # path suffix -> reads left to fail

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from perfmon.clocks import TorchCuda
+from perfmon.agent.clocks import TorchCuda
 
 from ..conftest import hist_count, value
 

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from perfmon.memory import TorchMemory
-from perfmon.nvml import normalize_uuid
+from perfmon.telemetry.memory import TorchMemory
+from perfmon.telemetry.nvml import normalize_uuid
 
 from ..conftest import value
 

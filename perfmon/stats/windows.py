@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from time import perf_counter_ns
 from typing import Any
 
-from .records import Sample
+from ..agent.records import Sample
 
 __all__ = ["QUANTILES", "Windows", "quantile"]
 

@@ -1,6 +1,6 @@
 """Which ops changed between two captures of a model: a noise-aware diff of their per-step op tables.
 
-Each capture stores ``ops`` (see ``perfmon.trace_summary.step_table``): per op name, its mean calls
+Each capture stores ``ops`` (see ``perfmon.captures.trace_summary.step_table``): per op name, its mean calls
 and self seconds per recorded step (one step = one call of the model; self *device* time on a CUDA
 capture, self CPU time on CPU) and the standard deviation of those seconds over the steps. ``compare``
 lines the two tables up by op name and says, per op, how many seconds a model call gained or lost.

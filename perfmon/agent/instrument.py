@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
+from ..config import Config
+from ..faults import InternalErrors, count_value
+from ..selfcost import AgentCpu, HttpShedding
 from .clocks import CudaBackend, EventPair, EventPools
-from .config import Config
 from .exemplars import TraceReader, otel_reader
-from .faults import InternalErrors, count_value
 from .phases import Signature, SignatureTable, batch_of, signature, work_of
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
-from .selfcost import AgentCpu, HttpShedding
 from .stages import MAX_STAGES, StageFn, stage_label
 
 __all__ = ["Hub", "ModelState", "MonitoredFunction", "MonitoredModule", "Probe", "Span", "Stages", "mark_for_dynamo",

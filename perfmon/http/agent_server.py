@@ -40,9 +40,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
-from .faults import InternalErrors
-from .selfcost import AgentCpu, CpuBudget, HttpShedding
-from .server import MAX_BODY_BYTES, REASONS, Response, Router, accepts_gzip, metrics_format
+from ..faults import InternalErrors
+from ..selfcost import AgentCpu, CpuBudget, HttpShedding
+from .routes import MAX_BODY_BYTES, REASONS, Response, Router, accepts_gzip, metrics_format
 
 __all__ = ["MAX_CONNECTIONS", "AgentServer", "AuthThrottle"]
 

@@ -44,9 +44,9 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from .exceptions import ConfigError
-from .faults import InternalErrors
-from .selfcost import AgentCpu
+from ..exceptions import ConfigError
+from ..faults import InternalErrors
+from ..selfcost import AgentCpu
 from .traces import TRACE_NAME, TraceStore, replacing_at, valid_id, write_at
 
 __all__ = [

@@ -28,12 +28,9 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
-from ._version import __version__
-from .capture import CaptureController
-from .config import Config
-from .faults import InternalErrors, count_value
-from .generation import DROP_REASONS as GENERATION_DROP_REASONS
-from .generation import (
+from .._version import __version__
+from ..agent.generation import DROP_REASONS as GENERATION_DROP_REASONS
+from ..agent.generation import (
     DURATION_BUCKETS,
     ITL_BUCKETS,
     OUTCOMES,
@@ -43,14 +40,17 @@ from .generation import (
     GenerationTracker,
     TokenTiming,
 )
-from .instrument import ModelState
-from .memory import MemorySource, read_memory
+from ..agent.instrument import ModelState
+from ..agent.records import DROP_REASONS, Sample, split_key
+from ..captures.controller import CaptureController
+from ..captures.detector import Detector
+from ..config import Config
+from ..faults import InternalErrors, count_value
+from ..selfcost import AgentCpu, HttpShedding
+from ..telemetry.memory import MemorySource, read_memory
+from ..telemetry.nvml import NvmlPoller, normalize_uuid
 from .native import NativeBuckets
-from .nvml import NvmlPoller, normalize_uuid
 from .promproto import NativeHistogramFamily
-from .records import DROP_REASONS, Sample, split_key
-from .regression import Detector
-from .selfcost import AgentCpu, HttpShedding
 
 __all__ = ["METRICS", "GenerationCollector", "Metrics"]
 

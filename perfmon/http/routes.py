@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from . import promproto
-from ._version import __version__
-from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError
+from .._version import __version__
+from ..exceptions import CaptureBusy, CaptureRateLimited, ConfigError
+from ..metrics import promproto
 
 if TYPE_CHECKING:
-    from .monitor import Monitor
+    from ..monitor import Monitor
 
 __all__ = ["CONTROL_HEADER", "MAX_BODY_BYTES", "REASONS", "Response", "Router", "accepts_gzip", "host_names_agent",
            "is_loopback", "make_asgi_app", "make_wsgi_app", "metrics_format", "owner_without_token"]
@@ -406,7 +406,7 @@ def openapi_document() -> dict[str, Any]:
 
 @functools.cache
 def _status_page() -> bytes:
-    return resources.files("perfmon").joinpath("static/index.html").read_bytes()
+    return resources.files("perfmon.http").joinpath("static/index.html").read_bytes()
 
 
 def _forbidden(error: str, detail: str) -> Response:

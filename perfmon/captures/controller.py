@@ -19,7 +19,7 @@ Triggers: ``regression`` (the detector), ``manual`` (HTTP, CLI, ``Monitor.captur
 (a capture of the model while it is healthy, kept as the reference: ``latest_baseline``). Each
 recorded model call runs inside a ``perfmon.step`` profiler annotation, so the export can say what
 each op cost per call (``Capture.ops``); when a regression or manual capture of a model that has a
-baseline finishes, ``perfmon.compare`` diffs the two and the result is stored with it
+baseline finishes, ``perfmon.captures.compare`` diffs the two and the result is stored with it
 (``Capture.comparison``).
 
 What a capture may cost is bounded as well as its length: after each recorded step the serving
@@ -27,7 +27,7 @@ thread reads this process's resident memory (``/proc/self/statm``, a few µs) an
 early once its growth since the start, plus what ``stop()`` will add (estimated from measurements:
 ``recording_budget``), would pass ``max_bytes`` (``ended_by: "max_bytes"``). The export
 never builds torch's per-event Python objects in this process: the profiler writes its Chrome trace
-(C++) to a private temp file and is dropped, and a child process (``perfmon/trace_summary.py``, at
+(C++) to a private temp file and is dropped, and a child process (``perfmon/captures/trace_summary.py``, at
 lower priority, address space capped, killed after ``export_timeout_seconds``) streams the file,
 gzips it and returns the op summary; then this process collects garbage and hands freed heap back
 to the OS (``malloc_trim``). A child that fails or is killed fails the capture; nothing partial is
@@ -55,13 +55,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+from ..exceptions import CaptureBusy, CaptureRateLimited
+from ..faults import InternalErrors
+from ..selfcost import AgentCpu
+from ..store.traces import TraceStore, UnsafeTraceDir, new_id, worker_name
 from .compare import compare, headline
-from .exceptions import CaptureBusy, CaptureRateLimited
-from .faults import InternalErrors
 from .roofline import Peaks, summarise
-from .selfcost import AgentCpu
 from .trace_summary import STEP_ANNOTATION
-from .traces import TraceStore, UnsafeTraceDir, new_id, worker_name
 
 __all__ = [
     "TRANSITIONS", "Capture", "CaptureController", "CaptureOptions", "ResidentMemory", "profiler_active",
@@ -140,11 +140,11 @@ class Capture:
     export: dict[str, Any] = field(default_factory=dict)
     #: Per op name, per recorded step (one model call): ``calls_per_step``, ``seconds_per_step`` (self
     #: device seconds on CUDA, self CPU seconds on CPU) and ``seconds_per_step_stdev`` over the steps;
-    #: at most 200 names, the rest as ``[other]`` (``perfmon.trace_summary.step_table``).
+    #: at most 200 names, the rest as ``[other]`` (``perfmon.captures.trace_summary.step_table``).
     ops: dict[str, dict[str, float]] = field(default_factory=dict)
     #: Steps the ``ops`` table averages over (the first recorded step is left out when there are two or more).
     steps: int = 0
-    #: ``perfmon.compare.compare(latest baseline, this capture)`` for a regression or manual capture of a
+    #: ``perfmon.captures.compare.compare(latest baseline, this capture)`` for a regression or manual capture of a
     #: model that had a baseline capture; None otherwise.
     comparison: dict[str, Any] | None = None
 

@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .exceptions import ConfigError
-from .windows import quantile
+from ..exceptions import ConfigError
+from ..stats.windows import quantile
 
 __all__ = ["QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats", "class_label",
            "size_class"]

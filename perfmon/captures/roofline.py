@@ -68,14 +68,14 @@ def peaks_for(device_name: str | None, *, peak_flops: float | None = None,
     for fragment in sorted(GPU_PEAKS, key=len, reverse=True):  # the most specific name first
         if fragment.lower() in device_name.lower():
             f16, f32, bw = GPU_PEAKS[fragment]
-            return Peaks(f16, f32, bw, f"table: {fragment} (perfmon.roofline.GPU_PEAKS)")
+            return Peaks(f16, f32, bw, f"table: {fragment} (perfmon.captures.roofline.GPU_PEAKS)")
     return None
 
 
 def aggregate(events: Iterable[Any]) -> list[dict[str, Any]]:
     """Rows per (op name, input shapes) from torch.profiler FunctionEvents (``prof.events()``).
 
-    The same rows ``perfmon.trace_summary`` computes from a Chrome trace in a child process (the
+    The same rows ``perfmon.captures.trace_summary`` computes from a Chrome trace in a child process (the
     exporter's path); kept for callers that hold FunctionEvents already, and to check one against
     the other. Times in seconds; ``dtypes`` lists the input dtype names seen.
     """
@@ -116,7 +116,7 @@ def summarise(rows: Iterable[Mapping[str, Any]], *, cuda: bool, peaks: Peaks | N
               limit: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-op rows (top ``limit`` by self device time on CUDA, else self CPU time) and window totals.
 
-    ``rows`` come from ``aggregate`` or ``perfmon.trace_summary``; times in seconds. Each output row
+    ``rows`` come from ``aggregate`` or ``perfmon.captures.trace_summary``; times in seconds. Each output row
     gains achieved FLOP/s, arithmetic intensity and a verdict, and loses its ``dtypes``.
     """
     time_key = "self_device_time_total_seconds" if cuda else "self_cpu_time_total_seconds"

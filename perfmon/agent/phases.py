@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .faults import count_value
+from ..faults import count_value
 
 __all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "signature"]
 

@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from .httpd import AgentServer, _encode
-from .selfcost import AgentCpu
-from .server import Response
+from ..selfcost import AgentCpu
+from .agent_server import AgentServer, _encode
+from .routes import Response
 
 __all__ = ["HealthServer"]
 

@@ -28,10 +28,10 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
-from .config import log_buckets
-from .exceptions import ConfigError
-from .faults import InternalErrors, count_value
-from .windows import summarize
+from ..config import log_buckets
+from ..exceptions import ConfigError
+from ..faults import InternalErrors, count_value
+from ..stats.windows import summarize
 
 __all__ = [
     "CANCELLED",

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .exceptions import ConfigError
+from ..exceptions import ConfigError
 
 __all__ = [
     "TRACE_NAME", "TraceStore", "UnsafeTraceDir", "host_name", "new_id", "open_private_dir", "valid_id", "worker_name",
@@ -71,7 +71,8 @@ def worker_name() -> str:
 
 def host_name() -> str:
     """This pod or host, reduced to [A-Za-z0-9._-]: ``POD_NAME`` (the downward API), else ``HOSTNAME``, else
-    the kernel's host name. It names a capture's uploads (``perfmon.upload``), so it is stored with each capture."""
+    the kernel's host name. It names a capture's uploads (``perfmon.store.uploader``), so it is stored with
+    each capture."""
     raw = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
     return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:200].lstrip("._-") or "host"
 

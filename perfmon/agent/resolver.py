@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from typing import Any
 
+from ..faults import count_value
 from .clocks import elapsed_seconds
-from .faults import count_value
 from .instrument import Hub, ModelState
 from .records import COLD, STEADY, Pending, Sample
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pynvml
 
-from .selfcost import AgentCpu
+from ..selfcost import AgentCpu
 
 __all__ = ["CLOCK_EVENT_REASONS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors", "normalize_uuid"]
 
