@@ -29,7 +29,7 @@ def run(rate: int, seconds: float) -> dict[str, float]:
     mon.start()
     model = mon.wrap(Tiny(), name="m")
     x = torch.zeros(1)
-    cpu0 = mon._hub.cpu.totals()
+    cpu0 = mon.cpu.totals()
     start = time.monotonic()
     next_scrape = start + 1.0
     calls = 0
@@ -45,7 +45,7 @@ def run(rate: int, seconds: float) -> dict[str, float]:
         if delay > 0:
             time.sleep(delay)
     wall = time.monotonic() - start
-    cpu1 = mon._hub.cpu.totals()
+    cpu1 = mon.cpu.totals()
     mon.stop()
     used = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
     return {"calls_per_s": calls / wall, "cpu_percent": 100 * sum(used.values()) / wall,

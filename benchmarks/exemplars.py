@@ -70,11 +70,10 @@ def main() -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sample_rate=1.0 warns: on purpose here
         for name in ("no reader (OTel absent)", "reader, no span", "reader, sampled span"):
+            reader: dict[str, Any] = {"trace_reader": None} if name.startswith("no reader") else {}
             mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), sample_rate=1.0, regression=None,
                                   prepare_profiler=False, log_format="json", log_level="error",
-                                  queue_size=1_000_000).start()
-            if name.startswith("no reader"):
-                mon._hub.trace_reader = None
+                                  queue_size=1_000_000, **reader).start()
             model = mon.wrap(torch.nn.Linear(64, 64), name="lin")
             variants[name] = (model, span if name.endswith("sampled span") else nullcontext)
             monitors.append(mon)

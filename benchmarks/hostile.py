@@ -285,7 +285,7 @@ def worker(legit: bool = False) -> None:
     print(mon.url, mon.health_url.rsplit(":", 1)[1].split("/")[0], flush=True)
     for line in sys.stdin:
         seconds = float(line.split()[1])
-        cpu0 = mon._hub.cpu.totals()["http"]
+        cpu0 = mon.cpu.totals()["http"]
         n, t0 = 0, time.monotonic()
         with torch.inference_mode():
             while time.monotonic() - t0 < seconds:
@@ -294,7 +294,7 @@ def worker(legit: bool = False) -> None:
         elapsed = time.monotonic() - t0
         shed = {s.labels["reason"]: int(s.value) for fam in mon.registry.collect() for s in fam.samples
                 if s.name == "perfmon_agent_http_refused_total" and s.value}
-        print(json.dumps({"rate": n / elapsed, "http_cpu": mon._hub.cpu.totals()["http"] - cpu0,
+        print(json.dumps({"rate": n / elapsed, "http_cpu": mon.cpu.totals()["http"] - cpu0,
                           "refused": shed}), flush=True)
     mon.stop()
 

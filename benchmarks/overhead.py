@@ -101,7 +101,7 @@ def build(make: Callable[[], torch.nn.Module]) -> tuple[dict[str, Callable[..., 
 
     def without_trampoline() -> Callable[..., Any]:
         # torch's own modules get a one-frame forward of perfmon's so torch.compile compiles them
-        # (instrument._compilable_forward); a user-defined model never has it. Remove it to show both.
+        # (wrap._compilable_forward); a user-defined model never has it. Remove it to show both.
         model = monitored(1e-9, True)
         if "forward" in vars(type(model)):
             delattr(type(model), "forward")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from ._version import __version__
 from .agent.clocks import CudaBackend, TimingEvent
-from .agent.instrument import MonitoredFunction, MonitoredModule, Span
+from .agent.span import Span
+from .agent.wrap import MonitoredFunction, MonitoredModule
 from .captures.detector import RegressionPolicy
 from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, FINE_BUCKETS, Config, log_buckets
 from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, PortUnavailable, WrapError
-from .http.routes import make_asgi_app, make_wsgi_app
+from .http.apps import make_asgi_app, make_wsgi_app
 from .monitor import Monitor
 
 __all__ = [

@@ -14,13 +14,14 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from ._version import __version__
 from .exceptions import ConfigError
-from .store.traces import TRACE_NAME, valid_id
+from .store.files import TRACE_NAME, valid_id
 
-__all__ = ["ControlError", "diff_profiles", "list_profiles", "main", "run_profile", "store_profiles"]
+__all__ = ["ControlError", "Transport", "diff_profiles", "http_request", "list_profiles", "main", "run_profile",
+           "store_profiles"]
 
 
 def _positive(text: str) -> float:
@@ -135,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, transport: Transport | None = None) -> int:
+    """Run one ``perfmon`` command; returns its exit status. ``transport`` carries the requests to an agent
+    (``http_request`` by default; a test passes a fake)."""
+    transport = transport if transport is not None else http_request
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from .demo import DemoUnavailable, run_demo
@@ -163,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("perfmon: profiles needs --url (one agent) or --store (the fleet's object storage)",
                       file=sys.stderr)
                 return 2
-            return list_profiles(args.url, token=args.token, timeout=args.timeout)
+            return list_profiles(args.url, token=args.token, timeout=args.timeout, transport=transport)
         if args.command == "diff":
             bad = [i for i in (args.before, args.after) if not valid_id(i)]
             if bad:  # a usage error, before any request: "<id>/trace" must not reach another route
@@ -171,9 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "digits, as `perfmon profiles` lists them)", file=sys.stderr)
                 return 2
             return diff_profiles(args.url, args.before, args.after, token=args.token, timeout=args.timeout,
-                                 rows=args.rows)
+                                 rows=args.rows, transport=transport)
         return run_profile(args.url, token=args.token, model=args.model, steps=args.steps,
-                           max_seconds=args.max_seconds, out=args.out, timeout=args.timeout)
+                           max_seconds=args.max_seconds, out=args.out, timeout=args.timeout, transport=transport)
     except ControlError as exc:
         print(f"perfmon: {_clean(exc)}", file=sys.stderr)  # it may quote what an agent or a store said
         return 1
@@ -185,8 +189,23 @@ class ControlError(Exception):
     """The agent refused or could not be reached; the message says why."""
 
 
-def _request(url: str, *, token: str | None, method: str = "GET", payload: Any = None,
-             timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+class Transport(Protocol):
+    """How the CLI talks to an agent: one request, one answer.
+
+    ``transport(url, *, token, method="GET", payload=None, timeout=30.0) -> (status, headers, body)``:
+    ``payload`` is sent as a JSON body; ``token`` as a bearer token. An answer the agent refused (HTTP >= 400)
+    or a request that could not be made raises ``ControlError`` saying why. ``http_request`` is the real
+    one (urllib); tests pass a plain function that answers from a script, so the client side is exercised
+    against any agent, hostile ones included, without a server.
+    """
+
+    def __call__(self, url: str, *, token: str | None, method: str = "GET", payload: Any = None,
+                 timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]: ...
+
+
+def http_request(url: str, *, token: str | None, method: str = "GET", payload: Any = None,
+                 timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """The real ``Transport``: one HTTP request with urllib; HTTP errors and OS errors become ``ControlError``."""
     data = None if payload is None else json.dumps(payload).encode()
     # X-Perfmon: with no token the agent serves its control routes only to requests carrying it (a web
     # page cannot send it cross-site without a CORS preflight the agent never grants).
@@ -213,12 +232,12 @@ def _request(url: str, *, token: str | None, method: str = "GET", payload: Any =
 
 def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
                 max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
-                stdout: TextIO | None = None) -> int:
+                stdout: TextIO | None = None, transport: Transport = http_request) -> int:
     """Trigger a capture, wait for it, download its trace and print the top ops."""
     stdout = stdout if stdout is not None else sys.stdout  # looked up per call: tests and tools swap it
     base = url.rstrip("/")
     payload = {k: v for k, v in (("model", model), ("steps", steps), ("max_seconds", max_seconds)) if v is not None}
-    _, _, body = _request(f"{base}/profile", token=token, method="POST", payload=payload)
+    _, _, body = transport(f"{base}/profile", token=token, method="POST", payload=payload)
     cap_id = _json_object(body, "POST /profile").get("id")
     if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
         raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(repr(cap_id), 80)})")
@@ -227,7 +246,7 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     meta: dict[str, Any] = {}
     last = None
     while time.monotonic() < deadline:
-        _, _, body = _request(f"{base}/profiles/{cap_id}", token=token)
+        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token)
         meta = _json_object(body, f"capture {cap_id}")
         if meta.get("status") != last:
             last = meta.get("status")
@@ -241,7 +260,7 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
                            f"(status {_clean(meta.get('status'), 40)})")
     if meta["outcome"] == "failed":
         raise ControlError(f"capture {cap_id} failed: {meta.get('error')}")
-    _, _, trace = _request(f"{base}/profiles/{cap_id}/trace", token=token, timeout=timeout)
+    _, _, trace = transport(f"{base}/profiles/{cap_id}/trace", token=token, timeout=timeout)
     name = meta.get("trace_file")
     if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
         name = f"{cap_id}.pt.trace.json.gz"
@@ -288,10 +307,11 @@ def _json_object(body: bytes, what: str) -> dict[str, Any]:
     return data
 
 
-def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO | None = None) -> int:
+def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO | None = None,
+                  transport: Transport = http_request) -> int:
     """Print the agent's captures, newest first."""
     stdout = stdout if stdout is not None else sys.stdout
-    _, _, body = _request(f"{url.rstrip('/')}/profiles", token=token, timeout=timeout)
+    _, _, body = transport(f"{url.rstrip('/')}/profiles", token=token, timeout=timeout)
     profiles = _json_object(body, "GET /profiles").get("profiles")
     if not isinstance(profiles, list):
         raise ControlError("GET /profiles: the agent's answer has no list of profiles")
@@ -317,7 +337,8 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     Metadata objects the listing cannot use (over 1 MiB, not JSON, a field of the wrong type: see
     ``perfmon.store.uploader.list_remote``) are left out and counted in one line on ``stderr``.
     """
-    from .store.uploader import download_remote, list_remote, redact
+    from .store.remote import download_remote, list_remote
+    from .store.uploader import redact
 
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
@@ -390,8 +411,11 @@ def _check_ops(meta: dict[str, Any], capture_id: str) -> None:
                                    f"({_clean(repr(value), 40)}); the agent's op table is malformed")
 
 
-def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float) -> dict[str, Any]:
-    _, _, body = _request(f"{base}/profiles/{urllib.parse.quote(capture_id, safe='')}", token=token, timeout=timeout)
+def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float,
+                transport: Transport) -> dict[str, Any]:
+    """A capture's metadata with a usable per-step op table, or ``ControlError`` saying why not."""
+    _, _, body = transport(f"{base}/profiles/{urllib.parse.quote(capture_id, safe='')}", token=token,
+                           timeout=timeout)
     meta = _json_object(body, f"capture {capture_id}")
     if not meta.get("ops"):
         state = _clean(meta.get("outcome") or meta.get("status"), 40)
@@ -402,7 +426,7 @@ def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float
 
 
 def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeout: float = 30.0, rows: int = 20,
-                  stdout: TextIO | None = None) -> int:
+                  stdout: TextIO | None = None, transport: Transport = http_request) -> int:
     """Fetch two captures' metadata from the agent and print their comparison (``perfmon.captures.compare``):
     per op, self time per model call before and after, calls per model call, the change and its status.
 
@@ -415,8 +439,8 @@ def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeo
         if not valid_id(capture_id):
             raise ControlError(f"not a capture id: {_clean(repr(capture_id), 80)}")
     base = url.rstrip("/")
-    a = _fetch_meta(base, before, token=token, timeout=timeout)
-    b = _fetch_meta(base, after, token=token, timeout=timeout)
+    a = _fetch_meta(base, before, token=token, timeout=timeout, transport=transport)
+    b = _fetch_meta(base, after, token=token, timeout=timeout, transport=transport)
     if a.get("model") != b.get("model"):
         print(f"note: different models ({_clean(a.get('model'), 60)} vs {_clean(b.get('model'), 60)})", file=stdout)
     result = compare(a, b)

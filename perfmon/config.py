@@ -8,9 +8,12 @@ naming the setting and where it came from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
+import types
+import typing
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +69,16 @@ DEFAULT_HOST_BUCKETS: tuple[float, ...] = tuple(
 _LOG_FORMATS = ("auto", "json", "console", "app")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
+#: A ``ConfigError`` names the setting, then its value unless the field hides it from ``repr`` (the token and
+#: the store URL, which may carry credentials), then why: ``expected <type>``, or the field's own phrase.
+_REFUSAL = "perfmon_refusal"
+_BUCKETS_REFUSAL = "must be a non-empty, strictly increasing sequence of seconds > 0"
+
+
+def _refusal(why: str) -> dict[str, str]:
+    """Field metadata: the phrase a ``ConfigError`` gives when this setting's value is refused (type or range)."""
+    return {_REFUSAL: why}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -73,13 +86,15 @@ class Config:
 
     host: str = "127.0.0.1"
     #: HTTP port; 0 picks a free one; None serves nothing (mount ``wsgi_app``/``asgi_app`` yourself).
-    port: int | None = DEFAULT_PORT
+    port: int | None = field(default=DEFAULT_PORT, metadata=_refusal(
+        "expected an integer 0..65535 (0 = any free port) or None (no server)"))
     #: Multi-process servers: bind the first free port of port .. port + port_range - 1 (one per worker).
     port_range: int = 1
     #: /healthz alone on a port of its own (None: only on ``port``): point the liveness probe at it, so a
     #: flood of connections to the agent's port cannot fill the probe's accept queue. With
     #: ``port_range`` each process takes the first free port of health_port .. health_port + range - 1.
-    health_port: int | None = None
+    health_port: int | None = field(default=None, metadata=_refusal(
+        "expected an integer 0..65535 (0 = any free port) or None (none)"))
     #: When no port of the range can be bound, raise ``PortUnavailable`` from start(). By default perfmon
     #: never fails the application's start: it logs an error naming the range, keeps counting and timing
     #: (the routes stay mountable) and retries the bind in the background.
@@ -101,8 +116,8 @@ class Config:
     signature_warmup_calls: int = 1
     #: Signatures remembered per model (oldest forgotten first).
     signature_cache_size: int = 256
-    buckets: tuple[float, ...] = DEFAULT_BUCKETS
-    host_buckets: tuple[float, ...] = DEFAULT_HOST_BUCKETS
+    buckets: tuple[float, ...] = field(default=DEFAULT_BUCKETS, metadata=_refusal(_BUCKETS_REFUSAL))
+    host_buckets: tuple[float, ...] = field(default=DEFAULT_HOST_BUCKETS, metadata=_refusal(_BUCKETS_REFUSAL))
     #: Timed samples waiting for the resolver; when full, samples are dropped (reason queue_full).
     queue_size: int = 8192
     #: CUDA event pairs preallocated per device; when all are in flight, samples are dropped.
@@ -136,7 +151,8 @@ class Config:
     #: At most one OOM snapshot per this many seconds.
     oom_snapshot_cooldown_seconds: float = 600.0
     #: Bearer token required on the control and trace routes (/profile, /profiles...); never logged.
-    token: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False, metadata=_refusal(
+        "expected a string of at least 8 characters (or None)"))
     #: Extra host names a request to the control and trace routes may name in its Host header (besides
     #: localhost, IP addresses of the agent and its bound address): e.g. a Service name. Refusing other
     #: names stops DNS rebinding. "*" allows any. PERFMON_ALLOWED_HOSTS is comma-separated.
@@ -147,7 +163,8 @@ class Config:
     #: Upload every finished capture to this fsspec URL (s3://bucket/prefix, gs://, az://, file://...) off the
     #: serving thread; trace_dir becomes the bounded spool (perfmon.store.uploader). None: captures stay local.
     #: Credentials and endpoint come from the SDK's chain (AWS_ENDPOINT_URL...); the URL is never logged whole.
-    trace_store: str | None = field(default=None, repr=False)
+    trace_store: str | None = field(default=None, repr=False, metadata=_refusal(
+        "expected an fsspec URL such as s3://bucket/prefix (or None)"))
     #: One upload request may take this long to connect, and to read, before the attempt counts as failed.
     trace_upload_timeout_seconds: float = 30.0
     #: Failed uploads are retried after 1 s, 2 s, 4 s ... at most this long apart.
@@ -167,12 +184,13 @@ class Config:
     #: profiler ran hangs or aborts at exit; there each worker prepares its own after the fork.
     prepare_profiler: bool = True
     #: Override the device peaks used by the capture roofline (FLOP/s and memory bytes/s); both or neither.
-    peak_flops: float | None = None
-    peak_bandwidth: float | None = None
+    peak_flops: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
+    peak_bandwidth: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
     #: application's own structlog configuration).
     log_format: str = "auto"
     log_level: str = "info"
+    #: Free-form, for the application: not a setting (no PERFMON_ variable, no check).
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,54 +200,40 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Defaults, then ``PERFMON_*`` variables from ``environ``, then ``overrides``."""
         environ = os.environ if environ is None else environ
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
-        unknown = sorted(set(overrides) - set(names))
+        kinds = _kinds()
+        unknown = sorted(set(overrides) - set(kinds))
         if unknown:
-            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}; known: {', '.join(sorted(kinds))}")
         values: dict[str, Any] = {}
-        for name, f in names.items():
+        for name, kind in kinds.items():
             var = "PERFMON_" + name.upper()
             if name in overrides:
                 values[name] = overrides[name]
             elif var in environ:
-                values[name] = _parse(var, environ[var], f.default)
+                values[name] = _parse(var, environ[var], kind)
         return cls(**values)
 
     def _check(self) -> None:
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
+        def bad(name: str, why: str | None = None) -> ConfigError:
+            return _refused(name, getattr(self, name), why)
 
-        _types: dict[str, type | tuple[type, ...]] = {
-            "host": str, "port_range": int, "http_connection_timeout_seconds": (int, float),
-            "http_cpu_budget": (int, float),
-            "sample_rate": (int, float), "sample_floor_seconds": (int, float),
-            "warmup_calls": int, "track_signatures": bool, "signature_warmup_calls": int,
-            "signature_cache_size": int, "queue_size": int, "event_pool_size": int,
-            "resolve_interval_seconds": (int, float), "stats_window_seconds": (int, float),
-            "stats_max_samples": int, "max_exception_labels": int, "max_models": int,
-            "generation_queue_size": int, "max_live_generations": int,
-            "stop_timeout_seconds": (int, float), "log_format": str, "log_level": str,
-            "nvml": bool, "nvml_interval_seconds": (int, float), "trace_dir": str, "oom_snapshot": bool,
-            "oom_snapshot_cooldown_seconds": (int, float), "trace_max_files": int, "trace_max_bytes": int,
-            "manual_captures_per_hour": int, "capture_arm_timeout_seconds": (int, float), "prepare_profiler": bool,
-            "capture_max_bytes": int, "capture_export_timeout_seconds": (int, float),
-            "require_port": bool, "allowed_hosts": tuple,
-            "trace_upload_timeout_seconds": (int, float), "trace_upload_max_backoff_seconds": (int, float),
-        }
-        for name, typ in _types.items():
-            value = getattr(self, name)
-            # bool is an int subclass: True is not a valid count.
-            if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
-                raise bad(name, f"expected {_typename(typ)}")
-        if self.port is not None and (
-            not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535
-        ):
-            raise bad("port", "expected an integer 0..65535 (0 = any free port) or None (no server)")
-        if self.health_port is not None and (
-            not isinstance(self.health_port, int) or isinstance(self.health_port, bool)
-            or not 0 <= self.health_port <= 65535
-        ):
-            raise bad("health_port", "expected an integer 0..65535 (0 = any free port) or None (none)")
+        for name in ("buckets", "host_buckets"):
+            # First: bounds are often written as a list; any sequence of numbers is taken, stored as floats.
+            b = getattr(self, name)
+            try:
+                ok = (len(b) >= 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b)
+                      and all(x < y for x, y in itertools.pairwise(b)) and b[0] > 0)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise bad(name)
+            object.__setattr__(self, name, tuple(float(v) for v in b if not math.isinf(v)))
+        for name, kind in _kinds().items():
+            if not kind.accepts(getattr(self, name)):
+                raise bad(name)
+        for name in ("port", "health_port"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 65535:
+                raise bad(name)
         if not self.host:
             raise bad("host", "must not be empty")
         if not self.trace_dir:
@@ -248,16 +252,16 @@ class Config:
                 raise bad(name, "must be a finite number of seconds > 0")
         for name in ("peak_flops", "peak_bandwidth"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-                raise bad(name, "must be a positive number (or None)")
+            if v is not None and not 0 < v < math.inf:
+                raise bad(name)
         if (self.peak_flops is None) != (self.peak_bandwidth is None):
             raise ConfigError("peak_flops and peak_bandwidth: set both or neither")
         if not all(isinstance(h, str) and h.strip() for h in self.allowed_hosts):
             raise bad("allowed_hosts", "expected host names (strings)")
-        if self.trace_store is not None and (not isinstance(self.trace_store, str) or "://" not in self.trace_store):
-            raise ConfigError("trace_store: expected an fsspec URL such as s3://bucket/prefix (or None)")
-        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 8):
-            raise ConfigError("token: expected a string of at least 8 characters (or None)")
+        if self.trace_store is not None and "://" not in self.trace_store:
+            raise bad("trace_store")
+        if self.token is not None and len(self.token) < 8:
+            raise bad("token")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
                      "max_exception_labels", "max_models", "signature_warmup_calls", "trace_max_files",
                      "generation_queue_size", "max_live_generations",
@@ -266,16 +270,6 @@ class Config:
                 raise bad(name, "must be >= 1")
         if self.warmup_calls < 0:
             raise bad("warmup_calls", "must be >= 0")
-        for name in ("buckets", "host_buckets"):
-            b = getattr(self, name)
-            try:
-                ok = (len(b) >= 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b)
-                      and all(x < y for x, y in itertools.pairwise(b)) and b[0] > 0)
-            except TypeError:
-                ok = False
-            if not ok:
-                raise bad(name, "must be a non-empty, strictly increasing sequence of seconds > 0")
-            object.__setattr__(self, name, tuple(float(v) for v in b if not math.isinf(v)))
         if self.log_format not in _LOG_FORMATS:
             raise bad("log_format", f"must be one of {', '.join(_LOG_FORMATS)}")
         if self.log_level.lower() not in _LOG_LEVELS:
@@ -306,39 +300,89 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def _typename(typ: type | tuple[type, ...]) -> str:
-    if isinstance(typ, tuple):
-        return " or ".join(t.__name__ for t in typ)
-    return typ.__name__
+def _refused(name: str, value: Any, why: str | None = None) -> ConfigError:
+    """The ``ConfigError`` refusing ``value`` for setting ``name`` (the message's shape: ``_REFUSAL``)."""
+    f = Config.__dataclass_fields__[name]
+    why = why or f.metadata.get(_REFUSAL) or f"expected {_kinds()[name].name}"
+    return ConfigError(f"{name}={value!r}: {why}" if f.repr else f"{name}: {why}")
 
 
-def _parse(var: str, raw: str, default: Any) -> Any:
-    """Parse one environment variable by the type of its default."""
+@dataclass(frozen=True)
+class _Kind:
+    """A setting's type, read from its annotation: the classes a value may be, and whether it may be None."""
+
+    #: The annotation without ``| None``: str, int, float, bool or a tuple[...] (what ``_parse`` reads).
+    base: Any
+    classes: tuple[type, ...]
+    optional: bool
+
+    @property
+    def name(self) -> str:
+        """``int``, ``int or float``, ``str or None``...: what the value should have been."""
+        return " or ".join([c.__name__ for c in self.classes] + (["None"] if self.optional else []))
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` is of this type (``None`` only where the annotation allows it)."""
+        if value is None:
+            return self.optional
+        # bool is an int subclass: True is not a valid count, nor a number of seconds.
+        return isinstance(value, self.classes) and (self.classes == (bool,) or not isinstance(value, bool))
+
+
+#: The runtime classes of each annotation a setting may have; a float setting takes an int too (``sample_rate=1``,
+#: ``stop_timeout_seconds=5``). Any other annotation fails when the types are first read (``TypeError``), so no
+#: setting goes unchecked.
+_CLASSES: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (int, float), bool: (bool,),
+                                         tuple: (tuple,)}
+
+
+@functools.cache
+def _kinds() -> dict[str, _Kind]:
+    """Every setting's type, from ``Config``'s annotations (``extra`` is not a setting)."""
+    hints = typing.get_type_hints(Config)
+    out: dict[str, _Kind] = {}
+    for f in dataclasses.fields(Config):
+        if f.name == "extra":
+            continue
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+        if optional:
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) != 1:
+                raise TypeError(f"Config.{f.name}: {hint} is not one type or None")
+            hint = rest[0]
+        classes = _CLASSES.get(typing.get_origin(hint) or hint)
+        if classes is None:
+            raise TypeError(f"Config.{f.name}: no check for a {hint} setting; add its classes to _CLASSES")
+        out[f.name] = _Kind(hint, classes, optional)
+    return out
+
+
+def _parse(var: str, raw: str, kind: _Kind) -> Any:
+    """Parse one environment variable by its setting's type."""
     text = raw.strip()
+    base = typing.get_origin(kind.base) or kind.base
     try:
-        if isinstance(default, bool):
+        if base is bool:
             low = text.lower()
             if low in ("1", "true", "yes", "on"):
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError("expected true/false")
-        if var in ("PERFMON_PORT", "PERFMON_HEALTH_PORT"):
-            return None if text.lower() in ("", "none", "off") else int(text)
-        if var in ("PERFMON_TOKEN", "PERFMON_TRACE_STORE"):
-            return text or None
-        if var == "PERFMON_ALLOWED_HOSTS":
-            return tuple(p.strip() for p in text.split(",") if p.strip())
+        # Empty is None; a port may also be switched off by name (PERFMON_PORT=off serves nothing).
+        if kind.optional and (not text or (base is int and text.lower() in ("none", "off"))):
+            return None
         if var == "PERFMON_BUCKETS" and text.lower() == "fine":
             return FINE_BUCKETS
-        if var in ("PERFMON_PEAK_FLOPS", "PERFMON_PEAK_BANDWIDTH"):
-            return float(text) if text else None
-        if isinstance(default, int):
+        if base is int:
             return int(text)
-        if isinstance(default, float):
+        if base is float:
             return float(text)
-        if isinstance(default, tuple):
-            return tuple(float(p) for p in text.split(",") if p.strip())
+        if base is tuple:
+            (item, *_) = typing.get_args(kind.base)
+            return tuple(item(p.strip()) for p in text.split(",") if p.strip())
         return text
     except ValueError as exc:
         raise ConfigError(f"{var}={raw!r}: {exc}") from None

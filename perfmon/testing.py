@@ -35,6 +35,7 @@ __all__ = [
     "FakeStream",
     "FakeTorchMemory",
     "GpuWork",
+    "event_pairs_in_flight",
     "histogram_quantile",
 ]
 
@@ -371,3 +372,12 @@ class FakeTorchMemory:
         self.snapshots += 1
         return {"segments": [{"device": d, "total_size": s.get("reserved_bytes.all.current", 0)}
                              for d, s in self.stats_by_device.items()], "device_traces": []}
+
+
+def event_pairs_in_flight(monitor: Any) -> int:
+    """CUDA event pairs a monitor has taken from its pools and not yet given back (0 once all resolved).
+
+    A pair leaks when a timed call's events are never resolved or released; with ``FakeCuda`` a test
+    can prove that every pair went back, whatever the call did.
+    """
+    return int(monitor.resolver.hub.pools.in_flight())

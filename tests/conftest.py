@@ -41,7 +41,7 @@ def make_monitor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
 def value(monitor: perfmon.Monitor, name: str, **labels: str) -> float | None:
     """One sample's value from the monitor's registry (``stage`` defaults to "": a model with one stage)."""
-    from perfmon.metrics.store import METRICS
+    from perfmon.metrics.catalog import METRICS
 
     family = next((f for f in (name, name.rsplit("_", 1)[0]) if f in METRICS), None)
     if family is not None and "stage" in METRICS[family][2] and family != "perfmon_internal_errors_total":

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import perfmon
-from perfmon.captures.controller import CaptureOptions, torch_profiler
+from perfmon.captures.profiler import torch_profiler
+from perfmon.captures.records import CaptureOptions
 from perfmon.cli import main as cli_main
 
 from .conftest import http, value, wait_capture
@@ -450,7 +451,7 @@ def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
     """Profiler start/stop through quiet_kineto print no USDT line; other fd-2 output in the window still appears."""
     import os
 
-    from perfmon.captures.controller import quiet_kineto
+    from perfmon.captures.profiler import quiet_kineto
 
     # Kineto prints USDT lines in some builds (torch 2.13 CPU) and not in others (2.11+cu130): the
     # window also gets one written the way Kineto writes it, so the filter is exercised on every build.
@@ -495,7 +496,7 @@ def test_torch_cycle_warning_never_fails_a_profiler_start(monkeypatch: pytest.Mo
 
     import torch.profiler.profiler as torch_prof
 
-    from perfmon.captures.controller import quiet_kineto
+    from perfmon.captures.profiler import quiet_kineto
 
     prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
     quiet_kineto(prof.start)

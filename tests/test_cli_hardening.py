@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from perfmon import cli, upload
+from perfmon import cli
 from perfmon.cli import _clean, diff_profiles, main, store_profiles
-from perfmon.store.traces import new_id
-from perfmon.store.uploader import download_remote, list_remote
+from perfmon.store.files import new_id
+from perfmon.store.remote import download_remote, list_remote
 
 pytest.importorskip("fsspec")  # perfmon.store.uploader imports it when a store is opened
 
@@ -131,20 +131,17 @@ def test_the_same_id_under_two_keys_is_ambiguous(tmp_path: Path, capsys: Any) ->
     assert "ambiguous id" in capsys.readouterr().err
 
 
-def test_download_refuses_an_object_over_its_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_download_refuses_an_object_over_its_cap(tmp_path: Path) -> None:
     """A trace over REMOTE_TRACE_MAX_BYTES (or metadata over REMOTE_META_MAX_BYTES) is refused, nothing left."""
     root = tmp_path / "store"
     cid = new_id()
     _capture(root, cid, _ok(cid), trace=b"x" * 5000)
-    monkeypatch.setattr(upload, "REMOTE_TRACE_MAX_BYTES", 4096)
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="limit"):
-        download_remote(f"file://{root}", cid, str(out))
+        download_remote(f"file://{root}", cid, str(out), trace_max_bytes=4096)
     assert os.listdir(out) == []
-    monkeypatch.setattr(upload, "REMOTE_TRACE_MAX_BYTES", 2**20)
-    monkeypatch.setattr(upload, "REMOTE_META_MAX_BYTES", 10)
     with pytest.raises(ValueError, match="limit"):
-        download_remote(f"file://{root}", cid, str(out))
+        download_remote(f"file://{root}", cid, str(out), trace_max_bytes=2**20, meta_max_bytes=10)
     assert os.listdir(out) == [TRACE]  # the trace went first; the metadata (which makes it a capture) did not
 
 
@@ -195,13 +192,13 @@ def test_the_listing_takes_the_id_from_the_folder(tmp_path: Path) -> None:
     assert sorted(p["id"] for p in list_remote(f"file://{root}")) == sorted(ids)
 
 
-def test_an_oversized_metadata_object_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_oversized_metadata_object_is_not_read(tmp_path: Path) -> None:
+    """A metadata object over the listing's cap is skipped unread and reported through on_skip."""
     root = tmp_path / "store"
     cid = new_id()
     _capture(root, cid, _ok(cid))
-    monkeypatch.setattr(upload, "REMOTE_META_MAX_BYTES", 10)
     skipped: list[tuple[str, str]] = []
-    assert list_remote(f"file://{root}", on_skip=lambda k, r: skipped.append((k, r))) == []
+    assert list_remote(f"file://{root}", meta_max_bytes=10, on_skip=lambda k, r: skipped.append((k, r))) == []
     assert len(skipped) == 1 and "over 10" in skipped[0][1]
 
 
@@ -219,14 +216,14 @@ def test_the_store_listing_prints_no_terminal_escapes(tmp_path: Path) -> None:
     assert "slower" in row and "pwned" not in row
 
 
-def test_the_agent_listing_prints_no_terminal_escapes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_agent_listing_prints_no_terminal_escapes() -> None:
     """`perfmon profiles --url`: every field cleaned, wrong-typed ones shown as text, never a TypeError."""
     profiles = [{"id": "\x1b]0;title\x07abc", "model": "\x1b[31mm", "trigger": ["x"], "status": None,
                  "outcome": {"a": 1}, "steps_recorded": {"n": 1}, "armed_at": "\r2026",
                  "comparison": {"summary": "\x9b2Jfaster"}}, "not an object"]
-    monkeypatch.setattr(cli, "_request", lambda *a, **k: (200, {}, json.dumps({"profiles": profiles}).encode()))
     out = io.StringIO()
-    assert cli.list_profiles("http://agent", token=None, stdout=out) == 0
+    assert cli.list_profiles("http://agent", token=None, stdout=out,
+                             transport=lambda url, **_: (200, {}, json.dumps({"profiles": profiles}).encode())) == 0
     _no_controls(out.getvalue())
     assert out.getvalue().splitlines()[1].split()[:2] == ["abc", "m"]
 
@@ -248,24 +245,29 @@ def test_clean_strips_escape_sequences_and_controls() -> None:
 
 @pytest.mark.parametrize("bad", ["", "..", "../profiles", "%2e%2e", "ID/trace", "ID?x", "ID\r\nX-A: b", "é",
                                  "a" * 5000, "UPPER"])
-def test_diff_refuses_a_malformed_id_before_any_request(bad: str, monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: Any) -> None:
+def test_diff_refuses_a_malformed_id_before_any_request(bad: str, capsys: Any) -> None:
+    """A malformed capture id is a usage error (exit 2, or ControlError from diff_profiles) before any request."""
     calls: list[str] = []
-    monkeypatch.setattr(cli, "_request", lambda url, **k: calls.append(url) or (200, {}, b"{}"))
+
+    def transport(url: str, **_: Any) -> tuple[int, dict[str, str], bytes]:
+        calls.append(url)
+        return 200, {}, b"{}"
+
     good = new_id()
     bad = good.upper() if bad == "UPPER" else bad.replace("ID", good)
-    assert main(["diff", "--url", "http://agent", bad, good]) == 2
-    assert main(["diff", "--url", "http://agent", good, bad]) == 2
+    assert main(["diff", "--url", "http://agent", bad, good], transport=transport) == 2
+    assert main(["diff", "--url", "http://agent", good, bad], transport=transport) == 2
     err = capsys.readouterr().err
     assert "not a capture id" in err and "Traceback" not in err and len(err) < 800
     _no_controls(err)
     with pytest.raises(cli.ControlError, match="not a capture id"):
-        diff_profiles("http://agent", bad, good, token=None)
+        diff_profiles("http://agent", bad, good, token=None, transport=transport)
     assert calls == []
 
 
-def _agent(monkeypatch: pytest.MonkeyPatch, before_ops: Any, after_ops: Any, *, raw: bytes | None = None) -> None:
-    """A fake agent: GET /profiles/{id} answers the first id's metadata with ``before_ops``, others ``after_ops``."""
+def _agent(before_ops: Any, after_ops: Any, *, raw: bytes | None = None) -> cli.Transport:
+    """A fake agent's transport: GET /profiles/{id} answers the first id's metadata with ``before_ops``, others
+    ``after_ops`` (or ``raw`` bytes)."""
     first: list[str] = []
 
     def request(url: str, **_: Any) -> tuple[int, dict[str, str], bytes]:
@@ -278,7 +280,7 @@ def _agent(monkeypatch: pytest.MonkeyPatch, before_ops: Any, after_ops: Any, *, 
         return 200, {}, json.dumps({"id": cid, "model": "m", "device": "cpu", "steps": 5, "trigger": "manual",
                                     "ops": ops}).encode()
 
-    monkeypatch.setattr(cli, "_request", request)
+    return request
 
 
 GOOD_OPS = {"aten::mm": {"seconds_per_step": 0.001, "seconds_per_step_stdev": 0.0, "calls_per_step": 1}}
@@ -295,19 +297,20 @@ GOOD_OPS = {"aten::mm": {"seconds_per_step": 0.001, "seconds_per_step_stdev": 0.
     (None, b"\x1f\x8b\x08gzip, not JSON"),
     (None, b"[1, 2]"),
 ])
-def test_diff_against_a_hostile_agent_is_a_clear_error(ops: Any, raw: bytes | None, monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: Any) -> None:
-    _agent(monkeypatch, GOOD_OPS, ops, raw=raw)
-    assert main(["diff", "--url", "http://agent", new_id(), new_id()]) == 1
+def test_diff_against_a_hostile_agent_is_a_clear_error(ops: Any, raw: bytes | None, capsys: Any) -> None:
+    """A malformed op table or answer from the agent is one clean `perfmon:` error line (exit 1), no traceback."""
+    transport = _agent(GOOD_OPS, ops, raw=raw)
+    assert main(["diff", "--url", "http://agent", new_id(), new_id()], transport=transport) == 1
     captured = capsys.readouterr()
     assert captured.err.startswith("perfmon: ") and "Traceback" not in captured.err
     _no_controls(captured.err)
     _no_controls(captured.out)
 
 
-def test_diff_prints_op_names_without_terminal_escapes(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    _agent(monkeypatch, GOOD_OPS, {"\x1b[2J\x1b]0;title\x07evil\r": {"seconds_per_step": 0.5, "calls_per_step": 1}})
-    assert main(["diff", "--url", "http://agent", new_id(), new_id(), "--rows", "3"]) == 0
+def test_diff_prints_op_names_without_terminal_escapes(capsys: Any) -> None:
+    """An op name carrying terminal escapes is printed cleaned, in the table and in the summary line."""
+    transport = _agent(GOOD_OPS, {"\x1b[2J\x1b]0;title\x07evil\r": {"seconds_per_step": 0.5, "calls_per_step": 1}})
+    assert main(["diff", "--url", "http://agent", new_id(), new_id(), "--rows", "3"], transport=transport) == 0
     out = capsys.readouterr().out
     _no_controls(out)
     rows = [line for line in out.splitlines() if line.startswith("evil")]
@@ -318,6 +321,7 @@ def test_diff_prints_op_names_without_terminal_escapes(monkeypatch: pytest.Monke
 # -- `perfmon profile`: the agent's answer never names a local path --------------------------------------
 
 def test_profile_never_takes_a_file_name_from_the_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`perfmon profile` saves the trace under the capture id's name, never a path or an id the agent makes up."""
     cid = new_id()
 
     def request(url: str, **_: Any) -> tuple[int, dict[str, str], bytes]:
@@ -328,12 +332,11 @@ def test_profile_never_takes_a_file_name_from_the_agent(tmp_path: Path, monkeypa
         return 200, {}, json.dumps({"id": cid, "status": "done", "outcome": "ok",
                                     "trace_file": "../../escaped.pt.trace.json.gz"}).encode()
 
-    monkeypatch.setattr(cli, "_request", request)
     work = tmp_path / "a" / "b"
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
-    assert cli.run_profile("http://agent", token=None, stdout=io.StringIO()) == 0
+    assert cli.run_profile("http://agent", token=None, stdout=io.StringIO(), transport=request) == 0
     assert os.listdir(work) == [f"{cid}.pt.trace.json.gz"] and not (tmp_path / "escaped.pt.trace.json.gz").exists()
-    monkeypatch.setattr(cli, "_request", lambda url, **_: (200, {}, json.dumps({"id": "../../x"}).encode()))
     with pytest.raises(cli.ControlError, match="no capture id"):
-        cli.run_profile("http://agent", token=None, stdout=io.StringIO())
+        cli.run_profile("http://agent", token=None, stdout=io.StringIO(),
+                        transport=lambda url, **_: (200, {}, json.dumps({"id": "../../x"}).encode()))

@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 import perfmon
 from perfmon.captures.compare import TIMES, compare, headline, noise_bound
-from perfmon.captures.controller import CaptureOptions
+from perfmon.captures.records import CaptureOptions
 from perfmon.captures.trace_summary import STEP_ANNOTATION, step_table, summarise
 from perfmon.cli import main as cli_main
 
@@ -219,7 +219,7 @@ class Switchable(torch.nn.Module):
 
 def test_trace_summary_step_table_on_a_real_cpu_trace(tmp_path: Path) -> None:
     """On a real torch.profiler trace each model call's ops are one step: calls per step are exact."""
-    from perfmon.captures.controller import torch_profiler
+    from perfmon.captures.profiler import torch_profiler
 
     model = Switchable()
     model.wait_seconds = 0.0005
@@ -253,7 +253,7 @@ def _drive(model: Any, x: torch.Tensor):
 
 
 def _baseline(mon: perfmon.Monitor, model: Any, name: str, x: torch.Tensor, steps: int = 12) -> dict[str, Any]:
-    cap = mon.captures.baseline(mon._pick_model(name), CaptureOptions(steps=steps), {"test": "reference"})
+    cap = mon.captures.baseline(mon.models.pick(name), CaptureOptions(steps=steps), {"test": "reference"})
     assert cap is not None
     return wait_capture(mon, cap.id, drive=_drive(model, x))
 
@@ -308,7 +308,7 @@ def test_baseline_trigger_has_its_own_bucket_and_leaves_the_cooldown_alone(make_
     unknown triggers are counted or refused."""
     mon = make_monitor(regression=perfmon.RegressionPolicy(cooldown_seconds=600, max_captures_per_hour=4))
     model = mon.wrap(torch.nn.Linear(4, 4), name="m")
-    st = mon._pick_model("m")
+    st = mon.models.pick("m")
     x = torch.randn(1, 4)
     c = mon.captures
     c.max_baseline = 2
@@ -355,7 +355,7 @@ def test_retention_keeps_each_models_newest_baseline(make_monitor, tmp_path: Pat
 
 def test_a_failing_comparison_never_fails_the_capture(make_monitor, monkeypatch: pytest.MonkeyPatch) -> None:
     """compare() raising leaves the capture ok without a comparison and counts a capture_compare internal error."""
-    import perfmon.captures.controller as capture_module
+    import perfmon.captures.export as capture_module
 
     def broken(before: Any, after: Any) -> dict[str, Any]:
         raise RuntimeError("compare broke")

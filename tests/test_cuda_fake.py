@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from perfmon.agent.clocks import EventPair, elapsed_seconds
-from perfmon.testing import FakeCuda, FakeEvent, FakeGpu, GpuWork
+from perfmon.testing import FakeCuda, FakeEvent, FakeGpu, GpuWork, event_pairs_in_flight
 
 from .conftest import hist_count, value, wait_until
 
@@ -53,7 +53,7 @@ def test_device_time_comes_from_events_not_the_host_clock(make_monitor) -> None:
     x = torch.zeros(1)
     for _ in range(4):
         model(x)
-    assert mon._resolver.step() == 0  # nothing completed: the resolver never waits
+    assert mon.resolver.step() == 0  # nothing completed: the resolver never waits
     assert hist_count(mon, "gpu", "steady", device="cuda:0") == 0
     gpu.finish()
     mon.flush()
@@ -63,7 +63,7 @@ def test_device_time_comes_from_events_not_the_host_clock(make_monitor) -> None:
     assert total == pytest.approx(0.015)
     host = value(mon, "perfmon_forward_host_duration_seconds_sum", model="gpu", device="cuda:0", phase="steady")
     assert host < 0.015  # the host only enqueued
-    assert mon._hub.pools.in_flight() == 0
+    assert event_pairs_in_flight(mon) == 0
 
 
 def test_out_of_order_completion_loses_and_duplicates_nothing(make_monitor) -> None:
@@ -83,19 +83,19 @@ def test_out_of_order_completion_loses_and_duplicates_nothing(make_monitor) -> N
     for _ in range(10):
         model(x)
     gpu.advance(10.0)  # the fast stream is done, the slow one is not
-    mon._resolver.step()
+    mon.resolver.step()
     assert hist_count(mon, "m", "steady", device="cuda:0") == 10
     assert value(mon, "perfmon_forward_duration_seconds_sum", model="m", device="cuda:0",
                  phase="steady") == pytest.approx(0.010)
     gpu.advance(500.0)
-    mon._resolver.step()
+    mon.resolver.step()
     assert hist_count(mon, "m", "steady", device="cuda:0") == 15  # 5 slow ones finished by t=510 ms
     gpu.finish()
     mon.flush()
     assert hist_count(mon, "m", "steady", device="cuda:0") == 20
     assert value(mon, "perfmon_forward_duration_seconds_sum", model="m", device="cuda:0",
                  phase="steady") == pytest.approx(1.010)
-    assert mon._hub.pools.in_flight() == 0
+    assert event_pairs_in_flight(mon) == 0
     assert value(mon, "perfmon_samples_dropped_total", model="m", reason="timing_failed") == 0
 
 
@@ -144,7 +144,7 @@ def test_user_exception_returns_the_event_pair(make_monitor) -> None:
     for _ in range(5):
         with pytest.raises(torch.cuda.OutOfMemoryError):
             model(torch.ones(1))
-    assert mon._hub.pools.in_flight() == 0
+    assert event_pairs_in_flight(mon) == 0
     assert value(mon, "perfmon_forward_errors_total", model="m", exception="OutOfMemoryError") == 5
     assert value(mon, "perfmon_samples_dropped_total", model="m", reason="pool_exhausted") == 0
 
@@ -162,7 +162,7 @@ def test_stop_with_pending_events_returns_promptly_and_leaks_no_thread(make_moni
     elapsed = time.perf_counter() - t0
     assert elapsed < 2.0
     assert value(mon, "perfmon_samples_dropped_total", model="m", reason="shutdown") == 5
-    assert mon._hub.pools.in_flight() == 0
+    assert event_pairs_in_flight(mon) == 0
     leftover = {t.name for t in threading.enumerate() if t.is_alive()} - before
     assert not {n for n in leftover if n.startswith("perfmon")}
 
@@ -196,7 +196,7 @@ def test_elapsed_time_failure_is_a_drop_not_a_crash(make_monitor) -> None:
     mon.flush()
     assert value(mon, "perfmon_samples_dropped_total", model="m", reason="timing_failed") == 1
     assert value(mon, "perfmon_internal_errors_total", stage="elapsed_time") == 1
-    assert mon._hub.pools.in_flight() == 0
+    assert event_pairs_in_flight(mon) == 0
 
 
 def test_two_devices_use_their_own_streams_and_pools(make_monitor) -> None:

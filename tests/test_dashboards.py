@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import perfmon
-from perfmon.metrics.store import METRICS
+from perfmon.metrics.catalog import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
 
 from .conftest import promtool, wait_until
@@ -204,7 +204,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     # A custom decode loop: a stage= callable labels its forwards, monitor.stream times its tokens.
     decoder = mon.wrap(torch.nn.Linear(32, 32), name="decoder",
                        stage=lambda args, kwargs: "prefill" if args[0].shape[1] > 1 else "decode")
-    mon._hub.internal.report("test", RuntimeError("one internal fault, so its panel has a series"))
+    mon.internal.report("test", RuntimeError("one internal fault, so its panel has a series"))
     stop = threading.Event()
 
     def decode_loop(prompt: int, new: int) -> Iterator[int]:

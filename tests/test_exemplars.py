@@ -14,6 +14,7 @@ pytest.importorskip("opentelemetry.trace", reason="exemplars need opentelemetry-
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from perfmon.agent.exemplars import otel_reader
 from perfmon.testing import BusyWait
 
 from .conftest import http, promtool_check, wait_until
@@ -37,16 +38,15 @@ def _bucket_lines(body: bytes, model: str) -> list[str]:
 
 def test_the_span_is_read_on_timed_calls_only(make_monitor) -> None:
     """The trace reader runs once per timed call and never on an unsampled one."""
-    mon = make_monitor(sample_rate=0.02, warmup_calls=3).start()
     reads = []
-    real = mon._hub.trace_reader
+    real = otel_reader()
     assert real is not None  # opentelemetry-api is installed in the test environment
 
     def counting() -> Any:
         reads.append(1)
         return real()
 
-    mon._hub.trace_reader = counting
+    mon = make_monitor(sample_rate=0.02, warmup_calls=3, trace_reader=counting).start()
     model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
     with _span():
         for _ in range(2000):
@@ -136,12 +136,10 @@ def test_real_prometheus_returns_the_exemplar(make_monitor, tmp_path: Path, feat
 
 def test_a_failing_trace_reader_costs_the_exemplar_not_the_sample(make_monitor) -> None:
     """A tracer that raises is counted as an internal error; the call is still timed and returns."""
-    mon = make_monitor(sample_rate=1.0, warmup_calls=1).start()
-
     def broken() -> Any:
         raise RuntimeError("tracer broke")
 
-    mon._hub.trace_reader = broken
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, trace_reader=broken).start()
     model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
     for _ in range(5):
         assert model(torch.randn(1, 4)).shape == (1, 4)

@@ -57,7 +57,7 @@ def test_housekeeping_fault_keeps_the_resolver_alive(make_monitor) -> None:
     def broken_tick(now_ns: int) -> None:
         raise RuntimeError("housekeeping bug")
 
-    mon._resolver._on_tick = broken_tick
+    mon.resolver.on_tick = broken_tick
     mon.start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
     model(torch.ones(1, 2))
@@ -165,9 +165,9 @@ def test_nvml_poller_survives_an_unexpected_exception(make_monitor) -> None:
     mon = make_monitor(nvml=nvml, nvml_interval_seconds=0.02).start()
     real = nvml.nvmlDeviceGetCount
     nvml.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(ZeroDivisionError("odd"))  # type: ignore[method-assign]
-    mon._nvml.poll = lambda: 1 / 0  # type: ignore[method-assign]
+    mon.nvml_poller.poll = lambda: 1 / 0  # type: ignore[method-assign]
     wait_until(lambda: value(mon, "perfmon_nvml_errors_total", call="poll"), timeout=5, what="a counted poll fault")
-    assert value(mon, "perfmon_nvml_errors_total", call="poll") >= 1 and mon._nvml.alive
+    assert value(mon, "perfmon_nvml_errors_total", call="poll") >= 1 and mon.nvml_poller.alive
     nvml.nvmlDeviceGetCount = real  # type: ignore[method-assign]
 
 

@@ -207,7 +207,7 @@ def test_a_capture_of_a_generative_model_records_prefill_and_decode_steps(make_m
     meta = wait_capture(mon, cap["id"], timeout=60)
     assert meta["outcome"] == "ok", meta
     assert meta["steps_recorded"] == NEW
-    assert all(s.capture is None for s in mon._states["gpt2"].stages.values())  # released: timing goes on
+    assert all(s.capture is None for s in mon.models.by_name["gpt2"].stages.values())  # released: timing goes on
 
 
 def test_a_timed_request_gets_device_time_for_every_step_from_events(make_monitor) -> None:
@@ -241,7 +241,7 @@ def test_a_timed_request_gets_device_time_for_every_step_from_events(make_monito
     mon = make_monitor(cuda=FakeCuda(gpu), sample_rate=0.001, warmup_calls=1)
     model = mon.wrap(Decoder(), name="dec", device="cuda:0")
     model.generate(torch.ones(1, 7, dtype=torch.long), steps=NEW)
-    assert mon._resolver.step() == 0  # the host returned before the device finished: nothing resolved yet
+    assert mon.resolver.step() == 0  # the host returned before the device finished: nothing resolved yet
     gpu.finish()
     assert mon.flush()
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from perfmon import gpucheck
-from perfmon.gpucheck import Check, build_report, run_checks
+from benchmarks import gpucheck
+from benchmarks.gpucheck import Check, build_report, run_checks
 from perfmon.testing import FakeCuda, FakeGpu, GpuWork
 
 
@@ -55,31 +55,26 @@ ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "550.54", "cuda": "12.4", "t
 
 
 def test_without_cuda_main_exits_with_the_no_gpu_status_and_writes_nothing(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture[str],
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Without CUDA, main returns EXIT_NO_GPU (3), says it needs a GPU and creates no report directory."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "report"
-    assert gpucheck.main(["--out", str(out), "--quick"]) == gpucheck.EXIT_NO_GPU == 3
+    assert gpucheck.main(["--out", str(out), "--quick"], cuda_available=lambda: False) == gpucheck.EXIT_NO_GPU == 3
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not out.exists()
 
 
-def test_main_writes_markdown_and_json_and_exits_by_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_main_writes_markdown_and_json_and_exits_by_verdict(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """With CUDA (faked), main writes both report files and returns 0 when all pass, 1 when one fails."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpucheck, "TorchRig", FakeRig)
-    monkeypatch.setattr(gpucheck, "environment", lambda: dict(ENV))
-    monkeypatch.setattr(gpucheck, "CHECKS", (("no_sync", gpucheck.check_no_sync),
-                                             ("overhead", gpucheck.check_overhead)))
-    assert gpucheck.main(["--out", str(tmp_path / "a")]) == gpucheck.EXIT_OK
+    seams: dict[str, Any] = {"rig": FakeRig, "env": lambda: dict(ENV), "cuda_available": lambda: True}
+    checks = (("no_sync", gpucheck.check_no_sync), ("overhead", gpucheck.check_overhead))
+    assert gpucheck.main(["--out", str(tmp_path / "a")], checks=checks, **seams) == gpucheck.EXIT_OK
     data = json.loads((tmp_path / "a" / "gpucheck.json").read_text())
     assert [(c["name"], c["verdict"]) for c in data["checks"]] == [("no_sync", "pass"), ("overhead", "skip")]
     assert data["env"]["device"] == ENV["device"] and data["env"]["quick"] is False
     assert "| no_sync | pass |" in (tmp_path / "a" / "gpucheck.md").read_text()
-    monkeypatch.setattr(gpucheck, "CHECKS", (("bad", lambda rig, quick=False: Check("bad", "fail", "no")),))
-    assert gpucheck.main(["--out", str(tmp_path / "b"), "--quick"]) == gpucheck.EXIT_FAILED
+    failing = (("bad", lambda rig, quick=False: Check("bad", "fail", "no")),)
+    assert gpucheck.main(["--out", str(tmp_path / "b"), "--quick"], checks=failing, **seams) == gpucheck.EXIT_FAILED
     assert "FAIL bad" in capsys.readouterr().err
 
 

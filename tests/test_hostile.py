@@ -182,7 +182,7 @@ def test_stuck_connections_are_cut_and_the_slowest_evicted_at_the_cap(make_monit
     try:
         for _ in range(MAX_CONNECTIONS):
             held.append(socket.create_connection(("127.0.0.1", port2), timeout=10))
-        wait_until(lambda: mon2._server.connections() >= MAX_CONNECTIONS, timeout=10,
+        wait_until(lambda: mon2.ports.server.connections() >= MAX_CONNECTIONS, timeout=10,
                    what="the server to accept every held connection")
         # Not a synchronisation: the held sockets must be older than the grace a silent newcomer gives them
         # (a probe's request may reach the server a moment after its connection).

@@ -207,7 +207,7 @@ def test_with_a_token_host_and_origin_are_still_checked(make_monitor) -> None:
 
 def test_the_no_token_decision_uses_socket_addresses_not_names() -> None:
     """Loopback means a loopback IP as the sockets report it: names that merely start like one never count."""
-    from perfmon.http.routes import host_names_agent, owner_without_token
+    from perfmon.http.security import host_names_agent, owner_without_token
 
     assert owner_without_token("127.0.0.1", "127.0.0.1") and owner_without_token("::1", "::1")
     assert owner_without_token("127.0.0.1", "::ffff:127.0.0.5")

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from perfmon.http.agent_server import MAX_HEADER_BYTES
+from perfmon.http.wire import MAX_HEADER_BYTES
 from perfmon.selfcost import CpuBudget
 
 from .conftest import assert_answered_in_time, churning, value, wait_until
@@ -135,7 +135,7 @@ def test_scrapes_that_queued_together_share_one_render(make_monitor) -> None:
     """50 scrapes that arrive while the work budget is in debt are read, queued, and answered from one render."""
     mon = make_monitor(port=0, http_cpu_budget=0.1).start()
     mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
-    server = mon._server
+    server = mon.ports.server
     assert server is not None
     renders = [0]
     handle = server.router.handle
@@ -181,7 +181,7 @@ def test_an_idle_keep_alive_connection_is_closed_quietly(make_monitor) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", _port(mon), timeout=10)
     conn.request("GET", "/healthz")
     assert conn.getresponse().read()
-    wait_until(lambda: mon._server is not None and mon._server.connections() == 0, timeout=10,
+    wait_until(lambda: mon.ports.server is not None and mon.ports.server.connections() == 0, timeout=10,
                what="the idle connection to be closed")
     conn.close()
     assert value(mon, "perfmon_agent_http_refused_total", reason="timeout") == 0
@@ -210,7 +210,7 @@ def test_shared_renders_are_bounded_whatever_the_accept_headers(make_monitor) ->
         conn.request("GET", "/metrics", headers={"Accept": f"text/plain; q=0.{i}, x/{i}"})
         assert conn.getresponse().read()
     conn.close()
-    assert mon._server is not None and len(mon._server._renders) <= 8
+    assert mon.ports.server is not None and len(mon.ports.server._renders) <= 8
 
 
 def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
@@ -226,7 +226,7 @@ def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:
     mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
     port = _port(mon)
     t0 = time.monotonic()
-    cpu0 = mon._hub.cpu.totals()["http"]
+    cpu0 = mon.cpu.totals()["http"]
     answered = [0]
     stop = threading.Event()
 
@@ -249,7 +249,7 @@ def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:
         for t in threads:
             t.join(60)
     elapsed = time.monotonic() - t0
-    spent = mon._hub.cpu.totals()["http"] - cpu0
+    spent = mon.cpu.totals()["http"] - cpu0
     # by construction: the burst (0.1 s) + the budget over the elapsed time + one loop turn's overshoot
     assert spent <= 0.1 + 0.02 * elapsed + 0.05, (spent, elapsed)
     assert answered[0] > 0
@@ -267,7 +267,7 @@ def test_a_client_that_never_reads_cannot_stall_the_server(make_monitor) -> None
     try:
         assert _raw(_port(mon), b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
         # still holding its answer half-sent, the reader is cut at the connection deadline
-        wait_until(lambda: mon._server is not None and mon._server.connections() == 0, timeout=10,
+        wait_until(lambda: mon.ports.server is not None and mon.ports.server.connections() == 0, timeout=10,
                    what="the slow reader's connection to be cut")
     finally:
         s.close()
@@ -355,7 +355,7 @@ def test_health_is_answered_while_the_budget_is_in_debt(make_monitor) -> None:
     still answered (the old server answered nothing until the debt was paid)."""
     mon = make_monitor(port=0).start()
     port = _port(mon)
-    assert mon._server is not None
+    assert mon.ports.server is not None
     stop = threading.Event()
 
     def flood(path: str) -> None:
@@ -369,14 +369,14 @@ def test_health_is_answered_while_the_budget_is_in_debt(make_monitor) -> None:
     for t in threads:
         t.start()
     try:
-        mon._server.budget.charge(0.3)  # 1% of a core: about 30 s before work resumes
+        mon.ports.server.budget.charge(0.3)  # 1% of a core: about 30 s before work resumes
         took = [_probe(port) for _ in range(10)]
     finally:
         stop.set()
         for t in threads:
             t.join(10)
     assert_answered_in_time(took, typical=0.25)
-    assert mon._server.budget.wait_seconds() > 0  # the flood was still waiting for the work budget
+    assert mon.ports.server.budget.wait_seconds() > 0  # the flood was still waiting for the work budget
 
 
 def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(make_monitor) -> None:
@@ -388,7 +388,7 @@ def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(m
     SYN can be dropped and retried after 1 s: that case is the health port's, tested in test_lifecycle.py.)"""
     mon = make_monitor(port=0).start()
     port = _port(mon)
-    server = mon._server
+    server = mon.ports.server
     assert server is not None
 
     def junk(stop: threading.Event) -> None:  # keep-alive: one connection sending unknown paths while answered
@@ -415,7 +415,7 @@ def test_a_keep_alive_scraper_is_served_while_idle_connections_churn(make_monito
     never evicted."""
     mon = make_monitor(port=0).start()
     port = _port(mon)
-    server = mon._server
+    server = mon.ports.server
     assert server is not None
     scraper = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     scraper.request("GET", "/metrics")
@@ -441,13 +441,13 @@ def test_a_scrape_is_answered_ahead_of_queued_junk(make_monitor) -> None:
     the junk still waits for the share of the budget above the scrapes' reserve."""
     mon = make_monitor(port=0).start()
     port = _port(mon)
-    assert mon._server is not None
-    mon._server.budget.charge(0.12)  # from its 0.1 s burst into debt: work resumes in about 3 s, below the reserve
+    assert mon.ports.server is not None
+    mon.ports.server.budget.charge(0.12)  # from its 0.1 s burst into debt: work resumes in about 3 s, below the reserve
     junk = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(20)]
     try:
         for s in junk:
             s.sendall(b"GET /nope HTTP/1.0\r\n\r\n")
-        wait_until(lambda: len(mon._server._others) == 20, timeout=10, what="the junk to be read and queued")
+        wait_until(lambda: len(mon.ports.server._others) == 20, timeout=10, what="the junk to be read and queued")
         assert _raw(port, b"GET /metrics HTTP/1.0\r\n\r\n", timeout=20).startswith(b"HTTP/1.1 200 OK")
         for s in junk:
             s.setblocking(False)
@@ -477,7 +477,7 @@ def test_metrics_negotiation_never_echoes_the_accept_header(make_monitor) -> Non
     conn.close()
     assert seen == {"text/plain; version=0.0.4; charset=utf-8",
                     "application/openmetrics-text; version=1.0.0; charset=utf-8"}
-    assert mon._server is not None and len(mon._server._renders) <= 2
+    assert mon.ports.server is not None and len(mon.ports.server._renders) <= 2
     assert (value(mon, "perfmon_internal_errors_total", stage="http") or 0) == 0
 
 

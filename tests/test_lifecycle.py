@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import perfmon
-from perfmon.monitor import _is_loopback, _prefork_server
+from perfmon.http.security import is_loopback
+from perfmon.process import prefork_server
 
 from .conftest import assert_answered_in_time, churning, value, wait_until
 
@@ -105,7 +106,7 @@ def test_require_port_raises_and_leaves_nothing_running(make_monitor) -> None:
         with pytest.raises(perfmon.PortUnavailable, match=f"{port}..{port}"):
             mon.start()
         assert not mon.running
-        assert not mon._resolver.alive
+        assert not mon.resolver.alive
         assert isinstance(perfmon.PortUnavailable("x"), OSError)
 
 
@@ -122,30 +123,30 @@ def test_model_names_that_would_break_every_scrape_are_refused(make_monitor, nam
     mon = make_monitor()
     with pytest.raises(perfmon.ConfigError, match="printable characters"):
         mon.wrap(torch.nn.Linear(2, 2), name=name)
-    assert mon._states == {}
+    assert mon.models.by_name == {}
 
 
 def test_nvml_false_is_the_setting_not_a_data_source(make_monitor) -> None:
     """Monitor(nvml=False), a documented setting, turns NVML off instead of being taken as the pynvml module."""
     mon = make_monitor(nvml=False).start()
-    assert mon.config.nvml is False and mon._nvml is None
+    assert mon.config.nvml is False and mon.nvml_poller is None
     assert mon.devices()["nvml_up"] is None
 
 
 def test_profiler_is_not_prepared_in_a_likely_prefork_master() -> None:
     """A process with a pre-fork server loaded (gunicorn's arbiter) defers the profiler to its forked workers."""
-    assert _prefork_server({"gunicorn.arbiter": object()}, forked=False) == "gunicorn.arbiter"
-    assert _prefork_server({"uwsgi": object()}, forked=False) == "uwsgi"
-    assert _prefork_server({"gunicorn.arbiter": object()}, forked=True) is None  # a worker, after the fork
-    assert _prefork_server({"json": json}, forked=False) is None
+    assert prefork_server({"gunicorn.arbiter": object()}, forked=False) == "gunicorn.arbiter"
+    assert prefork_server({"uwsgi": object()}, forked=False) == "uwsgi"
+    assert prefork_server({"gunicorn.arbiter": object()}, forked=True) is None  # a worker, after the fork
+    assert prefork_server({"json": json}, forked=False) is None
 
 
 def test_loopback_is_an_address_not_a_prefix() -> None:
     """Only loopback addresses and 'localhost' itself count as loopback for the no-token warning."""
-    assert _is_loopback("127.0.0.1") and _is_loopback("127.8.9.1") and _is_loopback("::1")
-    assert _is_loopback("[::1]") and _is_loopback("localhost")
-    assert not _is_loopback("localhost.corp.example") and not _is_loopback("127.example.com")
-    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.1")
+    assert is_loopback("127.0.0.1") and is_loopback("127.8.9.1") and is_loopback("::1")
+    assert is_loopback("[::1]") and is_loopback("localhost")
+    assert not is_loopback("localhost.corp.example") and not is_loopback("127.example.com")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
 
 
 def _wsgi_get(mon: perfmon.Monitor, path: str) -> tuple[str, bytes]:
@@ -232,7 +233,7 @@ def test_health_port_answers_at_once_while_the_agent_port_is_flooded(make_monito
     import time
 
     mon = make_monitor(port=0, health_port=0).start()
-    server = mon._server
+    server = mon.ports.server
     assert server is not None and mon.health_url is not None
     with churning(server.port, held=30):
         server.budget.charge(0.3)

@@ -19,8 +19,8 @@ from prometheus_client.metrics_core import InfoMetricFamily, StateSetMetricFamil
 from prometheus_client.samples import Exemplar
 
 import perfmon
-from perfmon import native, promproto
-from perfmon.http.routes import metrics_format
+from perfmon.http.wire import metrics_format, wants_protobuf
+from perfmon.metrics import native, promproto
 from perfmon.testing import BusyWait
 
 from . import protowire
@@ -91,10 +91,10 @@ def test_negotiation_serves_protobuf_only_when_asked_first() -> None:
     # ranked below another format, or with q=0, protobuf is not chosen
     below = ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;q=0.2,"
              "text/plain")
-    assert not promproto.wants_protobuf(below)
-    assert not promproto.wants_protobuf("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
-                                        "encoding=delimited;q=0")
-    assert not promproto.wants_protobuf("application/vnd.google.protobuf;proto=other;encoding=delimited")
+    assert not wants_protobuf(below)
+    assert not wants_protobuf("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+                              "encoding=delimited;q=0")
+    assert not wants_protobuf("application/vnd.google.protobuf;proto=other;encoding=delimited")
 
 
 def test_every_family_type_round_trips_through_protobuf() -> None:

@@ -123,7 +123,8 @@ class _State:
 
 def test_automatic_captures_respect_cooldown_and_hourly_cap(tmp_path) -> None:
     """Within the cooldown a second automatic capture is suppressed; past it, the hourly cap applies."""
-    from perfmon.captures.controller import CaptureController, CaptureOptions
+    from perfmon.captures.controller import CaptureController
+    from perfmon.captures.records import CaptureOptions
     from perfmon.faults import InternalErrors
     from perfmon.store.traces import TraceStore
 
@@ -263,21 +264,18 @@ def test_ten_minutes_of_20pct_noise_with_a_drifting_mix_never_fire(seed: int) ->
     assert len(det.classes("m")) >= 6
 
 
-def test_a_learned_baseline_takes_one_baseline_capture_that_later_captures_compare_with(
-        make_monitor, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_learned_baseline_takes_one_baseline_capture_that_later_captures_compare_with(make_monitor) -> None:
     """Once a model's baseline is learned, the monitor takes one short `baseline` capture by itself (not
     again while it is younger than its max age, even looked up at every tick); a manual capture then
     carries a comparison with it."""
     import torch
 
-    import perfmon.monitor as monitor_module
-
     from .conftest import wait_capture, wait_until
 
-    monkeypatch.setattr(monitor_module, "BASELINE_CHECK_SECONDS", 0.0)
-
     policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, capture_steps=3)
-    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy)
+    mon.policy.baseline_check_seconds = 0.0
+    mon.start()
     model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)),
                      name="mlp")
     x = torch.randn(4, 32)
@@ -309,26 +307,24 @@ def test_no_baseline_capture_when_switched_off(make_monitor) -> None:
     for _ in range(20):
         model(torch.randn(2, 8))
     mon.flush()
-    mon._tick(time.perf_counter_ns())
+    mon.policy.tick(time.perf_counter_ns())
     assert mon.captures.state == "idle" and mon.profiles() == []
 
 
-def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor) -> None:
     """`baseline_capture_max_age_seconds`: once the latest baseline capture is older, a new one is taken
-    (the store is looked up every BASELINE_CHECK_SECONDS; zero here so the test need not wait 30 s)."""
+    (the store is looked up every `policy.baseline_check_seconds`; zero here so the test need not wait 30 s)."""
     import torch
-
-    import perfmon.monitor as monitor_module
 
     from .conftest import wait_until
 
-    monkeypatch.setattr(monitor_module, "BASELINE_CHECK_SECONDS", 0.0)
     # A ratio no noise reaches: a regression blocks baseline captures (only a healthy model gets one), and
     # 0.2 s windows of a 16x16 Linear on a loaded 2-core CI box once fired one. Regressions are not the point.
     policy = RegressionPolicy(window_seconds=0.2, min_samples=5, baseline_windows=2, capture_steps=2,
                               baseline_capture_max_age_seconds=0.5, ratio=1000.0)
-    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy).start()
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, regression=policy)
+    mon.policy.baseline_check_seconds = 0.0
+    mon.start()
     model = mon.wrap(torch.nn.Linear(16, 16), name="lin")
     x = torch.randn(4, 16)
 
@@ -365,10 +361,10 @@ def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees
             fired += det.add("m", latency, t0 + w * S + i * 1_000_000)
     fired += det.tick(t0 + 4 * S)
     assert len(fired) == 1
-    mon._fire(fired)
-    assert mon.captures.suppressed["busy"] == 1 and "m" in mon._deferred
+    mon.policy.fire(fired)
+    assert mon.captures.suppressed["busy"] == 1 and "m" in mon.policy.deferred
     model(torch.randn(1, 4))  # the manual capture records its step and exports
     wait_until(lambda: mon.captures.state == "idle", timeout=30, what="the manual capture to finish")
-    mon._tick(time.perf_counter_ns())
+    mon.policy.tick(time.perf_counter_ns())
     assert mon.captures.current is not None and mon.captures.current.trigger == "regression"
-    assert mon.captures.current.id != manual["id"] and not mon._deferred
+    assert mon.captures.current.id != manual["id"] and not mon.policy.deferred

@@ -96,7 +96,8 @@ class _Mixed(torch.nn.Module):
 @pytest.mark.parametrize("with_stack", [False, True])
 def test_trace_summary_matches_torch_function_events(tmp_path, with_stack: bool) -> None:
     """The child's summary from the Chrome trace has the rows, counts, FLOPs, bytes and times of prof.events()."""
-    from perfmon.captures.controller import CaptureOptions, torch_profiler
+    from perfmon.captures.profiler import torch_profiler
+    from perfmon.captures.records import CaptureOptions
     from perfmon.captures.roofline import aggregate
     from perfmon.captures.trace_summary import summarise
 
@@ -167,7 +168,8 @@ def test_a_quote_in_an_annotation_name_does_not_break_the_trace(tmp_path) -> Non
     import io
     import json
 
-    from perfmon.captures.controller import CaptureOptions, torch_profiler
+    from perfmon.captures.profiler import torch_profiler
+    from perfmon.captures.records import CaptureOptions
     from perfmon.captures.trace_summary import summarise
 
     prof = torch_profiler(CaptureOptions(record_shapes=True), cuda=False)

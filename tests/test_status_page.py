@@ -209,7 +209,7 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
     an op named like HTML (a user's record_function) stays text."""
     from selenium.webdriver.common.by import By
 
-    from perfmon.captures.controller import CaptureOptions
+    from perfmon.captures.records import CaptureOptions
 
     from .conftest import wait_capture
 
@@ -234,7 +234,7 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
     mon = make_monitor(port=0).start()
     model = mon.wrap(Hostile(), name="hostile")
     x = torch.randn(2, 8)
-    base = mon.captures.baseline(mon._pick_model("hostile"), CaptureOptions(steps=4), {"test": "page"})
+    base = mon.captures.baseline(mon.models.pick("hostile"), CaptureOptions(steps=4), {"test": "page"})
     assert base is not None
     wait_capture(mon, base.id, drive=lambda: model(x))
     model.extra = True

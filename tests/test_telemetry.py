@@ -6,7 +6,6 @@ import os
 import pickle
 import stat
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from perfmon.telemetry.nvml import NvmlPoller
 from perfmon.testing import FakeNvml, FakeTorchMemory
 
-from .conftest import promtool_check, value, wait_until
+from .conftest import HandClock, promtool_check, value, wait_until
 
 GIB = 2**30
 
@@ -76,8 +75,8 @@ def test_unsupported_field_is_absent_only_where_unsupported(make_monitor) -> Non
     """A NotSupported field is absent for that GPU, asked only once, and other fields still update."""
     nvml = FakeNvml(unsupported={(1, "nvmlDeviceGetTotalEnergyConsumption"), "nvmlDeviceGetProcessUtilization"})
     mon = make_monitor(nvml=nvml, nvml_interval_seconds=3600).start()  # polls driven by the test
-    mon._nvml.poll()
-    mon._nvml.poll()
+    mon.nvml_poller.poll()
+    mon.nvml_poller.poll()
     assert value(mon, "perfmon_gpu_energy_joules_total", gpu="0", UUID=nvml.gpus[0]["uuid"]) is not None
     assert value(mon, "perfmon_gpu_energy_joules_total", gpu="1", UUID=nvml.gpus[1]["uuid"]) is None
     assert value(mon, "perfmon_gpu_power_watts", gpu="1", UUID=nvml.gpus[1]["uuid"]) == 260.0
@@ -94,13 +93,13 @@ def test_failing_calls_are_counted_absent_and_recover(make_monitor) -> None:
     u0 = {"gpu": "0", "UUID": nvml.gpus[0]["uuid"]}
     assert value(mon, "perfmon_gpu_temperature_celsius", **u0) == 55
     nvml.failing.add("nvmlDeviceGetTemperature")
-    mon._nvml.poll()
+    mon.nvml_poller.poll()
     assert value(mon, "perfmon_gpu_temperature_celsius", **u0) is None
     assert value(mon, "perfmon_gpu_power_watts", **u0) == 250.0
     assert value(mon, "perfmon_nvml_errors_total", call="nvmlDeviceGetTemperature") == 2
     nvml.failing.clear()
     nvml.gpus[0]["temperature"] = 70
-    mon._nvml.poll()
+    mon.nvml_poller.poll()
     assert value(mon, "perfmon_gpu_temperature_celsius", **u0) == 70
 
 
@@ -122,16 +121,34 @@ def test_lost_gpu_series_disappear_and_whole_failure_sets_up_zero_then_recovers(
 
 
 def test_poller_backs_off_while_failing_and_stops_with_the_monitor(make_monitor) -> None:
-    """The poller thread polls on its interval, backs off on failure, and is joined by stop()."""
+    """The poller polls on its interval, backs off on failure (on a hand-driven clock), and is joined by stop()."""
+    nvml = FakeNvml()
+    clock = HandClock()
+    poller = NvmlPoller(nvml, interval_seconds=0.02, clock=clock)
+
+    def run_for(seconds: float) -> None:
+        """What the poller thread does in ``seconds``: wait as long as tick() says, tick again."""
+        end = clock.t + seconds
+        wait = poller.tick()
+        while clock.t + wait <= end:
+            clock.t += wait
+            wait = poller.tick()
+        clock.t = end
+
+    run_for(0.2)
+    assert nvml.calls["nvmlDeviceGetCount"] >= 5
+    nvml.failing.add("nvmlDeviceGetCount")
+    run_for(0.5)  # a window in which an un-backed-off poller would fail ~25 times
+    failures = nvml.calls["nvmlDeviceGetCount"]
+    run_for(0.5)
+    assert nvml.calls["nvmlDeviceGetCount"] - failures <= 3
+    assert poller.snapshot().up is False
+    # The monitor's poller thread runs the same tick() on the real clock, and stop() joins it.
     nvml = FakeNvml()
     mon = make_monitor(nvml=nvml, nvml_interval_seconds=0.02).start()
     wait_until(lambda: nvml.calls.get("nvmlDeviceGetCount", 0) >= 5, timeout=5, what="five polls")
-    assert nvml.calls["nvmlDeviceGetCount"] >= 5
     nvml.failing.add("nvmlDeviceGetCount")
-    time.sleep(0.5)  # a window in which an un-backed-off poller would fail ~25 times
-    failures = nvml.calls["nvmlDeviceGetCount"]
-    time.sleep(0.5)
-    assert nvml.calls["nvmlDeviceGetCount"] - failures <= 3
+    wait_until(lambda: value(mon, "perfmon_nvml_up") == 0, timeout=5, what="a failed poll")
     assert value(mon, "perfmon_nvml_up") == 0
     mon.stop()
     assert not any(t.name == "perfmon-nvml" for t in threading.enumerate())
@@ -196,7 +213,7 @@ def test_oom_in_a_forward_writes_one_private_snapshot_per_cooldown(make_monitor,
     for _ in range(3):
         with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate"):
             model(torch.ones(1))
-    mon._oom.join(5)
+    mon.oom.join(5)
     files = sorted(trace_dir.iterdir())
     assert len(files) == 1 and files[0].name.endswith(".oom_snapshot.pickle")
     assert memory.snapshots == 1
@@ -221,7 +238,7 @@ def test_unwritable_trace_dir_costs_the_snapshot_not_the_request(make_monitor, t
     fn = mon.instrument(oom, name="f")
     with pytest.raises(torch.cuda.OutOfMemoryError):
         fn(1)
-    mon._oom.join(5)
+    mon.oom.join(5)
     assert value(mon, "perfmon_internal_errors_total", stage="oom_snapshot") == 1
     assert value(mon, "perfmon_oom_snapshots_total") == 0
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import perfmon
-from perfmon.store.traces import TraceStore, UnsafeTraceDir, new_id, open_private_dir, write_private
+from perfmon.store.files import UnsafeTraceDir, new_id, open_private_dir, write_private
+from perfmon.store.traces import TraceStore
 from perfmon.telemetry.memory import OomSnapshotter
 
 from .conftest import http, value, wait_capture

@@ -12,20 +12,14 @@ import fsspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from perfmon.backoff import backoff_seconds
 from perfmon.cli import main
 from perfmon.exceptions import ConfigError
-from perfmon.metrics.store import UploadCollector
-from perfmon.store.traces import TraceStore, new_id, worker_name
-from perfmon.store.uploader import (
-    MANIFEST_NAME,
-    TraceUploader,
-    UploadStats,
-    backoff_seconds,
-    capture_key,
-    download_remote,
-    list_remote,
-    redact,
-)
+from perfmon.metrics.collectors import UploadCollector
+from perfmon.store.files import new_id, worker_name
+from perfmon.store.remote import download_remote, list_remote
+from perfmon.store.traces import TraceStore
+from perfmon.store.uploader import MANIFEST_NAME, TraceUploader, UploadStats, capture_key, redact
 
 from .conftest import HandClock
 
@@ -231,7 +225,7 @@ def test_the_fleet_listing_retries_a_failed_read_and_reports_one_that_keeps_fail
     One that keeps failing is reported through on_skip, never silently left out."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    import perfmon.store.uploader as upload_module
+    import perfmon.store.remote as upload_module
 
     class Flaky(MemoryFileSystem):
         fail: ClassVar[dict[str, int]] = {}  # path suffix -> reads left to fail

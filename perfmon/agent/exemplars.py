@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["TraceReader", "otel_reader"]
+__all__ = ["OTEL", "TraceReader", "otel_reader"]
 
 #: Returns (trace_id, span_id) of the calling context's span when one is valid and sampled, else None.
 TraceReader = Callable[[], "tuple[int, int] | None"]
+#: ``Monitor(trace_reader=...)``'s default: OpenTelemetry's current span when opentelemetry-api is installed.
+OTEL: object = object()
 
 
 def otel_reader() -> TraceReader | None:

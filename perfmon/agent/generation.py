@@ -15,6 +15,8 @@ record, counted ``reason="queue_full"``); at most ``max_live_generations`` reque
 (the rest are counted but not timed, ``reason="live_limit"``). A request's own state is one
 ``Generation`` (``__slots__``, 112 bytes) held by the caller; the tracker keeps only its start time in
 the live table until it ends. The number of distinct names is capped by ``max_models``.
+
+An iterable timed as one request (``Monitor.stream``) and the outcome names: streams.py.
 """
 
 from __future__ import annotations
@@ -23,24 +25,21 @@ import collections
 import itertools
 import operator
 import threading
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from collections.abc import Callable
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from ..config import log_buckets
 from ..exceptions import ConfigError
 from ..faults import InternalErrors, count_value
 from ..stats.windows import summarize
+from .streams import CANCELLED, OK, OUTCOMES, async_stream, measuring, outcome_of, sync_stream, token_count
 
 __all__ = [
-    "CANCELLED",
     "DROP_REASONS",
     "DURATION_BUCKETS",
-    "ERROR",
     "ITL_BUCKETS",
-    "OK",
-    "OUTCOMES",
     "TOKEN_BUCKETS",
     "TTFT_BUCKETS",
     "Generation",
@@ -50,15 +49,6 @@ __all__ = [
     "RequestDone",
     "TokenTiming",
 ]
-
-T = TypeVar("T")
-
-OK = "ok"  # the request ran to its end (a stream was exhausted, a block exited normally)
-ERROR = "error"  # an Exception passed through (re-raised unchanged)
-CANCELLED = "cancelled"  # the consumer stopped early: close(), break + garbage collection, GeneratorExit,
-# asyncio.CancelledError or any other BaseException that is not an Exception, or an unfinished
-# Generation garbage-collected
-OUTCOMES = (OK, ERROR, CANCELLED)
 
 #: Why a timing record never reached the histograms (the ``reason`` label; all always exported).
 DROP_REASONS = (
@@ -215,14 +205,14 @@ class Generation:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.finish(_outcome_of(exc))
+        self.finish(outcome_of(exc))
 
     async def __aenter__(self) -> Generation:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self.finish(_outcome_of(exc))
+        self.finish(outcome_of(exc))
 
     def __del__(self) -> None:
         # Backstop for the manual form and for a stream whose generator never ran (a generator closed
@@ -327,7 +317,7 @@ class GenerationTracker:
     def _count_of(self, n: Any) -> int:
         """A token count other than 1, checked (the slow path of token())."""
         try:
-            return _token_count(n)
+            return token_count(n)
         except Exception as exc:
             self._internal.report("generation", exc)
             return 1
@@ -341,29 +331,11 @@ class GenerationTracker:
             raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
         if hasattr(iterable, "__iter__"):
             it = iter(iterable)
-            return _sync_stream(it, self.start(name, prompt_tokens), self._measure(tokens))
+            return sync_stream(it, self.start(name, prompt_tokens), measuring(tokens, self._internal))
         if hasattr(iterable, "__aiter__"):
             ait = iterable.__aiter__()
-            return _async_stream(ait, self.start(name, prompt_tokens), self._measure(tokens))
+            return async_stream(ait, self.start(name, prompt_tokens), measuring(tokens, self._internal))
         raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
-
-    def _measure(self, tokens: Callable[[Any], int] | None) -> Callable[[Any], int] | None:
-        """The item -> token count function, made fail-soft (an error counts the item as 1 token)."""
-        if tokens is None:
-            return None
-        internal = self._internal
-
-        def measure(item: Any) -> int:
-            try:
-                n = tokens(item)
-                if n.__class__ is int and n >= 0:
-                    return n
-                return _token_count(n)
-            except Exception as exc:
-                internal.report("generation_tokens", exc)
-                return 1
-
-        return measure
 
     # -- resolver thread ----------------------------------------------------------------------
 
@@ -471,57 +443,6 @@ def _event(rec: tuple[Any, ...]) -> GenerationEvent:
         return TokenTiming(counts.name, "itl", rec[2] / 1e9 / n, n, rec[4])
     _, _, duration_ns, output, end, outcome, prompt = rec
     return RequestDone(counts.name, outcome, duration_ns / 1e9, prompt, output, end)
-
-
-def _sync_stream(it: Iterator[T], g: Generation, measure: Callable[[T], int] | None) -> Generator[T, None, None]:
-    try:
-        for item in it:
-            # Stamped just before the item is handed over: the time the caller gets it.
-            g.token(1 if measure is None else measure(item))
-            yield item
-    except GeneratorExit:  # close(), or a consumer that broke out and dropped the generator
-        g.finish(CANCELLED)
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()  # the wrapped generator's own cleanup runs now, not whenever it is collected
-        raise
-    except BaseException as exc:
-        g.finish(_outcome_of(exc))
-        raise
-    g.finish(OK)
-
-
-async def _async_stream(ait: Any, g: Generation, measure: Callable[[Any], int] | None) -> AsyncGenerator[Any, None]:
-    try:
-        async for item in ait:
-            g.token(1 if measure is None else measure(item))
-            yield item
-    except GeneratorExit:  # aclose(), or the event loop finalizing a dropped generator
-        g.finish(CANCELLED)
-        aclose = getattr(ait, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        raise
-    except BaseException as exc:  # asyncio.CancelledError (client went away) is cancelled, not error
-        g.finish(_outcome_of(exc))
-        raise
-    g.finish(OK)
-
-
-def _token_count(n: Any) -> int:
-    """``n`` as a token count (an int >= 0, not a bool); raises TypeError/ValueError otherwise."""
-    if isinstance(n, bool):
-        raise TypeError("bool is not a token count")
-    v = operator.index(n)
-    if v < 0:
-        raise ValueError(f"negative token count {v}")
-    return v
-
-
-def _outcome_of(exc: BaseException | None) -> str:
-    if exc is None:
-        return OK
-    return ERROR if isinstance(exc, Exception) else CANCELLED
 
 
 def _advance(counter: itertools.count[int], n: int) -> None:

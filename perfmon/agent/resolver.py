@@ -18,8 +18,8 @@ from typing import Any
 
 from ..faults import count_value
 from .clocks import elapsed_seconds
-from .instrument import Hub, ModelState
 from .records import COLD, STEADY, Pending, Sample
+from .state import Hub, ModelState
 
 __all__ = ["Resolver", "Sink"]
 
@@ -40,7 +40,8 @@ class Resolver:
         on_tick: Callable[[int], None] | None = None,
         device_refresh_seconds: float = 1.0,
     ) -> None:
-        self._on_tick = on_tick
+        #: Housekeeping called once per resolver pass with perf_counter_ns (faults are counted, never raised).
+        self.on_tick = on_tick
         self.hub = hub
         self.sinks = list(sinks)
         self._states = states
@@ -147,9 +148,9 @@ class Resolver:
                     self._note_drops(st)
             except Exception as exc:
                 self.hub.internal.report("housekeeping", exc)
-        if self._on_tick is not None:
+        if self.on_tick is not None:
             try:
-                self._on_tick(now_ns)
+                self.on_tick(now_ns)
             except Exception as exc:
                 self.hub.internal.report("housekeeping", exc)
         if self._log is not None:

@@ -11,15 +11,26 @@ Hugging Face-style models are recognised without configuration: a forward that a
 holds tokens (``Cache.get_seq_length() > 0``, or a non-empty legacy tuple), or, without a cache, a
 ``cache_position`` of one token. Reading a cache's length is host-side bookkeeping (a tensor shape),
 never a device sync. Any other model has one stage; ``wrap(stage=callable)`` labels custom loops.
+
+A model with stages gets a ``ModelState`` and a hot path per stage (``Stages``), and a ``__call__``
+that picks the call's stage first (``staged_path``); its own ``generate()``, when it has one, is
+tracked as generation requests whose tokens are its forwards (``tracked_generate``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DECODE", "MAX_STAGES", "PREFILL", "StageFn", "generative_stage", "is_generative", "stage_label"]
+from ..faults import InternalErrors
+from .hotpath import hot_path
+from .state import ModelState
+
+__all__ = ["DECODE", "MAX_STAGES", "PREFILL", "StageFn", "Stages", "generative_stage", "is_generative", "stage_label",
+           "staged_path", "tracked_generate"]
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -71,3 +82,140 @@ def stage_label(value: Any) -> str:
         raise ValueError(f"stage callable returned {value!r}: expected a non-empty printable string of <= 32 "
                          "characters")
     return value
+
+
+class Stages:
+    """The stages of one model (prefill/decode, or a ``stage=`` callable's labels): a state and a hot
+    path per stage, made on the (rare) first call of a new stage, at most ``MAX_STAGES``."""
+
+    def __init__(self, stage_fn: StageFn, make_state: Callable[[str], ModelState], fn: Callable[..., Any], *,
+                 first: ModelState, internal: InternalErrors) -> None:
+        self.stage_fn = stage_fn
+        self._make = make_state
+        self._fn = fn
+        self.internal = internal
+        #: label -> state; every state of the model holds this same dict as ``stages``.
+        self.states: dict[str, ModelState] = {}
+        #: label -> that stage's hot path (read without a lock by staged_path).
+        self.calls: dict[str, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+        for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
+            if st is not first:
+                self._register(st)
+        self.fallback = self._register(first)
+
+    def _register(self, st: ModelState) -> Callable[..., Any]:
+        pending = next((s.capture for s in self.states.values() if s.capture is not None), None)
+        if pending is not None and st.capture is None:  # a capture of the model is armed: this stage too
+            st.capture = pending
+            st.next_index = 0
+        st.stages = self.states
+        self.states[st.stage] = st
+        call = self.calls[st.stage] = hot_path(st, self._fn)
+        return call
+
+    def add(self, label: Any) -> Callable[..., Any]:
+        """The hot path for a stage label not seen before (validated; bounded; "other" beyond)."""
+        try:
+            label = stage_label(label)
+        except ValueError as exc:
+            self.internal.report("stage", exc)
+            return self.fallback
+        with self._lock:
+            call = self.calls.get(label)
+            if call is not None:
+                return call
+            if len(self.states) >= MAX_STAGES:
+                label = "other"
+                if label in self.calls:
+                    return self.calls[label]
+            return self._register(self._make(label))
+
+
+def staged_path(stages: Stages) -> Callable[..., Any]:
+    """``__call__`` of a model with stages: find the call's stage, then run that stage's hot path.
+
+    One more Python call and the stage function per call (for Hugging Face models: a kwargs lookup
+    and the cache's ``get_seq_length()``), on models whose forwards take milliseconds.
+    """
+    pick = stages.stage_fn
+    calls = stages.calls
+    add = stages.add
+    internal = stages.internal
+    local = _generating
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        label = None
+        try:
+            label = pick(args, kwargs)
+            call = calls.get(label) or add(label)
+        except Exception as exc:  # the stage function failed: count it, time the call under the fallback
+            internal.report("stage", exc)
+            call = stages.fallback
+        active = local.__dict__.get("requests")
+        if active is None or active[0] is not self:
+            return call(self, *args, **kwargs)
+        if active[2]:  # a timed request: every step of it is timed (CUDA events on GPU: device time per step)
+            st = stages.states.get(label)  # type: ignore[arg-type]
+            if st is not None:
+                st.next_index = 0
+        out = call(self, *args, **kwargs)
+        # Inside this model's own generate(): each forward of it makes one token per sequence.
+        try:
+            for g in active[1]:
+                g.token()
+        except Exception as exc:  # never the user's problem: their output is returned
+            internal.report("generation", exc)
+        return out
+
+    return __call__
+
+
+#: Per thread: (model, its requests, timed) while a monitored model's generate() runs on the thread.
+_generating = threading.local()
+
+
+def tracked_generate(generate: Callable[..., Any],
+                     start: Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[list[Any], bool]],
+                     internal: InternalErrors) -> Callable[..., Any]:
+    """A model's own ``generate()`` (Hugging Face's), tracked as generation requests, one per sequence.
+
+    ``start(args, kwargs)`` opens the requests (``GenerationTracker.start``); every forward of the
+    model during the call is one token of each (``staged_path``: host time when the forward
+    returned, the token is chosen right after), so the first gives the time to first token, the
+    next ones the inter-token latency. Works with or without a ``streamer=`` (tokens are timed by
+    the forwards, so no device-to-host copy is added) and never syncs. The outcome is ``ok``,
+    ``error`` (the exception passes through unchanged) or ``cancelled`` (KeyboardInterrupt and the like).
+    ``start`` also says whether this call is a timed request (the first, then one in 1/sample_rate):
+    every forward of a timed request is timed, so on CUDA each step gets device time from events
+    (``perfmon_forward_duration_seconds{stage}``, host time beside it), never a sync.
+    """
+
+    @functools.wraps(generate)
+    def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _generating.__dict__.get("requests") is not None:  # nested: the outer generate() tracks
+            return generate(self, *args, **kwargs)
+        try:
+            requests, timed = start(args, kwargs)
+        except Exception as exc:
+            internal.report("generation", exc)
+            requests, timed = [], False
+        _generating.requests = (self, requests, timed)
+        outcome = "ok"
+        try:
+            return generate(self, *args, **kwargs)
+        except Exception:
+            outcome = "error"
+            raise
+        except BaseException:
+            outcome = "cancelled"
+            raise
+        finally:
+            _generating.requests = None
+            for g in requests:
+                try:
+                    g.finish(outcome)
+                except Exception as exc:
+                    internal.report("generation", exc)
+
+    return generate_

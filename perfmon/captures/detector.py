@@ -30,6 +30,7 @@ from typing import Any
 
 from ..exceptions import ConfigError
 from ..stats.windows import quantile
+from .records import MAX_SECONDS, MAX_STEPS
 
 __all__ = ["QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats", "class_label",
            "size_class"]
@@ -92,8 +93,11 @@ class RegressionPolicy:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be an integer >= 1")
         if isinstance(self.capture_steps, bool) or not isinstance(self.capture_steps, int) \
-                or not 1 <= self.capture_steps <= 100:
-            raise bad("capture_steps", "must be an integer 1..100")
+                or not 1 <= self.capture_steps <= MAX_STEPS:
+            raise bad("capture_steps", f"must be an integer 1..{MAX_STEPS}")
+        # The capture's own bound (CaptureOptions): past it, every automatic capture would be refused.
+        if self.capture_max_seconds > MAX_SECONDS:
+            raise bad("capture_max_seconds", f"must be at most {MAX_SECONDS:g} seconds (a capture's bound)")
         if not self.quantiles or any(q not in QUANTILE_LEVELS for q in self.quantiles):
             raise bad("quantiles", f"must be a non-empty subset of {sorted(QUANTILE_LEVELS)}")
         object.__setattr__(self, "quantiles", tuple(self.quantiles))

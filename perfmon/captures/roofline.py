@@ -23,7 +23,8 @@ from typing import Any
 
 from .trace_summary import input_bytes, tensor_dtypes
 
-__all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "aggregate", "op_summary", "peaks_for", "summarise"]
+__all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "aggregate", "device_peaks", "op_summary", "peaks_for",
+           "summarise"]
 
 LAUNCH_BOUND_SECONDS = 10e-6
 
@@ -70,6 +71,19 @@ def peaks_for(device_name: str | None, *, peak_flops: float | None = None,
             f16, f32, bw = GPU_PEAKS[fragment]
             return Peaks(f16, f32, bw, f"table: {fragment} (perfmon.captures.roofline.GPU_PEAKS)")
     return None
+
+
+def device_peaks(device: str, *, peak_flops: float | None = None, peak_bandwidth: float | None = None) -> Peaks | None:
+    """Peaks for a capture's roofline on ``device`` ("cuda:0", "cpu"): the settings', else the GPU table's."""
+    import torch  # here, not at the top: the CLI reads roofline tables without torch's import time
+
+    name = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        try:
+            name = torch.cuda.get_device_name(int(device.partition(":")[2] or 0))
+        except Exception:
+            name = None
+    return peaks_for(name, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth)
 
 
 def aggregate(events: Iterable[Any]) -> list[dict[str, Any]]:

@@ -1,3 +1,5 @@
+# One file, over 500 lines: the export runs it by path in a child (``python -I trace_summary.py``), standard
+# library only, so it cannot import a sibling module of the package (that would need a sys.path dance there).
 """A capture's op summary from its Chrome trace, streamed; run in a child process by the exporter.
 
 The trace is read once, in chunks: each chunk is gzipped to the output file and fed to a JSON

@@ -1,6 +1,6 @@
 """``/healthz`` on a port of its own (``health_port``), for the liveness probe.
 
-The agent's main port answers health first (its health lane, httpd.py), but a probe still shares that
+The agent's main port answers health first (its health lane, agent_server.py), but a probe still shares that
 port's accept queue with every other client: a flood of new idle connections from the same machine
 (hundreds a second) keeps the queue full, and a probe waits there or its SYN is dropped (p50 1.1 s,
 max 4.7 s measured). A listener of its own has a queue of its own, which only the kubelet uses. One
@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable
 
 from ..selfcost import AgentCpu
-from .agent_server import AgentServer, _encode
-from .routes import Response
+from .wire import Response, bind_listener, close_quietly, encode_response
 
 __all__ = ["HealthServer"]
 
@@ -40,7 +39,7 @@ class HealthServer:
                  cpu: AgentCpu | None = None) -> None:
         self._answer = answer
         self._cpu = cpu if cpu is not None else AgentCpu()
-        self._listener = AgentServer._bind(host, port, port_range)  # non-blocking
+        self._listener = bind_listener(host, port, port_range)  # non-blocking
         self.port = int(self._listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -64,12 +63,9 @@ class HealthServer:
 
     def _close_all(self) -> None:
         for sock in [*self._clients, self._listener]:
-            _close(sock)
+            close_quietly(sock)
         self._clients.clear()
-        try:
-            self._selector.close()
-        except OSError:
-            pass
+        close_quietly(self._selector)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -115,6 +111,8 @@ class HealthServer:
         if not chunk or len(data) > 4096:
             self._drop(sock)
             return
+        # Not wire.parse_request: this port answers GET/HEAD /healthz and 404 to anything else (what the parser
+        # would refuse included), as soon as the request line and headers are in, never waiting for a body.
         if b"\n\r\n" not in data and b"\n\n" not in data:
             self._clients[sock] = (data, deadline)
             return
@@ -123,7 +121,7 @@ class HealthServer:
         health = method in (b"GET", b"HEAD") and path == b"/healthz"
         resp = self._answer(method.decode()) if health else _NOT_FOUND
         try:
-            sock.send(_encode(resp, close=True))  # a few hundred bytes into a fresh socket's buffer
+            sock.send(encode_response(resp, close=True))  # a few hundred bytes into a fresh socket's buffer
         except OSError:
             pass
         self._drop(sock)
@@ -134,11 +132,4 @@ class HealthServer:
             self._selector.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
-        _close(sock)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
+        close_quietly(sock)

@@ -22,7 +22,7 @@ from prometheus_client.samples import Exemplar
 
 from .native import NativeSnapshot, spans
 
-__all__ = ["CONTENT_TYPE", "NativeHistogramFamily", "encode_families", "generate", "wants_protobuf"]
+__all__ = ["CONTENT_TYPE", "NativeHistogramFamily", "encode_families", "generate"]
 
 CONTENT_TYPE = "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited"
 
@@ -45,27 +45,6 @@ class NativeHistogramFamily(HistogramMetricFamily):
 
     def add_native(self, labels: Iterable[str], snapshot: NativeSnapshot) -> None:
         self.native[tuple(labels)] = snapshot
-
-
-def wants_protobuf(accept: str) -> bool:
-    """Whether ``accept`` ranks the delimited MetricFamily protobuf at least as high as anything else."""
-    best_other = 0.0
-    proto = 0.0
-    for part in accept.split(","):
-        fields = [f.strip() for f in part.split(";")]
-        media = fields[0].lower()
-        params = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
-        try:
-            q = float(params.pop("q", "1"))
-        except ValueError:
-            q = 0.0
-        if (media == "application/vnd.google.protobuf"
-                and params.get("proto") == "io.prometheus.client.MetricFamily"
-                and params.get("encoding") == "delimited"):
-            proto = max(proto, q)
-        elif media:
-            best_other = max(best_other, q)
-    return proto > 0 and proto >= best_other
 
 
 # -- wire format --------------------------------------------------------------------------------

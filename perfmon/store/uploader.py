@@ -6,6 +6,7 @@
     uploader thread (daemon): pending = stored ids not in the manifest, oldest first, one capture per attempt
         ─► put the trace ─► put the metadata ─► manifest (atomic write) ─► the next one
         a failure: counted, the capture stays spooled, the next attempt after min(cap, 1 s · 2^n) · jitter
+        (``perfmon.backoff``)
     TraceStore retention removes a capture not yet uploaded ─► on_evicted: counted as dropped
 
 Any fsspec URL is a destination (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``); fsspec and the
@@ -25,6 +26,8 @@ same keys): at least once, never twice under two keys.
 Bounded: the spool is the trace directory, whose retention (``trace_max_files``, ``trace_max_bytes``)
 already bounds it; a capture it removes before its upload is counted as dropped, never kept. Serving
 never waits: the request thread does not touch this module; the export thread only sets an event.
+
+The fleet's view of the store (``perfmon profiles --store``: listing and download) is ``remote.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,6 @@ import json
 import os
 import random
 import re
-import secrets
-import stat
 import sys
 import threading
 import time
@@ -44,14 +45,16 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ..backoff import backoff_seconds
 from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from ..selfcost import AgentCpu
-from .traces import TRACE_NAME, TraceStore, replacing_at, valid_id, write_at
+from .files import TRACE_NAME, _read_at, valid_id, write_at
+from .traces import TraceStore
 
 __all__ = [
-    "DROP_REASONS", "MANIFEST_NAME", "OUTCOMES", "REMOTE_META_MAX_BYTES", "REMOTE_TRACE_MAX_BYTES", "TraceUploader",
-    "UploadStats", "backoff_seconds", "capture_key", "download_remote", "list_remote", "open_store", "redact",
+    "DROP_REASONS", "MANIFEST_NAME", "OUTCOMES", "TraceUploader", "UploadStats", "capture_key", "io_thread_cpu",
+    "open_store", "redact",
 ]
 
 #: The durable record of what is uploaded, in the trace directory (not a name TraceStore lists or removes).
@@ -95,13 +98,6 @@ def capture_key(meta: dict[str, Any]) -> str | None:
     if not isinstance(worker, str) and isinstance(trace, str):
         worker = trace.split(".", 1)[0]  # {worker}.{time_ns}.pt.trace.json.gz, as torch names it
     return f"{_part(meta.get('model'), 'unknown')}/{host}/{_part(worker, host)}/{stamp}-{cid}"
-
-
-def backoff_seconds(failures: int, *, initial: float, cap: float, jitter: float) -> float:
-    """Seconds before the next attempt after ``failures`` consecutive failures (>= 1): ``initial`` doubled
-    per failure, capped at ``cap``, times 0.5..1 by ``jitter`` (0..1) so a fleet does not retry in step."""
-    exp = min(failures - 1, 60)  # 2**60 s is past any cap; no float overflow however long the outage
-    return min(cap, initial * 2.0**exp) * (0.5 + 0.5 * min(max(jitter, 0.0), 1.0))
 
 
 def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
@@ -440,8 +436,6 @@ _CLOCK_TICKS = _clock_ticks()
 
 
 def _read_manifest(store: TraceStore) -> dict[str, Any]:
-    from .traces import _read_at
-
     try:
         with store.opened(create=False) as dfd:
             body = None if dfd is None else _read_at(dfd, MANIFEST_NAME, 16 * 2**20)
@@ -473,274 +467,3 @@ def _check_usable(url: str) -> str:
 def _scrub(text: str, url: str) -> str:
     """An SDK's error message with the configured URL (and so any user-info in it) replaced by its redaction."""
     return text.replace(url, redact(url)) if url else text
-
-
-# -- the fleet's view: `perfmon profiles --store` ------------------------------------------------
-#
-# The store is written by every pod of the fleet and may be writable by more than perfmon (a shared
-# bucket, a hand-made file:// tree), so nothing read from it is trusted: a metadata object is capped in
-# size and checked field by field before it is listed, and a download writes only perfmon's own names,
-# only regular files of the store, never more than a cap, and never through a link already in --out.
-
-_FOLDER = re.compile(r"^(?P<stamp>[0-9]{8}T[0-9]{6}Z)-(?P<id>[0-9a-f]{22})$")
-#: A metadata object bigger than this is not one perfmon wrote (``TraceStore`` keeps them well under it):
-#: the listing skips it unread, a download refuses it.
-REMOTE_META_MAX_BYTES = 2**20
-#: A download refuses a trace bigger than this (a capture's trace is bounded by ``capture_max_bytes``,
-#: far below it): a hostile or corrupt object must not fill the disk of whoever fetches it.
-REMOTE_TRACE_MAX_BYTES = 2 * 2**30
-_CHUNK = 4 * 2**20
-#: Listed fields shown by ``perfmon profiles --store`` or used by its filters: each a string or null.
-_TEXT_FIELDS = ("model", "host", "trigger", "status", "outcome", "armed_at", "ended_at")
-
-
-def _relative(path: str, root: str) -> str:
-    return path[len(root) + 1:] if path.startswith(root + "/") else path.lstrip("/")
-
-
-def _is_local(fs: Any) -> bool:
-    protocol = getattr(fs, "protocol", ())
-    names = {protocol} if isinstance(protocol, str) else set(protocol)
-    return bool(names & {"file", "local"})
-
-
-def _regular(fs: Any, path: str, info: Any, root: str) -> bool:
-    """Whether ``path`` is a regular file of the store, not reached through a link. fsspec's local
-    ``info`` reports a link's *target* type, so a local store is checked on the file system itself:
-    the object must not be a link and must resolve inside the store's root."""
-    if not isinstance(info, dict) or info.get("type") != "file":
-        return False
-    if _is_local(fs):
-        local = str(fs._strip_protocol(path))
-        if info.get("islink") or os.path.islink(local):
-            return False
-        real_root = os.path.realpath(str(fs._strip_protocol(root)))
-        return os.path.realpath(local).startswith(real_root.rstrip("/") + "/")
-    return True
-
-
-def _listing_entry(meta: Any, cid: str, key: str) -> dict[str, Any] | None:
-    """A listed capture: the metadata with ``id`` and ``key`` from its folder, or None when malformed.
-
-    The folder's name is what the store is indexed by (and what ``--download`` takes), so the id comes
-    from it whatever the metadata says; each field the listing shows or filters on must have the type
-    perfmon writes (a string or null; ``steps_recorded`` a count; ``comparison`` an object of strings),
-    so one hand-edited object cannot break the listing of the others."""
-    if not isinstance(meta, dict):
-        return None
-    for name in _TEXT_FIELDS:
-        if not isinstance(meta.get(name), (str, type(None))):
-            return None
-    steps = meta.get("steps_recorded", 0)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        return None
-    comparison = meta.get("comparison")
-    if comparison is not None:
-        if not isinstance(comparison, dict):
-            return None
-        if not all(isinstance(comparison.get(k), (str, type(None))) for k in ("baseline", "summary", "error")):
-            return None
-    return {**meta, "id": cid, "key": key}
-
-
-def list_remote(url: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
-                since: float | None = None, limit: int = 100, fs: Any = None, root: str | None = None,
-                on_skip: Callable[[str, str], None] | None = None) -> list[dict[str, Any]]:
-    """Captures in the store, newest first: each one's metadata plus ``key`` (its folder under the prefix).
-
-    ``model`` and ``host`` match the key's segments (as ``capture_key`` spells them), ``since`` is Unix
-    seconds (from the capture id's time), ``trigger`` is read from the metadata; at most ``limit``.
-    Only metadata objects are read (in batches), never traces. ``id`` is the folder's (the metadata's own is
-    not trusted). A metadata object that is not a regular file, is over ``REMOTE_META_MAX_BYTES``, is not a
-    JSON object or has a listed field of the wrong type (``_listing_entry``) is skipped, and
-    ``on_skip(key, reason)`` called for it.
-    """
-    if fs is None or root is None:
-        fs, root = open_store(url)
-    pattern = f"{root}/{_part(model, '*') if model else '*'}/{_part(host, '*') if host else '*'}/*/*/*.meta.json"
-
-    def skip(key: str, reason: str) -> None:
-        if on_skip is not None:
-            on_skip(key, reason)
-
-    found = []
-    for path, info in fs.glob(pattern, detail=True).items():
-        parts = _relative(str(path), root).split("/")
-        if len(parts) != 5:
-            continue
-        m = _FOLDER.fullmatch(parts[3])
-        if m is None or parts[4] != f"{m['id']}.meta.json":
-            continue
-        if since is not None and int(m["id"][:16], 16) / 1e9 < since:
-            continue
-        key = "/".join(parts[:4])
-        if not _regular(fs, str(path), info, root):
-            skip(key, "not a regular file")
-            continue
-        size = info.get("size")
-        if isinstance(size, int) and size > REMOTE_META_MAX_BYTES:
-            skip(key, f"{size} bytes, over {REMOTE_META_MAX_BYTES}")
-            continue
-        found.append((m["id"], key, str(path)))
-    found.sort(reverse=True)  # ids start with time_ns: newest first
-    out: list[dict[str, Any]] = []
-    for start in range(0, len(found), 32):
-        batch = found[start:start + 32]
-        bodies = _read_all(fs, [p for _, _, p in batch])
-        for cid, key, path in batch:
-            body = bodies.get(path)
-            if body is None:
-                continue  # removed since the listing: not malformed, just gone
-            if isinstance(body, Exception):  # still failing after the retries: say so, never drop it silently
-                skip(key, f"unreadable: {type(body).__name__}: {_scrub(str(body), url)}"[:300])
-                continue
-            if len(body) > REMOTE_META_MAX_BYTES:  # grown since the listing said its size
-                skip(key, f"over {REMOTE_META_MAX_BYTES} bytes")
-                continue
-            try:
-                meta = json.loads(body)
-            except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
-                skip(key, "not JSON")
-                continue
-            entry = _listing_entry(meta, cid, key)
-            if entry is None:
-                skip(key, "not a perfmon metadata object (a field of the wrong type)")
-                continue
-            if trigger is not None and entry.get("trigger") != trigger:
-                continue
-            out.append(entry)
-            if len(out) >= limit:
-                return out
-    return out
-
-
-#: Reads of listed metadata objects that failed (not "not found"): tries in all, and the pause before each retry.
-LIST_READ_TRIES = 3
-LIST_RETRY_SECONDS = 0.5
-
-
-def _read_all(fs: Any, paths: list[str]) -> dict[str, bytes | Exception]:
-    """``fs.cat`` of ``paths``: bytes, or the exception that still stood after ``LIST_READ_TRIES`` tries;
-    objects gone since the listing are left out. The stores are opened with the SDK's own retries off
-    (the uploader's backoff retries), so a listing retries here: one transient error (a reset, a 5xx)
-    once dropped a capture from the fleet listing silently (found by a loaded test run against moto)."""
-    out: dict[str, bytes | Exception] = {}
-    todo = list(paths)
-    for attempt in range(LIST_READ_TRIES):
-        if attempt:
-            time.sleep(LIST_RETRY_SECONDS * attempt)
-        got = fs.cat(todo, on_error="return") if todo else {}
-        failed = []
-        for path in todo:
-            body = got.get(path)
-            if isinstance(body, FileNotFoundError):
-                continue  # gone since the listing
-            if isinstance(body, Exception):
-                failed.append(path)
-                out[path] = body
-            elif isinstance(body, (bytes, bytearray)):
-                out[path] = bytes(body)
-        todo = failed
-        if not todo:
-            break
-    return out
-
-
-def download_remote(url: str, capture_id: str, out_dir: str, *, fs: Any = None, root: str | None = None,
-                    on_skip: Callable[[str, str], None] | None = None) -> list[str]:
-    """Fetch one capture's objects (trace and metadata) into ``out_dir``; returns the local paths written.
-
-    Only names perfmon writes are fetched (``{id}.meta.json`` and trace names), only regular files of the
-    store (a link or a directory under such a name is skipped, ``on_skip(key/name, reason)`` called), the
-    metadata last. Each lands under a fresh 0600 temp name in ``out_dir`` (``O_EXCL | O_NOFOLLOW``) and is
-    renamed onto its name, which replaces a regular file already there (a download again is idempotent)
-    but is refused when the name is a link, a directory or anything else: a link planted in a shared
-    ``out_dir`` is never written through.
-
-    Raises ``LookupError`` when the store has no capture with that id or has it under more than one key
-    ("ambiguous id"), ``ValueError`` for a malformed id, an object over its cap (``REMOTE_TRACE_MAX_BYTES``,
-    ``REMOTE_META_MAX_BYTES``) or a name in ``out_dir`` that is not a regular file.
-    """
-    if not valid_id(capture_id):
-        raise ValueError(f"not a capture id: {capture_id[:80]!r}")
-    if fs is None or root is None:
-        fs, root = open_store(url)
-    meta_name = f"{capture_id}.meta.json"
-    folders: dict[str, dict[str, str]] = {}  # key -> {name: path}, regular files with perfmon's names only
-    for path, info in sorted(fs.glob(f"{root}/*/*/*/*-{capture_id}/*", detail=True).items()):
-        parts = _relative(str(path), root).split("/")
-        if len(parts) != 5:
-            continue
-        m = _FOLDER.fullmatch(parts[3])
-        name = parts[4]
-        if m is None or m["id"] != capture_id or not (name == meta_name or TRACE_NAME.fullmatch(name)):
-            continue  # only names perfmon writes: a planted "../x" never becomes a local path
-        key = "/".join(parts[:4])
-        if not _regular(fs, str(path), info, root):
-            if on_skip is not None:
-                on_skip(f"{key}/{name}", "not a regular file")
-            continue
-        folders.setdefault(key, {})[name] = str(path)
-    keys = sorted(k for k, objects in folders.items() if meta_name in objects)
-    if not keys:
-        raise LookupError(f"no capture {capture_id} in {redact(url)}")
-    if len(keys) > 1:  # which one is meant cannot be told; writing both would overwrite one with the other
-        raise LookupError(f"ambiguous id {capture_id}: in {redact(url)} under {' and '.join(keys)}")
-    objects = folders[keys[0]]
-    os.makedirs(out_dir, exist_ok=True)
-    dfd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    written = []
-    try:
-        for name in sorted(objects, key=lambda n: (n == meta_name, n)):  # the metadata last, as uploaded
-            cap = REMOTE_META_MAX_BYTES if name == meta_name else REMOTE_TRACE_MAX_BYTES
-            _fetch_to(fs, objects[name], f"{keys[0]}/{name}", dfd, name, cap, local=_is_local(fs))
-            written.append(os.path.join(out_dir, name))
-    finally:
-        os.close(dfd)
-    return written
-
-
-def _open_source(fs: Any, path: str, what: str, cap: int, local: bool) -> Any:
-    """A binary reader of a store object after checking its size against ``cap``; a local one is opened
-    with ``O_NOFOLLOW`` and checked regular on its descriptor (no swap between the check and the read)."""
-    if local:
-        fd = os.open(str(fs._strip_protocol(path)), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise ValueError(f"{what} is not a regular file; refusing it")
-        size: Any = st.st_size
-        os.set_blocking(fd, True)
-        reader: Any = os.fdopen(fd, "rb")
-    else:
-        size = fs.info(path).get("size")
-        reader = None
-    if isinstance(size, int) and size > cap:
-        if reader is not None:
-            reader.close()
-        raise ValueError(f"{what} is {size} bytes, over the {cap}-byte limit for it; refusing it")
-    return reader if reader is not None else fs.open(path, "rb")
-
-
-def _fetch_to(fs: Any, path: str, what: str, dfd: int, name: str, cap: int, *, local: bool) -> None:
-    """Copy the store object ``path`` to ``name`` in the directory ``dfd``: streamed (at most ``cap`` bytes)
-    into a new private temp file, then renamed onto ``name`` unless that is not a regular file."""
-
-    def only_onto_a_regular_file() -> None:
-        try:
-            st = os.lstat(name, dir_fd=dfd)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{name} in the download directory is not a regular file (a symbolic link?); "
-                             "refusing to replace it: remove it or choose another --out")
-
-    # The rename replaces the entry itself: a link swapped in since the check is replaced, never followed.
-    with replacing_at(dfd, f".{name}.{secrets.token_hex(8)}.part", name, before_replace=only_onto_a_regular_file) \
-            as out, _open_source(fs, path, what, cap, local) as src:
-        total = 0
-        while chunk := src.read(_CHUNK):
-            total += len(chunk)
-            if total > cap:  # the object grew past what its size said, or the store did not say
-                raise ValueError(f"{what} is over the {cap}-byte limit for it; refusing it")
-            out.write(chunk)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..store.traces import worker_name, write_private
+from ..store.files import worker_name, write_private
 
 __all__ = ["DeviceMemory", "MemorySource", "OomSnapshotter", "TorchMemory", "read_memory"]
 

@@ -10,23 +10,26 @@ Failure model, per the NVML return codes:
 * a field the GPU does not support (``NVMLError_NotSupported``): that field is absent for that GPU
   and never asked again; other fields still update;
 * any other error from a call: counted by call, that field is absent from the reading (no stale
-  value is exported), and when a whole poll fails the poller backs off (doubling up to 60 s) and
-  re-initialises NVML; ``up`` reflects the last poll.
+  value is exported), and when a whole poll fails the poller backs off (doubling up to 60 s,
+  ``perfmon.backoff``) and re-initialises NVML; ``up`` reflects the last poll.
 
 The backend is injectable (``Monitor(nvml=...)``): anything with pynvml's function names and
-exception classes. ``perfmon.testing.FakeNvml`` is one; the real one is the ``pynvml`` module.
+exception classes. ``perfmon.testing.FakeNvml`` is one; the real one is the ``pynvml`` module. So is
+the clock (``NvmlPoller(clock=...)``, monotonic seconds): tests drive ``tick()`` by hand.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
+from ..backoff import backoff_seconds
 from ..selfcost import AgentCpu
 
 __all__ = ["CLOCK_EVENT_REASONS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors", "normalize_uuid"]
@@ -79,15 +82,21 @@ class NvmlSnapshot:
 
 
 class NvmlPoller:
-    """Polls NVML on a daemon thread; ``snapshot()`` returns the latest reading."""
+    """Polls NVML on a daemon thread; ``snapshot()`` returns the latest reading.
+
+    The thread runs ``tick()`` whenever it says a poll is due, by ``clock`` (monotonic seconds).
+    """
 
     def __init__(self, backend: Any = None, *, interval_seconds: float = 1.0, log: Any = None,
-                 pid: Callable[[], int] = os.getpid, cpu: AgentCpu | None = None) -> None:
+                 pid: Callable[[], int] = os.getpid, cpu: AgentCpu | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._cpu = cpu if cpu is not None else AgentCpu()
         self.nvml = backend if backend is not None else pynvml
         self.interval = interval_seconds
         self._log = log
         self._pid = pid
+        self._clock = clock
+        self._due = 0.0  # clock() of the next poll
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,6 +117,7 @@ class NvmlPoller:
         self._errors = {}
         self._last_seen_us = {}
         self._failures = 0
+        self._due = 0.0
         self._snapshot = NvmlSnapshot(False, [], {})
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -119,6 +129,7 @@ class NvmlPoller:
         if not self._init(first=True):
             return  # no library or driver: nothing will change while the process runs
         self.poll()
+        self._due = self._clock() + self.interval
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="perfmon-nvml", daemon=True)
         self._thread.start()
@@ -142,20 +153,30 @@ class NvmlPoller:
     def _run(self) -> None:
         delay = self.interval
         while not self._stop.wait(delay):
-            try:
-                with self._cpu.measure("nvml"):
-                    ok = self.poll()
-            except Exception:  # a bug or an odd driver answer must not end telemetry for good
-                self._count("poll")
-                self._set(NvmlSnapshot(False, [], dict(self._errors)))
-                ok = False
-            if ok:
-                self._failures = 0
-                delay = self.interval
-            else:
-                # Back off while NVML is failing; re-initialise on the next try.
-                self._failures += 1
-                delay = min(self.interval * 2 ** self._failures, _MAX_BACKOFF_SECONDS)
+            delay = self.tick()
+
+    def tick(self) -> float:
+        """Poll if one is due by the clock; returns seconds until the next one is due (the thread waits that long)."""
+        now = self._clock()
+        if now < self._due:
+            return self._due - now
+        try:
+            with self._cpu.measure("nvml"):
+                ok = self.poll()
+        except Exception:  # a bug or an odd driver answer must not end telemetry for good
+            self._count("poll")
+            self._set(NvmlSnapshot(False, [], dict(self._errors)))
+            ok = False
+        if ok:
+            self._failures = 0
+            delay = self.interval
+        else:
+            # Back off while NVML is failing; re-initialise on the next try. Two intervals after the first
+            # failed poll, doubling: min(interval * 2**failures, 60 s).
+            self._failures += 1
+            delay = backoff_seconds(self._failures, initial=2 * self.interval, cap=_MAX_BACKOFF_SECONDS)
+        self._due = self._clock() + delay
+        return delay
 
     def _init(self, first: bool = False) -> bool:
         nvml = self.nvml

@@ -44,7 +44,7 @@ def test_nvml_readings_match_nvidia_smi(make_monitor) -> None:
     """Total memory, the UUID list and the power limit agree with nvidia-smi; this process shows up."""
     mon = make_monitor().start()
     torch.ones(1, device="cuda")  # this process now has a context on GPU 0
-    mon._nvml.poll()
+    mon.nvml_poller.poll()
     assert value(mon, "perfmon_nvml_up") == 1
     uuids = _smi("uuid")
     totals = _smi("memory.total")

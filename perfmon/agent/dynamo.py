@@ -1,0 +1,81 @@
+"""torch.compile (Dynamo) and perfmon: mark perfmon's code so that Dynamo runs it eagerly.
+
+The hot path's frames are skipped but what they call (the user's model) is compiled; every other
+function of every ``perfmon`` module is skipped with everything it calls (see ``mark_for_dynamo``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from .hotpath import hot_path
+from .stages import staged_path
+
+__all__ = ["mark_for_dynamo"]
+
+
+_DYNAMO_MARKED = False
+
+
+def mark_for_dynamo() -> bool:
+    """Tell torch.compile (Dynamo) to run perfmon eagerly and compile only the model it calls.
+
+    Traced, the hot path would graph-break (locks, deques) or, worse, specialise on the call counter
+    and recompile on every call. So the hot path's frame is skipped (the frames it calls are still
+    compiled: the model's own ``__call__`` frame is compiled whole, zero graph breaks from perfmon) and
+    every other perfmon function is skipped with everything it calls (the slow paths, which hold
+    locks). Every call is still counted and sampled. The marks are on code objects, free at run time;
+    they need ``torch._dynamo`` (~1 s to import), so they are set once something else imported it:
+    here when a model is wrapped, and from the resolver's housekeeping tick (``Monitor`` calls it).
+    """
+    global _DYNAMO_MARKED
+    if _DYNAMO_MARKED:
+        return True
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return False
+    _DYNAMO_MARKED = True
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore[attr-defined]
+
+        for code in _HOT_CODES:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+        everything = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for code in _perfmon_code(sys.modules):
+            if code not in _HOT_CODES:
+                set_code_exec_strategy(code, everything)
+    except Exception:  # an older or newer torch without these: compile still works, it just traces us
+        pass
+    return True
+
+
+def _perfmon_code(modules: Mapping[str, Any]) -> list[types.CodeType]:
+    """The code objects of perfmon's functions and methods (module level and in classes)."""
+    out: list[types.CodeType] = []
+    for name, module in list(modules.items()):
+        if not (name == "perfmon" or name.startswith("perfmon.")) or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            if getattr(obj, "__module__", None) != name:
+                continue
+            members = vars(obj).values() if isinstance(obj, type) else (obj,)
+            for member in members:
+                fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                fn = fn.fget if isinstance(fn, property) else fn
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    out.append(code)
+    return out
+
+
+def _inner_code(fn: Any) -> types.CodeType:
+    """The code object of the ``__call__`` a closure factory builds."""
+    return next(c for c in fn.__code__.co_consts if getattr(c, "co_name", None) == "__call__")  # type: ignore[no-any-return]
+
+
+#: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them.
+_HOT_CODES = (_inner_code(hot_path), _inner_code(staged_path))

@@ -1,0 +1,116 @@
+"""The hot path: what runs on the request thread for every call of a monitored model.
+
+Per call it counts (one ``next()`` on an ``itertools.count``), decides whether the call is cold
+or due for a sample (integer comparisons and, with signature tracking, one dict lookup) and, for
+the few calls that are timed, stamps ``perf_counter_ns``/records a CUDA event pair and appends a
+tuple to a bounded deque. Nothing here touches prometheus_client, logs, takes a lock per call,
+computes a percentile or waits for the GPU.
+
+Anything that fails in here is counted as an internal error and the user's call proceeds; the
+user's own exceptions are counted by class and re-raised unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from .phases import batch_of, signature, work_of
+from .state import ModelState, Token
+
+__all__ = ["hot_path"]
+
+_Tensor = torch.Tensor
+
+
+def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Build the ``__call__`` of one monitored object: the per-call hot path.
+
+    ``fn(self, *args, **kwargs)`` runs the call itself: for a module, its class's own ``__call__``
+    (``nn.Module.__call__``: hooks, then ``forward``); for a function, the function. A closure rather
+    than a method: the state, the target and the constants are closure cells, read without an
+    attribute lookup. On an unsampled call it does: one ``next()``, one comparison and, with signature
+    tracking, the signature's dict lookup and one ``next()`` on its counter (which is also how items
+    are counted). Everything else is on the rare paths.
+    """
+    tensor = _Tensor
+    general_signature = signature
+    clock = perf_counter_ns
+    items_fn = st.items_fn
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        items = entry = None
+        try:
+            # st.calls, not a captured counter: after fork() the child gets fresh counters (reset_after_fork).
+            n = next(st.calls)
+            sigs = st.sigs
+            token: Token | Any | None
+            if sigs is not None:
+                if len(args) == 1 and not kwargs and type(a := args[0]) is tensor:
+                    # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and
+                    # reading dtype costs ~50 ns more): the dtype is checked on timed calls below.
+                    key: Hashable = a.shape
+                else:
+                    key = general_signature(args, kwargs)
+                    a = None
+                entry = sigs.get(key)
+                if entry is None or entry.warm_left:
+                    token = st.new_signature(n, key, args, kwargs)
+                else:
+                    next(entry.calls)
+                    if n >= st.next_index:
+                        token = st.due(n)
+                        if a is not None and token.__class__ is tuple and a.dtype not in entry.dtypes:
+                            token = st.new_dtype(entry, a.dtype, token)  # type: ignore[arg-type]
+                    else:
+                        token = None
+            else:
+                if st.items_q is not None and items_fn is None:
+                    st.items_q.append(batch_of(args, kwargs))  # signatures churned: count items directly
+                token = st.due(n) if n >= st.next_index else None
+            if items_fn is not None:
+                items = st.count_items(args, kwargs)
+        except Exception as exc:
+            st.hub.internal.report("instrument", exc)
+            token = None
+        if token is None:
+            try:
+                return fn(self, *args, **kwargs)
+            except BaseException as exc:
+                st.error(exc)
+                raise
+        if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
+            try:
+                return token.call(st, fn, (self, *args), kwargs)  # type: ignore[union-attr]
+            except BaseException as exc:
+                st.error(exc)
+                raise
+        # Sampled calls only: the batch-size histogram, and the work that sets the size class.
+        size = items
+        if entry is not None:
+            if items is None:
+                items = entry.items  # known from the signature: no need to look at the tensors again
+            if items_fn is None:
+                size = entry.work
+        else:
+            try:
+                if items is None:
+                    items = batch_of(args, kwargs)
+                if items_fn is None:
+                    size = work_of(args, kwargs)
+            except Exception:
+                items = size = None
+        t0 = clock()
+        try:
+            out = fn(self, *args, **kwargs)
+        except BaseException as exc:
+            st.abort(token)
+            st.error(exc)
+            raise
+        st.finish(token, n, t0, clock(), items, size)
+        return out
+
+    return __call__

@@ -1,0 +1,222 @@
+"""The monitor's models by name: wrapping, the ``model`` label registry, and the states they feed.
+
+Every ``model`` label value is one ``ModelState`` (or one per stage of a generative model); the label
+set is bounded by ``max_models``. ``Monitor.wrap``/``instrument``/``track`` land here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..exceptions import ConfigError, WrapError
+from .generation import GenerationTracker
+from .span import Span
+from .stages import PREFILL, Stages, generative_stage, is_generative
+from .state import Hub, ModelState
+from .wrap import MonitoredFunction, MonitoredModule, Probe, unwrap_module
+
+__all__ = ["Models", "check_items", "group"]
+
+
+class Models:
+    """The states of one monitor's models, by name (thread-safe registration, lock-free reads)."""
+
+    def __init__(self, config: Config, hub: Hub, generations: GenerationTracker) -> None:
+        self.config = config
+        self._hub = hub
+        self._generations = generations
+        self.by_name: dict[str, ModelState] = {}
+        self._lock = threading.Lock()
+        self._anon = itertools.count(1)
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()  # a parent thread may have held it at fork()
+
+    def get(self, name: str) -> ModelState | None:
+        return self.by_name.get(name)
+
+    def states(self) -> list[ModelState]:
+        """Every state that is called: one per model, or one per stage of a model with stages."""
+        out: list[ModelState] = []
+        for st in list(self.by_name.values()):
+            out.extend(list(st.stages.values()) if st.stages else (st,))
+        return out
+
+    def new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True,
+                  items: Any = None, stage: str = "") -> ModelState:
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise ConfigError(f"model name {name!r}: expected a non-empty string of at most 128 characters")
+        if not _printable_utf8(name):
+            # A lone surrogate cannot be encoded: every /metrics render would fail (500) from then on.
+            raise ConfigError(f"model name {name!r}: expected printable characters that encode as UTF-8 "
+                              "(no control characters, no lone surrogates)")
+        with self._lock:
+            old = self.by_name.get(name)
+            if old is not None and not old.attached and capturable and old.capturable:
+                old.attached = True  # wrapped again after unwrap(): its counters continue
+                return old
+            if old is not None:
+                raise ConfigError(f"model name {name!r} is already monitored; pass a distinct name=")
+            if len(self.by_name) >= self.config.max_models:
+                raise ConfigError(f"at most max_models={self.config.max_models} models per monitor "
+                                  "(each name is a label value on every forward metric)")
+            state = ModelState(name, self._hub, resolve, capturable=capturable, items=items, stage=stage)
+            self.by_name[name] = state
+        return state
+
+    def pick(self, model: str | None) -> ModelState:
+        """The capturable model named ``model``, or the only one when None (``LookupError``/``ConfigError``)."""
+        capturable = {n: s for n, s in self.by_name.items() if s.capturable}
+        if model is None:
+            if len(capturable) != 1:
+                raise ConfigError(f"model: required when {len(capturable)} models can be captured; "
+                                  f"one of {sorted(capturable)}")
+            return next(iter(capturable.values()))
+        st = self.by_name.get(model)
+        if st is None:
+            raise LookupError(f"unknown model {model!r}; known: {sorted(self.by_name)}")
+        if not st.capturable:
+            raise ConfigError(f"model {model!r} is a tracked block; captures need a wrapped model or function")
+        return st
+
+    def wrap(self, model: Any, *, name: str | None, device: str, items: Any, stage: Any) -> Any:
+        """``Monitor.wrap``: a module monitored in place, or a plain callable through ``instrument``."""
+        check_items(items)
+        if stage is not None and stage is not False and not callable(stage):
+            raise ConfigError(f"stage={stage!r}: expected None (automatic), a callable or False")
+        if isinstance(model, (Probe, MonitoredModule)):
+            raise WrapError("this object is already monitored")
+        if not callable(model):
+            raise WrapError(f"cannot monitor {type(model).__name__!r}: it is not callable")
+        if not isinstance(model, torch.nn.Module):
+            if callable(stage):
+                raise ConfigError("stage=: stages split the forward calls of an nn.Module; a plain callable has one "
+                                  "stage (use monitor.generation/monitor.stream for its requests)")
+            return self.instrument(model, name=name, device=device, items=items)
+        label = name if name is not None else type(model).__name__
+        resolve = _fixed(device) if device != "auto" else _module_device(model)
+        if stage is None:
+            stage = generative_stage if is_generative(model) else False
+        if stage is False:
+            return MonitoredModule.create(model, self.new_state(label, resolve, items=items))
+        first = PREFILL if stage is generative_stage else "other"
+        state = self.new_state(label, resolve, items=items, stage=first)
+
+        def make(label_: str) -> ModelState:
+            return ModelState(label, self._hub, resolve, items=items, stage=label_)
+
+        every = max(1, round(1 / self.config.sample_rate))
+        calls_of_generate = itertools.count()
+        generations = self._generations
+
+        def requests(args: tuple[Any, ...], kwargs: Any) -> tuple[list[Any], bool]:
+            batch, prompt = _prompt_shape(args, kwargs)
+            # The first generate() call, then one in 1/sample_rate, has every step timed.
+            timed = next(calls_of_generate) % every == 0
+            return [generations.start(label, prompt) for _ in range(batch)], timed
+
+        return MonitoredModule.create(model, state, lambda fn: Stages(stage, make, fn, first=state,
+                                                                     internal=self._hub.internal),
+                                      requests=requests)
+
+    def unwrap(self, model: Any) -> Any:
+        """``Monitor.unwrap``: the module's own class back; its series stay."""
+        st: ModelState | None = getattr(type(model), "_perfmon_state", None)
+        if st is None or not isinstance(model, MonitoredModule) or self.by_name.get(st.name) is not st:
+            raise WrapError("this object is not a module monitored by this monitor")
+        unwrap_module(model)
+        st.attached = False
+        return model
+
+    def instrument(self, fn: Callable[..., Any] | None, *, name: str | None, device: str, items: Any) -> Any:
+        """``Monitor.instrument``: a monitored callable, or a decorator when ``fn`` is None."""
+        check_items(items)
+
+        def decorate(f: Callable[..., Any]) -> Any:
+            if isinstance(f, Probe):
+                raise WrapError("this callable is already monitored")
+            if not callable(f):
+                raise WrapError(f"cannot monitor {type(f).__name__!r}: it is not callable")
+            label = name if name is not None else getattr(f, "__qualname__", None) or f"callable{next(self._anon)}"
+            resolve = _fixed(device) if device != "auto" else _current_cuda_device
+            return MonitoredFunction.create(f, self.new_state(label, resolve, items=items))
+
+        return decorate if fn is None else decorate(fn)
+
+    def track(self, name: str, *, device: str) -> Span:
+        """``Monitor.track``: a block counted and sample-timed under ``model=name``."""
+        state = self.by_name.get(name)
+        if state is None:
+            with self._lock:
+                state = self.by_name.get(name)
+            if state is None:
+                resolve = _fixed(device) if device != "auto" else _current_cuda_device
+                try:
+                    state = self.new_state(name, resolve, capturable=False, items=False)
+                except ConfigError:
+                    state = self.by_name[name]  # created by a racing thread
+        return Span(state)
+
+
+def group(st: ModelState) -> list[ModelState]:
+    """A model's states: its stages', or its own."""
+    return list(st.stages.values()) if st.stages else [st]
+
+
+def check_items(items: Any) -> None:
+    if items is not None and items is not False and not callable(items):
+        raise ConfigError(f"items={items!r}: expected None (batch dimension), a callable or False")
+
+
+def _prompt_shape(args: tuple[Any, ...], kwargs: Any) -> tuple[int, int | None]:
+    """(sequences, prompt tokens per sequence) of a generate() call, from the inputs' shape (no sync).
+
+    Padding is counted: the attention mask's sum would be a device read.
+    """
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    shape = getattr(inputs, "shape", None)
+    if shape is None or len(shape) == 0:
+        return 1, None
+    if len(shape) == 1:
+        return 1, int(shape[0])
+    return int(shape[0]), int(shape[1])
+
+
+def _printable_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return text.isprintable()
+
+
+def _fixed(label: str) -> Callable[[], str]:
+    label = str(label)
+    if label.startswith("cuda") and ":" not in label and torch.cuda.is_available():
+        label = f"cuda:{torch.cuda.current_device()}"
+    return lambda: label
+
+
+def _module_device(module: torch.nn.Module) -> Callable[[], str]:
+    def resolve() -> str:
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            return str(t.device)
+        return "cpu"
+
+    return resolve
+
+
+def _current_cuda_device() -> str:
+    # A plain callable has no parameters to look at: once the process uses CUDA, time on the current
+    # device's stream with events (the work a callable enqueues is asynchronous).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"

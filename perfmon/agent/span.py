@@ -1,0 +1,42 @@
+"""``Span``: ``with monitor.track(name):`` counts and sample-times a block of code like a call."""
+
+from __future__ import annotations
+
+from time import perf_counter_ns
+from typing import Any
+
+from .state import ModelState, Token
+
+__all__ = ["Span"]
+
+
+class Span:
+    """``with monitor.track(name):`` — count and sample-time a block of code like a call."""
+
+    __slots__ = ("_index", "_st", "_start_ns", "_token")
+
+    def __init__(self, state: ModelState) -> None:
+        self._st = state
+        self._token: Token | None = None
+
+    def __enter__(self) -> Span:
+        st = self._st
+        try:
+            n = self._index = next(st.calls)
+            token = st.due(n) if n >= st.next_index else None
+            # Blocks are not captured (a capture profiles calls of a wrapped model or function).
+            self._token = token if token.__class__ is tuple else None
+        except Exception as exc:
+            st.hub.internal.report("instrument", exc)
+            self._token = None
+        self._start_ns = perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        end_ns = perf_counter_ns()
+        st = self._st
+        if exc is not None:
+            st.abort(self._token)
+            st.error(exc)
+        elif self._token is not None:
+            st.finish(self._token, self._index, self._start_ns, end_ns)

@@ -1,0 +1,228 @@
+"""Wrapping: put the hot path in front of a module's or a function's calls, and take it away.
+
+``MonitoredModule.create`` swaps a module's class, in place, for a subclass made for that one model
+whose ``__call__`` is the hot path (pickling, copying, ``.to()`` and ``module.compile()`` keep
+working: the class-swap helpers below); ``unwrap_module`` gives the class back. ``Probe`` and
+``MonitoredFunction`` are what ``Monitor.instrument`` returns for a plain callable.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .dynamo import mark_for_dynamo
+from .hotpath import hot_path
+from .stages import Stages, staged_path, tracked_generate
+from .state import ModelState
+
+__all__ = ["MonitoredFunction", "MonitoredModule", "Probe", "unwrap_module"]
+
+
+class Probe:
+    """Base of the objects ``Monitor.instrument`` returns (a monitored function).
+
+    Each instance gets its own subclass whose ``__call__`` is ``hot_path(state, target)``
+    (see ``Probe.create``); the bounded number of models keeps the number of classes bounded.
+    """
+
+    __slots__ = ("_pm", "_pm_fn")
+
+    _pm: ModelState
+    _pm_fn: Callable[..., Any]
+
+    @classmethod
+    def create(cls, target: Callable[..., Any], state: ModelState) -> Any:
+        def call(_probe: Any, *args: Any, **kwargs: Any) -> Any:
+            return target(*args, **kwargs)
+
+        mark_for_dynamo()
+        sub = type(cls.__name__, (cls,), {"__slots__": (), "__call__": hot_path(state, call),
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return sub(target, state)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - replaced per instance
+        raise TypeError("use Probe.create()")
+
+
+class MonitoredFunction(Probe):
+    """A monitored plain callable (a ``generate()`` loop, a pipeline step); also works on methods."""
+
+    __slots__ = ("__dict__", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any], state: ModelState) -> None:
+        self._pm_fn = fn
+        self._pm = state
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
+
+    def __repr__(self) -> str:
+        return f"<perfmon monitored {self._pm_fn!r} as {self._pm.name!r}>"
+
+
+class MonitoredModule:
+    """The mark of a monitored ``nn.Module``: a base of the per-model class ``Monitor.wrap`` gives it.
+
+    ``wrap`` does not return a proxy. It swaps the module's class for a subclass made for this one
+    model, with the same name, module and qualified name, whose ``__call__`` is the hot path in front
+    of the class's own ``__call__`` (hooks, then ``forward``). So every call is monitored, however it
+    comes: through the object ``wrap`` returned, from the model's own methods (Hugging Face
+    ``generate()`` calls ``self(...)``), from a parent module or a pipeline holding it. And it is the
+    user's object: ``isinstance`` holds, ``.to()``/``.eval()`` return it, ``state_dict`` is unchanged.
+    ``type(model) is Cls`` is the one check that no longer holds (``type(model).__name__`` still does).
+
+    Pickling (``torch.save``), ``copy.copy`` and ``copy.deepcopy`` produce the bare class: a copy is a
+    new model, not the monitored one. ``Monitor.unwrap`` restores the class.
+    """
+
+    __slots__ = ()
+
+    _perfmon_state: ModelState
+    _perfmon_base: type
+
+    @classmethod
+    def create(cls, module: torch.nn.Module, state: ModelState, stages: Callable[..., Stages] | None = None,
+               requests: Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[list[Any], bool]] | None = None
+               ) -> Any:
+        """Swap ``module``'s class for a monitored subclass (in place); returns ``module``.
+
+        ``stages``, for a model with stages, builds its ``Stages`` from the call target; ``state`` is
+        then its first stage's. ``requests`` opens the generation requests of a ``generate()`` call
+        (models with stages only: see ``tracked_generate``).
+        """
+        base = type(module)
+        mark_for_dynamo()
+        if stages is not None:
+            call = staged_path(stages(base.__call__))
+        elif base.__call__ is _MODULE_CALL:
+            # nn.Module.__call__ only checks for module.compile()'s _compiled_call_impl, then runs
+            # _call_impl: calling _call_impl directly saves that frame (~190 ns). module.compile()
+            # switches this class back to the full __call__ (_compile_then_call_fully).
+            call = hot_path(state, _CALL_IMPL)
+        else:
+            call = hot_path(state, base.__call__)
+        ns: dict[str, Any] = {
+            "__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__, "_perfmon_state": state, "_perfmon_base": base, "__call__": call,
+        }
+        if _is_torch_builtin(base.forward):
+            ns["forward"] = _compilable_forward(base.forward)
+        if stages is not None and requests is not None and callable(getattr(base, "generate", None)):
+            ns["generate"] = tracked_generate(base.generate, requests, state.hub.internal)  # type: ignore[attr-defined]
+        if stages is None and base.__call__ is _MODULE_CALL:
+            ns["compile"] = _compile_then_call_fully(base, state)
+        sub = type(base.__name__, (base, cls), ns)
+        sub.__reduce_ex__ = _reduce_as(sub, base)  # type: ignore[method-assign]
+        sub._apply = _apply_then_relabel(base, state)  # type: ignore[attr-defined]
+        module.__class__ = sub
+        return module
+
+    @property
+    def perfmon_name(self) -> str:
+        """The ``model`` label of this module's metrics."""
+        return type(self)._perfmon_state.name
+
+
+def unwrap_module(module: Any) -> Any:
+    """Give a monitored module its own class back (exactly: the object is the same); returns it."""
+    cls = type(module)
+    if not isinstance(module, MonitoredModule):
+        raise TypeError(f"{cls.__name__!r} object is not a module monitored by perfmon")
+    module.__class__ = cls._perfmon_base
+    return module
+
+
+def _is_torch_builtin(forward: Any) -> bool:
+    return str(getattr(forward, "__module__", "")).startswith("torch.")
+
+
+_MODULE_CALL = torch.nn.Module.__call__
+_CALL_IMPL = torch.nn.Module._call_impl
+
+
+def _compile_then_call_fully(base: type, state: ModelState) -> Callable[..., Any]:
+    """``module.compile()``: compile as torch does, then run the full ``nn.Module.__call__`` (which calls
+    the compiled ``_compiled_call_impl``) behind the hot path."""
+    compile_ = base.compile  # type: ignore[attr-defined]
+
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = compile_(self, *args, **kwargs)
+        type(self).__call__ = hot_path(state, base.__call__)
+        return result
+
+    return compile
+
+
+def _compilable_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The builtin ``forward`` behind a frame of perfmon's own (one Python call, builtins only).
+
+    ``torch.compile`` inlines the whole ``__call__`` of a module whose ``forward`` is torch's own
+    (``nn.Sequential``, ``nn.Linear``...) instead of compiling its frame; inlined, perfmon's hot path
+    would stop the graph and leave the model uncompiled. With a ``forward`` that is not torch's, the
+    module's ``__call__`` frame is compiled as for any user-defined model (tests/test_wrap.py). Where
+    the builtin's parameters are plain (``forward(self, input)``), the trampoline has the same ones:
+    no ``*args``/``**kwargs`` packing (~70 ns instead of ~200 ns).
+    """
+    import inspect
+
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    plain = bool(params) and all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params)
+    if plain and all(p.name.isidentifier() for p in params):
+        names = ", ".join(p.name for p in params)
+        scope: dict[str, Any] = {"forward": forward, "__name__": __name__ + "._trampolines"}
+        exec(f"def forward_({names}):\n    return forward({names})\n", scope)  # names from the signature
+        return functools.wraps(forward)(scope["forward_"])  # type: ignore[no-any-return]
+
+    @functools.wraps(forward)
+    def forward_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, **kwargs)
+
+    return forward_
+
+
+def _reduce_as(sub: type, base: type) -> Callable[..., Any]:
+    """``__reduce_ex__`` that pickles and copies a monitored module as its bare class.
+
+    The copy is then loadable where perfmon is not installed, and a deep copy is a new, unmonitored
+    model rather than a second object counting under the first one's name.
+    """
+    import copyreg
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        rv = super(sub, self).__reduce_ex__(protocol)  # type: ignore[arg-type]
+        if not isinstance(rv, tuple) or len(rv) < 2:
+            return rv
+        func, args = rv[0], rv[1]
+        if func is copyreg.__newobj__ and tuple(args) == (sub,):  # type: ignore[attr-defined]
+            # pickle insists that __newobj__'s class is type(obj); the reconstructor does the same job.
+            return (copyreg._reconstructor, (base, object, None), *rv[2:])  # type: ignore[attr-defined]
+        return (func, tuple(base if a is sub else a for a in args), *rv[2:])
+
+    return __reduce_ex__
+
+
+def _apply_then_relabel(base: type, state: ModelState) -> Callable[..., Any]:
+    """``nn.Module._apply`` (behind ``.to()``, ``.cuda()``, ``.half()``...), then re-read the device label."""
+    apply = base._apply  # type: ignore[attr-defined]
+
+    def _apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = apply(self, *args, **kwargs)
+        try:
+            for st in list((state.stages or {state.stage: state}).values()):
+                st.refresh_device()
+        except Exception as exc:
+            state.hub.internal.report("device", exc)
+        return result
+
+    return _apply

@@ -1,0 +1,162 @@
+"""When perfmon captures on its own: a regression arms a capture, a healthy model gets a baseline one.
+
+Runs on the resolver thread: ``sink`` takes each resolved sample, ``tick`` closes windows, retries a
+regression capture that found the profiler busy and keeps each model's baseline capture fresh.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from time import perf_counter_ns
+from typing import Any
+
+from ..agent.models import Models
+from ..agent.records import STEADY, Sample, series_key, split_key
+from ..exceptions import ConfigError
+from ..faults import InternalErrors
+from .controller import CaptureController
+from .detector import Detector, Regression, RegressionPolicy
+from .records import CaptureOptions
+
+__all__ = ["BASELINE_CHECK_SECONDS", "DEFERRED_SECONDS", "FROM_ENV", "CapturePolicy", "resolve_policy"]
+
+#: How often (seconds) a model's baseline capture is looked up in the trace store (a directory read).
+BASELINE_CHECK_SECONDS = 30.0
+#: How long (seconds) a regression capture that found the capture slot busy waits for it to free.
+DEFERRED_SECONDS = 120.0
+
+
+#: ``Monitor(regression=...)``'s default: a default ``RegressionPolicy``, unless ``PERFMON_REGRESSION`` is off.
+FROM_ENV: Any = object()
+
+
+def resolve_policy(regression: Any, environ: Mapping[str, str] = os.environ) -> RegressionPolicy | None:
+    """``Monitor(regression=...)``: a ``RegressionPolicy``, None (off), or ``FROM_ENV``; else ``ConfigError``."""
+    if regression is FROM_ENV:
+        off = environ.get("PERFMON_REGRESSION", "").strip().lower() in ("0", "off", "false", "no", "none")
+        regression = None if off else RegressionPolicy()
+    if regression is not None and not isinstance(regression, RegressionPolicy):
+        raise ConfigError(f"regression={regression!r}: expected a perfmon.RegressionPolicy or None")
+    return regression
+
+
+class CapturePolicy:
+    """Regression → capture, and baseline captures, for one monitor (resolver thread; fail soft).
+
+    ``policy`` None: regressions are neither detected nor captured (``detector`` is None).
+    """
+
+    def __init__(self, policy: RegressionPolicy | None, *, models: Models, captures: CaptureController,
+                 internal: InternalErrors, log: Any) -> None:
+        self.policy = policy
+        self.detector = Detector(policy) if policy is not None else None
+        self._models = models
+        self._captures = captures
+        self._internal = internal
+        self._log = log
+        #: How often (seconds) a model's baseline capture is looked up in the trace store.
+        self.baseline_check_seconds = BASELINE_CHECK_SECONDS
+        #: model -> perf_counter_ns of the last look for its baseline capture (the store is read at most
+        #: every baseline_check_seconds per model).
+        self._baseline_checked: dict[str, int] = {}
+        #: series key -> (state, options, reason, expiry ns): a regression capture that found the slot busy.
+        self.deferred: dict[str, tuple[Any, CaptureOptions, dict[str, Any], int]] = {}
+
+    def reset_after_fork(self) -> None:
+        self.deferred, self._baseline_checked = {}, {}  # the parent's regressions are the parent's
+        if self.detector is not None:
+            self.detector.reset_after_fork()
+
+    def sink(self, sample: Sample) -> None:
+        """Steady-state samples feed the regression detector."""
+        if sample.phase == STEADY and self.detector is not None:
+            # Each stage of a generative model has its own baseline: prefill and decode never mix.
+            # Like with like: each sample is judged against its own size class (its work, Sample.size).
+            self.fire(self.detector.add(series_key(sample.model, sample.stage), sample.duration_seconds,
+                                        sample.end_ns, sample.size))
+
+    def tick(self, now_ns: int) -> None:
+        """Close due windows, arm a deferred regression capture, keep baselines fresh."""
+        if self.detector is not None:
+            self.fire(self.detector.tick(now_ns))
+            self._retry_deferred(now_ns)
+            self._baseline_captures(now_ns)
+
+    def fire(self, regressions: list[Regression]) -> None:
+        """Log each regression and arm its capture (or keep it for when the profiler frees)."""
+        policy = self.policy
+        for r in regressions:
+            model, stage = split_key(r.model)
+            details = {**r.as_dict(), "model": model, **({"stage": stage} if stage else {})}
+            self._log.warning("latency_regression", **details)
+            st = self._models.get(model)
+            if st is None or policy is None or not st.capturable:
+                continue
+            options = CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds,
+                                     record_shapes=policy.capture_record_shapes,
+                                     with_stack=policy.capture_with_stack,
+                                     profile_memory=policy.capture_profile_memory)
+            busy = self._captures.state != "idle"
+            if self._captures.auto(st, options, details) is None and busy:
+                # Another capture (a baseline, a manual one) holds the profiler: the detector fires once per
+                # regression, so keep this one and arm it when the slot frees, while the regression lasts.
+                self.deferred[r.model] = (st, options, details, perf_counter_ns() + int(DEFERRED_SECONDS * 1e9))
+
+    def _retry_deferred(self, now_ns: int) -> None:
+        """Arm a regression capture that found the slot busy, once it is free."""
+        if not self.deferred or self._captures.state != "idle" or self.detector is None:
+            return
+        active = {key for key, _, _, is_active, _ in self.detector.views() if is_active}
+        for key, (st, options, details, expires_ns) in list(self.deferred.items()):
+            del self.deferred[key]
+            if key in active and now_ns < expires_ns:
+                self._captures.auto(st, options, details)
+                return  # one capture at a time
+
+    def _baseline_captures(self, now_ns: int) -> None:
+        """Arm a ``baseline`` capture of a model whose baseline is learned, no regression active, when it
+        has none younger than ``baseline_capture_max_age_seconds``."""
+        policy, det = self.policy, self.detector
+        if policy is None or det is None or not policy.baseline_capture or self._captures.state != "idle":
+            return
+        learned: dict[str, bool] = {}  # model -> every learned series healthy
+        baselines: dict[str, dict[str, Any]] = {}
+        for key, _, base, active, _ in det.views():
+            model, stage = split_key(key)
+            if base is not None or active:
+                learned[model] = learned.get(model, True) and not active
+                baselines.setdefault(model, {})[stage or "all"] = base
+        for model, healthy in learned.items():
+            last = self._baseline_checked.get(model)
+            if not healthy or (last is not None and now_ns - last < self.baseline_check_seconds * 1e9):
+                continue
+            self._baseline_checked[model] = now_ns
+            st = self._models.get(model)
+            if st is None or not st.capturable:
+                continue
+            try:
+                meta = self._captures.latest_baseline(model)
+                age = _age_seconds(meta.get("ended_at")) if meta is not None else None
+                if age is not None and age < policy.baseline_capture_max_age_seconds:
+                    continue
+                options = CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds,
+                                         record_shapes=policy.capture_record_shapes)
+                reason = {"baseline_seconds": baselines.get(model),
+                          "previous": None if meta is None else meta.get("id")}
+                self._captures.baseline(st, options, reason)
+            except Exception as exc:
+                self._internal.report("baseline_capture", exc)
+            return  # one at a time: the controller holds one capture
+
+
+def _age_seconds(iso: Any) -> float | None:
+    """Seconds since an ISO 8601 UTC time stamp (a capture's ``ended_at``), or None when unreadable."""
+    try:
+        then = datetime.fromisoformat(str(iso))
+    except ValueError:
+        return None
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - then).total_seconds()

@@ -1,0 +1,154 @@
+"""torch.profiler, and only here: the profiler a capture runs, and how it is started and stopped.
+
+``torch_profiler`` builds the real one (``ProfilerFactory`` is the seam a fake goes through);
+``profiler_active`` says whether any profiler runs (perfmon never nests one: a nested session silently
+wipes the outer one); ``warm_up_profiler`` pays Kineto's first start before traffic; ``quiet_kineto``
+runs a start or stop with Kineto's ``USDT:`` stderr lines filtered out of fd 2; ``step_annotation``
+is torch's ``record_function``, which marks each recorded model call for the export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from .records import CaptureOptions
+
+__all__ = [
+    "Profiler", "ProfilerFactory", "Scope", "no_scope", "profiler_active", "quiet_kineto", "step_annotation",
+    "torch_profiler", "warm_up_profiler",
+]
+
+
+class Profiler(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def export_chrome_trace(self, path: str) -> None: ...
+
+
+#: Builds a profiler for a capture: (options, record CUDA activity) -> Profiler.
+ProfilerFactory = Callable[[CaptureOptions, bool], Profiler]
+
+#: A named profiler annotation: name -> context manager (torch's ``record_function``, or ``no_scope``).
+Scope = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def torch_profiler(options: CaptureOptions, cuda: bool) -> Profiler:
+    """The real one: torch.profiler with CPU (and CUDA) activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # with_flops costs nothing measurable here (5 steps of an 8-layer MLP: 5.3-5.8 ms either way).
+    return profile(activities=activities, record_shapes=options.record_shapes,  # type: ignore[no-any-return]
+                   with_stack=options.with_stack, profile_memory=options.profile_memory, with_flops=True)
+
+
+def profiler_active() -> bool:
+    """True while any torch profiler runs: the global Python flag (any thread) or this thread's session."""
+    try:
+        import torch
+        from torch.autograd import profiler as autograd_profiler
+
+        return bool(getattr(autograd_profiler, "_is_profiler_enabled", False)
+                    or torch._C._autograd._profiler_enabled())
+    except Exception:  # pragma: no cover - private API moved: assume busy rather than break a session
+        return True
+
+
+def warm_up_profiler() -> float:
+    """Start and stop a profiler once on this thread; returns seconds taken.
+
+    The first profiler start in a process initialises Kineto (measured 1.1-1.3 s here); doing it
+    at Monitor.start(), before traffic, keeps that stall off the first capture's request.
+    """
+    if profiler_active():
+        return 0.0
+    t0 = time.perf_counter()
+    prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
+    quiet_kineto(prof.start)
+    quiet_kineto(prof.stop)
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _no_cycle_warning() -> Iterator[None]:
+    """Ignore torch.profiler's "Profiler clears events at the end of each cycle" UserWarning.
+
+    torch 2.11 warns at a profiler start (once per process) although perfmon records one cycle per
+    profiler; under ``-W error`` (or pytest's ``filterwarnings = error``) the warning became an
+    exception and the capture failed with "profiler did not start". ``catch_warnings`` swaps the
+    process-wide filter list for the call; a start or stop is rare (one per capture), and another
+    thread's warning raised inside that window is at worst filtered by the same one message.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        yield
+
+
+def quiet_kineto(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (a profiler start or stop) with Kineto's ``USDT:`` stderr lines filtered out
+    (and torch's one-cycle warning ignored: ``_no_cycle_warning``).
+
+    Kineto logs ``USDT: ... profiler_start`` / ``profiler_stop`` at its USDT severity (5), above
+    ERROR (4), so no ``KINETO_LOG_LEVEL`` hides them without also hiding Kineto's errors (6 hides
+    everything), and the level is read once, at the first profiler start in the process. Instead,
+    fd 2 points at an anonymous temp file for the duration of the call (a start ~1 ms; a stop as long
+    as the stop, ~0.7 s at the default memory bound for a large model) and everything written there
+    except lines starting ``USDT:`` is written back to the real stderr. Another thread's stderr output
+    in that window is delayed, not lost; a process killed inside the window would lose it.
+    """
+    try:
+        sys.stderr.flush()  # what Python has buffered goes out before the switch, in order
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to protect
+        with _no_cycle_warning():
+            fn()
+        return
+    ran = False
+    data = b""
+    try:
+        with tempfile.TemporaryFile() as scratch:
+            os.dup2(scratch.fileno(), 2)
+            try:
+                ran = True
+                with _no_cycle_warning():
+                    fn()
+            finally:
+                os.dup2(saved, 2)
+                scratch.seek(0)
+                data = scratch.read()
+    except OSError:
+        if ran:
+            raise
+    finally:
+        os.close(saved)
+        kept = b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"USDT:"))
+        while kept:
+            try:
+                kept = kept[os.write(2, kept):]
+            except OSError:
+                break
+    if not ran:  # no temp file could be made: run it unfiltered
+        fn()
+
+
+def no_scope(name: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def step_annotation() -> Scope:
+    """torch's ``record_function`` (a profiler annotation), looked up once per capture."""
+    try:
+        from torch.autograd.profiler import record_function
+    except ImportError:  # pragma: no cover - perfmon runs with torch; a fake profiler may not need it
+        return no_scope
+    return record_function  # type: ignore[no-any-return]
