@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Generator, Iterable
 from time import perf_counter_ns
@@ -81,15 +82,10 @@ class Monitor:
         self.config = cfg = Config.from_env(**settings)
         regression = resolve_policy(regression)
         self.regression: RegressionPolicy | None = regression
-
-        def logger(component: str) -> Any:
-            return make_logger(cfg.log_format, cfg.log_level, component=component)
-
-        #: The monitor's structlog logger (component=monitor).
-        self.log = logger("monitor")
+        logger = functools.partial(make_logger, cfg.log_format, cfg.log_level)
+        self.log = logger(component="monitor")  # the process hooks log through it (perfmon.process)
         hub = self._hub = Hub(cfg, cuda if cuda is not None else TorchCuda() if torch.cuda.is_available() else NoCuda())
-        if trace_reader is not OTEL:
-            hub.trace_reader = trace_reader  # type: ignore[assignment]
+        hub.trace_reader = hub.trace_reader if trace_reader is OTEL else trace_reader  # type: ignore[assignment]
         #: Faults inside the agent, counted (perfmon_internal_errors_total), and its threads' CPU time.
         self.internal, self.cpu = hub.internal, hub.cpu
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -106,7 +102,7 @@ class Monitor:
         self.traces = TraceStore(cfg.trace_dir, max_files=cfg.trace_max_files, max_bytes=cfg.trace_max_bytes)
         limits = regression or RegressionPolicy()
         self.captures = CaptureController(
-            self.traces, internal=hub.internal, log=logger("capture"),
+            self.traces, internal=hub.internal, log=logger(component="capture"),
             cooldown_seconds=limits.cooldown_seconds, max_auto_per_hour=limits.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
             profiler_factory=profiler_factory or torch_profiler, cpu=hub.cpu, peaks=self._peaks,
@@ -116,57 +112,37 @@ class Monitor:
                                     log=self.log)
         self.detector = self.policy.detector
         self.resolver = Resolver(hub, [self.metrics.observe, self.windows.add, self.policy.sink],
-                                  states=self.models.states, on_tick=self._tick, log=logger("resolver"))
+                                  states=self.models.states, on_tick=self._tick, log=logger(component="resolver"))
         #: Captures copied to object storage (trace_store), or None: they stay in trace_dir only.
         self.uploads: TraceUploader | None = None if cfg.trace_store is None else TraceUploader(
             self.traces, cfg.trace_store, internal=hub.internal, timeout_seconds=cfg.trace_upload_timeout_seconds,
-            backoff_max_seconds=cfg.trace_upload_max_backoff_seconds, cpu=hub.cpu, log=logger("upload"))
-        self._memory = memory = memory if memory is not None or not torch.cuda.is_available() else TorchMemory()
-        #: The NVML poller (nvml=True), or None.
-        self.nvml_poller = None if not cfg.nvml else NvmlPoller(
-            nvml, interval_seconds=cfg.nvml_interval_seconds, cpu=hub.cpu, log=logger("nvml"))
-        #: The allocator snapshot written on a CUDA out-of-memory error (oom_snapshot), or None.
-        self.oom: OomSnapshotter | None = None
-        if cfg.oom_snapshot and memory is not None:
-            self.oom = hub.on_oom = OomSnapshotter(
-                memory, cfg.trace_dir, cfg.oom_snapshot_cooldown_seconds,
-                on_written=lambda path: self.log.warning("oom_snapshot_written", path=str(path)),
-                on_error=lambda exc: hub.internal.report("oom_snapshot", exc))
+            backoff_max_seconds=cfg.trace_upload_max_backoff_seconds, cpu=hub.cpu, log=logger(component="upload"))
+        #: The NVML poller (nvml=True) and the allocator snapshot written on a CUDA OOM (oom_snapshot), or None.
+        memory, self.nvml_poller, self.oom = _telemetry(cfg, hub, memory, nvml, logger)
+        self._memory = memory
         self.ports = Ports(self, shedding=hub.http, set_port=self.metrics.set_port, log=self.log)
         self.history = History()
         self._views = Views(config=cfg, hub=hub, models=self.models, metrics=self.metrics, windows=self.windows,
                             history=self.history, generations=self.generations, captures=self.captures,
-                            traces=self.traces, detector=self.detector, pending=lambda: self.resolver.pending,
-                            resolver_alive=lambda: self.resolver.alive, http=self.ports.detail,
+                            traces=self.traces, detector=self.detector, resolver=self.resolver, http=self.ports.detail,
                             memory=memory, nvml=self.nvml_poller)
         _register_collectors(self)
         self._lifecycle = threading.Lock()
         self._running = False
         process.live.add(self)
 
-    # -- lifecycle ----------------------------------------------------------------------------
-
     def start(self) -> Monitor:
-        """Start the resolver thread and the HTTP server (unless ``port=None``). Idempotent.
-
-        Never fails the application's start over the port: with no free port in the range it logs the range,
-        keeps counting and timing, reports it in ``/healthz`` and ``perfmon_agent_http_listening`` and retries
-        the bind in the background (``require_port=True`` raises ``PortUnavailable`` instead).
-        """
+        """Start the resolver thread and the HTTP server (unless ``port=None``). Idempotent. Never fails the
+        application's start over the port: with no free port in the range it logs the range, counts and times on,
+        reports it (``/healthz``, ``perfmon_agent_http_listening``) and retries the bind in the background
+        (``require_port=True`` raises ``PortUnavailable`` instead)."""
         with self._lifecycle:
             if self._running:
                 return self
             cfg = self.config
             self._hub.started_ns = perf_counter_ns()
             self._hub.timing = True
-            try:
-                unusable = self.traces.sweep_temp()
-            except Exception as exc:  # an unusable trace_dir fails captures, never the start
-                self.internal.report("trace_store", exc)
-                unusable = str(exc)
-            if unusable is not None:
-                self.log.error("trace_dir_refused", trace_dir=cfg.trace_dir, reason=unusable,
-                                note="captures are refused until it is fixed; monitoring goes on")
+            _sweep_trace_dir(self)
             if cfg.prepare_profiler:
                 process.prepare_profiler(self.log, self.internal)
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
@@ -232,8 +208,6 @@ class Monitor:
         self._running = False
         self.ports.abandon()
         self._hub.reset_after_fork()
-        for st in self.models.states():
-            st.reset_after_fork()
         for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver,
                      self.generations, self._generation_metrics, self.policy, self.uploads, self.nvml_poller):
             if part is not None:
@@ -265,8 +239,6 @@ class Monitor:
         """The agent's base URL, e.g. ``http://127.0.0.1:40123``; None when it serves no HTTP."""
         return self.ports.url
 
-    # -- instrumenting ------------------------------------------------------------------------
-
     def wrap(self, model: Any, *, name: str | None = None, device: str = "auto", items: Any = None,
              stage: Any = None) -> Any:
         """Monitor ``model``'s calls; returns ``model`` itself (a module) or a monitored callable.
@@ -284,11 +256,8 @@ class Monitor:
         return self.models.wrap(model, name=name, device=device, items=items, stage=stage)
 
     def unwrap(self, model: Any) -> Any:
-        """Stop monitoring a module wrapped by this monitor: its own class back, exactly; returns it.
-
-        Its metrics so far stay exported (counters never go backwards); wrapping it again under the
-        same name continues them.
-        """
+        """Stop monitoring a module wrapped by this monitor: its own class back, exactly; returns it. Its series
+        stay exported (counters never go backwards); wrapping it again under the same name continues them."""
         return self.models.unwrap(model)
 
     @overload
@@ -313,13 +282,8 @@ class Monitor:
     def generation(self, name: str, *, prompt_tokens: int | None = None) -> Generation:
         """One generation request under ``model=name``: call ``g.token(n=1)`` as tokens reach the caller.
 
-        ``with monitor.generation("chat", prompt_tokens=12) as g:`` ends it as ``ok`` (an Exception in the
-        block: ``error``, re-raised unchanged; another BaseException: ``cancelled``); without ``with``,
-        end it with ``g.finish(outcome)``. The first ``token()`` gives the time to first token (seconds,
-        host ``perf_counter``, from this call), the later ones the inter-token latency. ``name`` is
-        registered on first use (the same name as a wrapped model shares its label; at most
-        ``max_models`` names); a bad ``name`` or ``prompt_tokens`` raises ``ConfigError``. Costs one lock
-        and a few counters here and in ``finish()``; ``token()`` one clock read and one deque append.
+        ``with monitor.generation("chat", prompt_tokens=12) as g: ...`` (outcomes, timing and cost:
+        ``GenerationTracker.start``).
         """
         return self.generations.start(name, prompt_tokens)
 
@@ -333,18 +297,10 @@ class Monitor:
 
     def stream(self, iterable: Any, *, name: str, prompt_tokens: int | None = None,
                tokens: Callable[[Any], int] | None = None) -> Any:
-        """Yield ``iterable``'s items unchanged, timing them as one generation request under ``model=name``.
-
-        The request starts now; each item is one token, or ``tokens(item)`` tokens (text chunks; 0
-        records nothing; a failing callable is an internal error and counts 1). Exhaustion ends it
-        ``ok``, an exception from the iterable ``error`` (re-raised unchanged), ``close()``, a consumer
-        that breaks out, or garbage collection before the end ``cancelled``. An async iterable gives an
-        async generator (``async for``; task cancellation counts as ``cancelled``). Times are seconds of
-        host time at which each item is handed to the consumer.
+        """Yield ``iterable``'s items unchanged (sync or async), timing them as one generation request under
+        ``model=name``; each item is one token, or ``tokens(item)`` (outcomes: ``GenerationTracker.stream``).
         """
         return self.generations.stream(iterable, name=name, prompt_tokens=prompt_tokens, tokens=tokens)
-
-    # -- captures -------------------------------------------------------------------------------
 
     def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
                 record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
@@ -374,13 +330,9 @@ class Monitor:
         """One stored capture's trace file (see ``TraceStore.read_trace``), or None."""
         return self.traces.read_trace(capture_id)
 
-    # -- reading ------------------------------------------------------------------------------
-
     def flush(self, timeout: float = 2.0) -> bool:
-        """Resolve every sample taken so far (waiting up to ``timeout`` seconds for the device).
-
-        For tests, benchmarks and shutdown paths; never needed on the request path.
-        """
+        """Resolve every sample taken so far, waiting up to ``timeout`` seconds for the device (for tests,
+        benchmarks and shutdown paths; never needed on the request path)."""
         return self.resolver.drain(deadline_ns=perf_counter_ns() + int(timeout * 1e9))
 
     def stats(self) -> dict[str, Any]:
@@ -420,3 +372,32 @@ def _register_collectors(monitor: Monitor) -> None:
                                 listening=lambda: monitor.ports.listening(monitor._running)))
     reg.register(TelemetryCollector(memory=monitor._memory, nvml=monitor.nvml_poller, internal=monitor.internal,
                                     oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
+
+
+def _telemetry(cfg: Config, hub: Hub, memory: MemorySource | None, nvml: Any,
+               logger: Callable[..., Any]) -> tuple[MemorySource | None, NvmlPoller | None, OomSnapshotter | None]:
+    """The telemetry stage: torch's allocator (with CUDA, unless given), the NVML poller, the OOM snapshotter."""
+    if memory is None and torch.cuda.is_available():
+        memory = TorchMemory()
+    poller = None if not cfg.nvml else NvmlPoller(nvml, interval_seconds=cfg.nvml_interval_seconds, cpu=hub.cpu,
+                                                  log=logger(component="nvml"))
+    oom = None
+    if cfg.oom_snapshot and memory is not None:
+        log = logger(component="monitor")
+        oom = hub.on_oom = OomSnapshotter(
+            memory, cfg.trace_dir, cfg.oom_snapshot_cooldown_seconds,
+            on_written=lambda path: log.warning("oom_snapshot_written", path=str(path)),
+            on_error=lambda exc: hub.internal.report("oom_snapshot", exc))
+    return memory, poller, oom
+
+
+def _sweep_trace_dir(monitor: Monitor) -> None:
+    """At start: clear stale temp files; an unusable trace_dir is logged and fails captures, never the start."""
+    try:
+        unusable = monitor.traces.sweep_temp()
+    except Exception as exc:
+        monitor.internal.report("trace_store", exc)
+        unusable = str(exc)
+    if unusable is not None:
+        monitor.log.error("trace_dir_refused", trace_dir=monitor.config.trace_dir, reason=unusable,
+                          note="captures are refused until it is fixed; monitoring goes on")

@@ -218,14 +218,12 @@ def test_a_manifest_for_another_destination_is_not_trusted(tmp_path: Path, mem: 
     assert other.step() == 0.0 and other.stats.uploads["ok"] == 1
 
 
-def test_the_fleet_listing_retries_a_failed_read_and_reports_one_that_keeps_failing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fleet_listing_retries_a_failed_read_and_reports_one_that_keeps_failing(tmp_path: Path) -> None:
     """Stores are opened with the SDK's retries off, so the listing retries a metadata read that failed (a
     reset, a 5xx): once such an error dropped a capture from `perfmon profiles --store` without a word.
     One that keeps failing is reported through on_skip, never silently left out."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    import perfmon.store.remote as upload_module
 
     class Flaky(MemoryFileSystem):
         fail: ClassVar[dict[str, int]] = {}  # path suffix -> reads left to fail
@@ -252,14 +250,15 @@ def test_the_fleet_listing_retries_a_failed_read_and_reports_one_that_keeps_fail
     while up.step() == 0.0 and up.stats.uploads["ok"] < 3:
         pass
     assert up.stats.uploads["ok"] == 3
-    monkeypatch.setattr(upload_module, "LIST_RETRY_SECONDS", 0.0)
     try:
         Flaky.fail = {f"{ids[0]}.meta.json": 1}  # one transient failure: retried, listed
         skipped: list[tuple[str, str]] = []
-        listed = list_remote("memory://bucket/fleet", fs=fs, root=root, on_skip=lambda k, r: skipped.append((k, r)))
+        listed = list_remote("memory://bucket/fleet", fs=fs, root=root, retry_seconds=0.0,
+                             on_skip=lambda k, r: skipped.append((k, r)))
         assert sorted(e["id"] for e in listed) == sorted(ids) and skipped == []
         Flaky.fail = {f"{ids[1]}.meta.json": 10}  # keeps failing: reported, the others listed
-        listed = list_remote("memory://bucket/fleet", fs=fs, root=root, on_skip=lambda k, r: skipped.append((k, r)))
+        listed = list_remote("memory://bucket/fleet", fs=fs, root=root, retry_seconds=0.0,
+                             on_skip=lambda k, r: skipped.append((k, r)))
         assert sorted(e["id"] for e in listed) == sorted([ids[0], ids[2]])
         assert len(skipped) == 1 and ids[1] in skipped[0][0]
         assert skipped[0][1].startswith("unreadable: ConnectionResetError")

@@ -269,7 +269,16 @@ class GenerationTracker:
     # -- request path -------------------------------------------------------------------------
 
     def start(self, name: str, prompt_tokens: int | None = None) -> Generation:
-        """A new request under ``name`` (registered on first use); raises ConfigError for a bad argument."""
+        """A new request under ``name`` (``Monitor.generation``): call ``g.token(n=1)`` as tokens reach the caller.
+
+        ``with tracker.start("chat", prompt_tokens=12) as g:`` ends it as ``ok`` (an Exception in the block:
+        ``error``, re-raised unchanged; another BaseException: ``cancelled``); without ``with``, end it with
+        ``g.finish(outcome)``. The first ``token()`` gives the time to first token (seconds, host
+        ``perf_counter``, from this call), the later ones the inter-token latency. ``name`` is registered on
+        first use (the same name as a wrapped model shares its label; at most ``max_names`` names); a bad
+        ``name`` or ``prompt_tokens`` raises ``ConfigError``. Costs one lock and a few counters here and in
+        ``finish()``; ``token()`` one clock read and one deque append.
+        """
         counts = self._names.get(name) if name.__class__ is str else None
         if counts is None:
             counts = self._register(name)
@@ -326,7 +335,15 @@ class GenerationTracker:
 
     def stream(self, iterable: Any, *, name: str, prompt_tokens: int | None = None,
                tokens: Callable[[Any], int] | None = None) -> Any:
-        """Wrap a sync or async iterable (see ``Monitor.stream``); the request starts now."""
+        """Yield ``iterable``'s items unchanged, timing them as one generation request (``Monitor.stream``).
+
+        The request starts now; each item is one token, or ``tokens(item)`` tokens (text chunks; 0 records
+        nothing; a failing callable is an internal error and counts 1). Exhaustion ends it ``ok``, an
+        exception from the iterable ``error`` (re-raised unchanged), ``close()``, a consumer that breaks out,
+        or garbage collection before the end ``cancelled``. An async iterable gives an async generator
+        (``async for``; task cancellation counts as ``cancelled``). Times are seconds of host time at which
+        each item is handed to the consumer.
+        """
         if tokens is not None and not callable(tokens):
             raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
         if hasattr(iterable, "__iter__"):

@@ -36,7 +36,10 @@ class Models:
         self._anon = itertools.count(1)
 
     def reset_after_fork(self) -> None:
-        self._lock = threading.Lock()  # a parent thread may have held it at fork()
+        """In a forked child: a lock a parent thread held at fork() is replaced, and each state's counters."""
+        self._lock = threading.Lock()
+        for st in self.states():
+            st.reset_after_fork()
 
     def get(self, name: str) -> ModelState | None:
         return self.by_name.get(name)

@@ -83,6 +83,8 @@ class Exporter:
         self._peaks = peaks
         self.timeout = timeout_seconds
         self.max_memory = max_memory_bytes
+        #: ``(baseline meta, this capture's meta) -> comparison``: ``captures.compare.compare`` (replaceable).
+        self.compare: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] = compare
 
     def export(self, cap: Capture, holder: list[Profiler], aborted: bool) -> Exported:
         """Export the profiler in ``holder`` (taken out of it) for ``cap``; never raises.
@@ -159,7 +161,7 @@ class Exporter:
             base = latest_baseline(self.store, cap.model)
             if base is None:
                 return None
-            return compare(base, {**cap.public(), "ops": ops, "steps": steps})
+            return self.compare(base, {**cap.public(), "ops": ops, "steps": steps})
         except Exception as exc:
             self._internal.report("capture_compare", exc)
             return None

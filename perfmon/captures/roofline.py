@@ -23,7 +23,7 @@ from typing import Any
 
 from .trace_summary import input_bytes, tensor_dtypes
 
-__all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "aggregate", "device_peaks", "op_summary", "peaks_for",
+__all__ = ["GPU_PEAKS", "LAUNCH_BOUND_SECONDS", "Peaks", "aggregate", "device_peaks", "peaks_for",
            "summarise"]
 
 LAUNCH_BOUND_SECONDS = 10e-6
@@ -118,12 +118,6 @@ def aggregate(events: Iterable[Any]) -> list[dict[str, Any]]:
     for row in out:
         row["dtypes"] = sorted(row["dtypes"])
     return out
-
-
-def op_summary(events: Iterable[Any], *, cuda: bool, peaks: Peaks | None, window_seconds: float | None,
-               limit: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``summarise(aggregate(events), ...)``: the summary straight from FunctionEvents."""
-    return summarise(aggregate(events), cuda=cuda, peaks=peaks, window_seconds=window_seconds, limit=limit)
 
 
 def summarise(rows: Iterable[Mapping[str, Any]], *, cuda: bool, peaks: Peaks | None, window_seconds: float | None,

@@ -8,7 +8,7 @@ event and one row per (op, input shapes) — never the whole trace or a Python o
 This replaces ``prof.events()``, which built a FunctionEvent per event in the serving process
 (measured: gigabytes and tens of seconds of GIL for 100 steps of a 200-layer MLP).
 
-Rows carry what ``perfmon.captures.roofline.op_summary`` aggregates from FunctionEvents, computed the same
+Rows carry what ``perfmon.captures.roofline.aggregate`` builds from FunctionEvents, computed the same
 way from the trace's own fields:
 
 * times from each op's ``dur`` (µs); self time is the duration minus that of the ops nested in it on

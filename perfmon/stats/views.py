@@ -15,6 +15,7 @@ from .._version import __version__
 from ..agent.generation import GenerationTracker
 from ..agent.models import Models, group
 from ..agent.records import STEADY, series_key
+from ..agent.resolver import Resolver
 from ..agent.state import Hub, ModelState
 from ..captures.controller import CaptureController
 from ..captures.detector import Detector
@@ -35,7 +36,7 @@ class Views:
 
     def __init__(self, *, config: Config, hub: Hub, models: Models, metrics: Metrics, windows: Windows,
                  history: History, generations: GenerationTracker, captures: CaptureController, traces: TraceStore,
-                 detector: Detector | None, pending: Callable[[], int], resolver_alive: Callable[[], bool],
+                 detector: Detector | None, resolver: Resolver,
                  http: Callable[[], dict[str, Any]], memory: MemorySource | None,
                  nvml: NvmlPoller | None) -> None:
         self.config = config
@@ -48,8 +49,7 @@ class Views:
         self._captures = captures
         self._traces = traces
         self._detector = detector
-        self._pending = pending
-        self._resolver_alive = resolver_alive
+        self._resolver = resolver
         self._http = http
         self._memory = memory
         self._nvml = nvml
@@ -107,7 +107,7 @@ class Views:
             "pid": os.getpid(),  # which worker of a multi-process server answered
             "uptime_seconds": (now - started_ns) / 1e9,
             "window_seconds": self.config.stats_window_seconds,
-            "pending_samples": self._pending(),
+            "pending_samples": self._resolver.pending,
             "internal_errors": dict(self._hub.internal.counts()),
             "models": models,
             "generation": self._generations.stats(now, started_ns),
@@ -131,7 +131,7 @@ class Views:
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, details): healthy while the resolver thread runs (see ``Monitor.health``)."""
-        alive = self._resolver_alive()
+        alive = self._resolver.alive
         detail: dict[str, Any] = {"resolver": "running" if alive else "stopped", "models": len(self._models.by_name)}
         detail.update(self._http())
         return alive, detail

@@ -34,6 +34,10 @@ REMOTE_META_MAX_BYTES = 2**20
 #: A download refuses a trace bigger than this (a capture's trace is bounded by ``capture_max_bytes``,
 #: far below it): a hostile or corrupt object must not fill the disk of whoever fetches it.
 REMOTE_TRACE_MAX_BYTES = 2 * 2**30
+#: Reads of listed metadata objects that failed (not "not found"): tries in all, and the pause before the first
+#: retry (doubled for the next: 0.5 s, then 1 s).
+LIST_READ_TRIES = 3
+LIST_RETRY_SECONDS = 0.5
 _CHUNK = 4 * 2**20
 #: Listed fields shown by ``perfmon profiles --store`` or used by its filters: each a string or null.
 _TEXT_FIELDS = ("model", "host", "trigger", "status", "outcome", "armed_at", "ended_at")
@@ -91,7 +95,8 @@ def _listing_entry(meta: Any, cid: str, key: str) -> dict[str, Any] | None:
 def list_remote(url: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
                 since: float | None = None, limit: int = 100, fs: Any = None, root: str | None = None,
                 on_skip: Callable[[str, str], None] | None = None,
-                meta_max_bytes: int = REMOTE_META_MAX_BYTES) -> list[dict[str, Any]]:
+                meta_max_bytes: int = REMOTE_META_MAX_BYTES,
+                retry_seconds: float = LIST_RETRY_SECONDS) -> list[dict[str, Any]]:
     """Captures in the store, newest first: each one's metadata plus ``key`` (its folder under the prefix).
 
     ``model`` and ``host`` match the key's segments (as ``capture_key`` spells them), ``since`` is Unix
@@ -99,7 +104,8 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     Only metadata objects are read (in batches), never traces. ``id`` is the folder's (the metadata's own is
     not trusted). A metadata object that is not a regular file, is over ``meta_max_bytes`` (by default
     ``REMOTE_META_MAX_BYTES``), is not a JSON object or has a listed field of the wrong type (``_listing_entry``)
-    is skipped, and ``on_skip(key, reason)`` called for it.
+    is skipped, and ``on_skip(key, reason)`` called for it. A metadata read that fails is retried
+    (``LIST_READ_TRIES`` tries, ``retry_seconds`` then doubling between them) before it is skipped.
     """
     if fs is None or root is None:
         fs, root = open_store(url)
@@ -132,7 +138,7 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     out: list[dict[str, Any]] = []
     for start in range(0, len(found), 32):
         batch = found[start:start + 32]
-        bodies = _read_all(fs, [p for _, _, p in batch])
+        bodies = _read_all(fs, [p for _, _, p in batch], retry_seconds)
         for cid, key, path in batch:
             body = bodies.get(path)
             if body is None:
@@ -160,13 +166,8 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     return out
 
 
-#: Reads of listed metadata objects that failed (not "not found"): tries in all, and the pause before the first
-#: retry (doubled for the next: 0.5 s, then 1 s).
-LIST_READ_TRIES = 3
-LIST_RETRY_SECONDS = 0.5
 
-
-def _read_all(fs: Any, paths: list[str]) -> dict[str, bytes | Exception]:
+def _read_all(fs: Any, paths: list[str], retry_seconds: float) -> dict[str, bytes | Exception]:
     """``fs.cat`` of ``paths``: bytes, or the exception that still stood after ``LIST_READ_TRIES`` tries;
     objects gone since the listing are left out. The stores are opened with the SDK's own retries off
     (the uploader's backoff retries), so a listing retries here: one transient error (a reset, a 5xx)
@@ -175,7 +176,7 @@ def _read_all(fs: Any, paths: list[str]) -> dict[str, bytes | Exception]:
     todo = list(paths)
     for attempt in range(LIST_READ_TRIES):
         if attempt:
-            time.sleep(backoff_seconds(attempt, initial=LIST_RETRY_SECONDS, cap=5.0))
+            time.sleep(backoff_seconds(attempt, initial=retry_seconds, cap=5.0))
         got = fs.cat(todo, on_error="return") if todo else {}
         failed = []
         for path in todo:
