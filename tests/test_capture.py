@@ -60,7 +60,7 @@ def test_latency_jump_triggers_exactly_one_capture_with_a_valid_trace(make_monit
     assert mon.detector.baseline("jumpy") is not None
     model.delay = 0.003
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any(k[1] == "regression" for k in mon.captures.finished):
+    while time.monotonic() < deadline and not any(k[1] == "regression" for k in mon.captures.counts.finished):
         model(x)
     t_end = time.monotonic() + 2.0
     while time.monotonic() < t_end:  # still slow: no second capture (cooldown)
@@ -410,6 +410,9 @@ class _ModelState:
 
     def __init__(self) -> None:
         self.name, self.device, self.capture, self.next_index = "m", "cpu", None, 10
+
+    def members(self) -> list:
+        return [self]  # one stage: the model itself
 
 
 def test_capture_ends_early_at_its_memory_bound(tmp_path: Path) -> None:

@@ -311,19 +311,19 @@ def test_baseline_trigger_has_its_own_bucket_and_leaves_the_cooldown_alone(make_
     st = mon.models.pick("m")
     x = torch.randn(1, 4)
     c = mon.captures
-    c.max_baseline = 2
+    c.limits.max_baseline = 2
     base = c.baseline(st, CaptureOptions(steps=1), {"n": 1})
-    assert base is not None and c._last_auto is None  # no cooldown started
-    assert c.baseline(st, CaptureOptions(steps=1), {"n": 2}) is None and c.suppressed["busy"] == 1
+    assert base is not None and c.limits.last_auto is None  # no cooldown started
+    assert c.baseline(st, CaptureOptions(steps=1), {"n": 2}) is None and c.counts.suppressed["busy"] == 1
     wait_capture(mon, base.id, drive=_drive(model, x))
     auto = c.auto(st, CaptureOptions(steps=1), {"why": "test"})  # the regression bucket is untouched
     assert auto is not None
     wait_capture(mon, auto.id, drive=_drive(model, x))
-    assert c.auto(st, CaptureOptions(steps=1), {"why": "test"}) is None and c.suppressed["cooldown"] == 1
+    assert c.auto(st, CaptureOptions(steps=1), {"why": "test"}) is None and c.counts.suppressed["cooldown"] == 1
     second = c.baseline(st, CaptureOptions(steps=1), {"n": 3})  # in the regression cooldown: still arms
     assert second is not None
     wait_capture(mon, second.id, drive=_drive(model, x))
-    assert c.baseline(st, CaptureOptions(steps=1), {"n": 4}) is None and c.suppressed["rate_limit"] == 1
+    assert c.baseline(st, CaptureOptions(steps=1), {"n": 4}) is None and c.counts.suppressed["rate_limit"] == 1
     assert value(mon, "perfmon_captures_total", model="m", trigger="baseline", outcome="ok") == 2
     with pytest.raises(ValueError, match="trigger='nightly'"):
         c.arm(st, CaptureOptions(steps=1), trigger="nightly", reason={})
@@ -455,7 +455,7 @@ def test_a_regression_from_a_new_op_is_detected_and_its_capture_ranks_that_op_fi
     base = wait_until(lambda: mon.captures.latest_baseline("switch"), timeout=60, what="the baseline capture",
                       between=lambda: model(x))
     model.extra = True
-    wait_until(lambda: any(k[:2] == ("switch", "regression") for k in mon.captures.finished), timeout=60,
+    wait_until(lambda: any(k[:2] == ("switch", "regression") for k in mon.captures.counts.finished), timeout=60,
                what="the regression capture", between=lambda: model(x))
     (reg,) = [p for p in mon.profiles() if p["trigger"] == "regression"]
     meta = mon.profile(reg["id"])

@@ -120,6 +120,9 @@ class _State:
         self.capture = None
         self.next_index = 10
 
+    def members(self) -> list:
+        return [self]  # one stage: the model itself
+
 
 def test_automatic_captures_respect_cooldown_and_hourly_cap(tmp_path) -> None:
     """Within the cooldown a second automatic capture is suppressed; past it, the hourly cap applies."""
@@ -137,16 +140,16 @@ def test_automatic_captures_respect_cooldown_and_hourly_cap(tmp_path) -> None:
     clock.t += 2
     ctl.tick()  # armed with no call: expires, slot free again
     assert ctl.state == "idle" and st.capture is None
-    assert ctl.auto(st, opts, {}) is None and ctl.suppressed["cooldown"] == 1
+    assert ctl.auto(st, opts, {}) is None and ctl.counts.suppressed["cooldown"] == 1
     clock.t += 601
     assert ctl.auto(st, opts, {}) is not None
     clock.t += 2
     ctl.tick()
     clock.t += 601
-    assert ctl.auto(st, opts, {}) is None and ctl.suppressed["rate_limit"] == 1  # 2 in the last hour
+    assert ctl.auto(st, opts, {}) is None and ctl.counts.suppressed["rate_limit"] == 1  # 2 in the last hour
     clock.t += 3600
     assert ctl.auto(st, opts, {}) is not None
-    assert ctl.auto(st, opts, {}) is None and ctl.suppressed["busy"] == 1  # one capture at a time
+    assert ctl.auto(st, opts, {}) is None and ctl.counts.suppressed["busy"] == 1  # one capture at a time
 
 
 def test_heavy_automatic_capture_options_warn() -> None:
@@ -336,7 +339,7 @@ def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor) 
                    between=lambda: model(x))
     except AssertionError as exc:  # say why: what was captured, what was suppressed, what the detector saw
         seen = [(p["trigger"], p.get("outcome"), p.get("ended_at")) for p in mon.profiles()]
-        raise AssertionError(f"{exc}; captures {seen}; suppressed {dict(mon.captures.suppressed)}; "
+        raise AssertionError(f"{exc}; captures {seen}; suppressed {dict(mon.captures.counts.suppressed)}; "
                              f"detector {list(mon.detector.views())}") from None
     first, second = sorted(mon.profile(i)["ended_at"] for i in baselines()[:2])
     assert first < second
@@ -362,7 +365,7 @@ def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees
     fired += det.tick(t0 + 4 * S)
     assert len(fired) == 1
     mon.policy.fire(fired)
-    assert mon.captures.suppressed["busy"] == 1 and "m" in mon.policy.deferred
+    assert mon.captures.counts.suppressed["busy"] == 1 and "m" in mon.policy.deferred
     model(torch.randn(1, 4))  # the manual capture records its step and exports
     wait_until(lambda: mon.captures.state == "idle", timeout=30, what="the manual capture to finish")
     mon.policy.tick(time.perf_counter_ns())

@@ -21,7 +21,7 @@ from .stages import PREFILL, Stages, generative_stage, is_generative
 from .state import Hub, ModelState
 from .wrap import MonitoredFunction, MonitoredModule, Probe, unwrap_module
 
-__all__ = ["Models", "check_items", "group"]
+__all__ = ["Models", "check_items"]
 
 
 class Models:
@@ -46,10 +46,7 @@ class Models:
 
     def states(self) -> list[ModelState]:
         """Every state that is called: one per model, or one per stage of a model with stages."""
-        out: list[ModelState] = []
-        for st in list(self.by_name.values()):
-            out.extend(list(st.stages.values()) if st.stages else (st,))
-        return out
+        return [member for st in list(self.by_name.values()) for member in st.members()]
 
     def new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True,
                   items: Any = None, stage: str = "") -> ModelState:
@@ -165,11 +162,6 @@ class Models:
                 except ConfigError:
                     state = self.by_name[name]  # created by a racing thread
         return Span(state)
-
-
-def group(st: ModelState) -> list[ModelState]:
-    """A model's states: its stages', or its own."""
-    return list(st.stages.values()) if st.stages else [st]
 
 
 def check_items(items: Any) -> None:

@@ -164,6 +164,10 @@ class ModelState:
         self.device = label
         self.table.rewarm()  # the first calls on the new device are cold (empty at construction)
 
+    def members(self) -> list[ModelState]:
+        """The states this model's calls feed: its stages' (a generative model), or its own."""
+        return list(self.stages.values()) if self.stages else [self]
+
     def error_counts(self) -> dict[str, int]:
         return {name: count_value(c) for name, c in list(self._error_names.items())}
 

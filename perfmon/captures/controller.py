@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Generic, TypeVar, cast
+from typing import Any
 
 from ..exceptions import CaptureBusy, CaptureRateLimited
 from ..faults import InternalErrors
@@ -61,8 +61,6 @@ from .trace_summary import STEP_ANNOTATION
 
 __all__ = ["TRANSITIONS", "CaptureController"]
 
-T = TypeVar("T")
-
 #: (state, event) -> next state; anything else is a bug.
 TRANSITIONS: dict[tuple[str, str], str] = {
     (IDLE, "arm"): ARMED,
@@ -74,31 +72,8 @@ TRANSITIONS: dict[tuple[str, str], str] = {
 }
 
 
-def _members(st: Any) -> list[Any]:
-    """The states a capture of ``st``'s model arms: its stages', or its own."""
-    stages = getattr(st, "stages", None)
-    return list(stages.values()) if stages else [st]
-
-
 def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-class _Kept(Generic[T]):
-    """An attribute kept on one of the controller's parts (``counts``, ``limits``), read and set on the
-    controller as before they were split out (the metrics collector, the status views and tests use it)."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self._part, self._name = part, name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = self._name or name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> T:
-        return cast(T, getattr(getattr(obj, self._part), str(self._name)))
-
-    def __set__(self, obj: Any, value: T) -> None:
-        setattr(getattr(obj, self._part), str(self._name), value)
 
 
 class CaptureController:
@@ -154,19 +129,6 @@ class CaptureController:
         self._export_thread: threading.Thread | None = None
         self.counts = CaptureCounts()
 
-    # The counts (``counts.CaptureCounts``) and limits (``limits.CaptureLimits``), where they were.
-    suppressed = _Kept[dict[str, int]]("counts")
-    finished = _Kept[dict[tuple[str, str, str], int]]("counts")
-    last_finished = _Kept[dict[tuple[str, str, str], float]]("counts")
-    comparisons = _Kept[dict[tuple[str, str], tuple[str, str, float]]]("counts")
-    duration_sum = _Kept[float]("counts")
-    duration_count = _Kept[int]("counts")
-    cooldown = _Kept[float]("limits")
-    max_auto = _Kept[int]("limits")
-    max_manual = _Kept[int]("limits")
-    max_baseline = _Kept[int]("limits")
-    _last_auto = _Kept[float | None]("limits", "last_auto")
-
     # -- state machine --------------------------------------------------------------------
 
     def _move(self, event: str) -> None:
@@ -214,7 +176,7 @@ class CaptureController:
             self._move("arm")
             self.limits.take(trigger, now)
             # Route the model's next call to the slow path, where the capture starts.
-            for member in _members(st):  # every stage of a generative model: prefill and decode steps
+            for member in st.members():  # every stage of a generative model: prefill and decode steps
                 member.capture = self
                 member.next_index = 0
         if self._log is not None:
@@ -234,9 +196,9 @@ class CaptureController:
         try:
             return self.arm(st, options, trigger=trigger, reason=reason)
         except CaptureBusy:
-            self.suppressed["busy"] += 1
+            self.counts.suppressed["busy"] += 1
         except CaptureRateLimited as exc:
-            self.suppressed[exc.reason] += 1
+            self.counts.suppressed[exc.reason] += 1
         except UnsafeTraceDir:
             pass  # counted as a failed capture and an internal error by arm()
         return None
@@ -322,7 +284,7 @@ class CaptureController:
                              and getattr(st, "stages", None) is ref.stages)
 
     def _release_model(self, st: Any) -> None:
-        for member in _members(self._state_ref if self._state_ref is not None else st):
+        for member in (self._state_ref if self._state_ref is not None else st).members():
             member.capture = None
             member.next_index = 0  # the next call is timed normally and resets the sampling stride
         self._state_ref = None

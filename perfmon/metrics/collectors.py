@@ -155,21 +155,21 @@ class CaptureCollector(Collector):
             yield from (window, baseline, threshold, active, total, classes)
         c = self._controller
         captures = _family("perfmon_captures_total")
-        for (model, trigger, outcome), n in sorted(c.finished.items()):
+        for (model, trigger, outcome), n in sorted(c.counts.finished.items()):
             captures.add_metric([model, trigger, outcome], n)
         yield captures
         stamps = _family("perfmon_capture_timestamp_seconds")
-        for (model, trigger, outcome), t in sorted(c.last_finished.items()):
+        for (model, trigger, outcome), t in sorted(c.counts.last_finished.items()):
             stamps.add_metric([model, trigger, outcome], t)
         yield stamps
         # One series per (model, trigger): the top change of its latest compared capture (bounded labels;
         # the dashboard joins it onto the capture annotations).
         comparison = _family("perfmon_capture_comparison_seconds")
-        for (model, trigger), (op, status, added) in sorted(c.comparisons.items()):
+        for (model, trigger), (op, status, added) in sorted(c.counts.comparisons.items()):
             comparison.add_metric([model, trigger, op, status], added)
         yield comparison
         suppressed = _family("perfmon_captures_suppressed_total")
-        for reason, n in c.suppressed.items():
+        for reason, n in c.counts.suppressed.items():
             suppressed.add_metric([reason], n)
         yield suppressed
         progress = _family("perfmon_capture_in_progress")
@@ -177,7 +177,7 @@ class CaptureCollector(Collector):
         yield progress
         summary = SummaryMetricFamily("perfmon_capture_duration_seconds",
                                       METRICS["perfmon_capture_duration_seconds"][3],
-                                      count_value=c.duration_count, sum_value=c.duration_sum)
+                                      count_value=c.counts.duration_count, sum_value=c.counts.duration_sum)
         yield summary
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._version import __version__
 from ..agent.generation import GenerationTracker
-from ..agent.models import Models, group
+from ..agent.models import Models
 from ..agent.records import STEADY, series_key
 from ..agent.resolver import Resolver
 from ..agent.state import Hub, ModelState
@@ -88,7 +88,7 @@ class Views:
                 "device": st.device,
                 **counts(st),
                 "sample_rate": st.sampler.rate,
-                **_items_stats(group(st), (now - started_ns) / 1e9),
+                **_items_stats(st.members(), (now - started_ns) / 1e9),
                 "cold_start_seconds": first[0] if first else None,
                 "time_to_first_forward_seconds": first[1] if first else None,
                 "capturable": st.capturable,
@@ -112,7 +112,7 @@ class Views:
             "models": models,
             "generation": self._generations.stats(now, started_ns),
             "capture": {"state": captures.state, "current": captures.current.id
-                        if captures.current else None, "suppressed": dict(captures.suppressed)},
+                        if captures.current else None, "suppressed": dict(captures.counts.suppressed)},
             "devices": self.devices(),
             "series": self.history.series(),
             "control": {"token_required": self.config.token is not None},
@@ -160,7 +160,7 @@ class Views:
         """The status page's sparkline points, when one is due (resolver thread)."""
         if not self.history.due(now_ns):
             return
-        groups = {name: group(st) for name, st in list(self._models.by_name.items())}
+        groups = {name: st.members() for name, st in list(self._models.by_name.items())}
         windows = self._windows
         self.history.record(
             now_ns,
