@@ -24,7 +24,7 @@ from .agent.exemplars import OTEL, TraceReader
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
 from .agent.resolver import Resolver
-from .agent.span import Span
+from .agent.span import Span, Untracked
 from .agent.state import Hub
 from .captures.controller import CaptureController
 from .captures.detector import RegressionPolicy
@@ -275,8 +275,8 @@ class Monitor:
         """
         return self.models.instrument(fn, name=name, device=device, items=items)
 
-    def track(self, name: str, *, device: str = "auto") -> Span:
-        """``with monitor.track("generate"): ...`` counts and sample-times the block under ``model=name``."""
+    def track(self, name: str, *, device: str = "auto") -> Span | Untracked:
+        """``with monitor.track("generate"): ...`` counts and sample-times the block (``Models.track``)."""
         return self.models.track(name, device=device)
 
     def generation(self, name: str, *, prompt_tokens: int | None = None) -> Generation:

@@ -3,19 +3,32 @@
 A process has one Kineto and one fork history, whatever number of monitors it runs: this module keeps
 that state and calls each live agent's ``after_fork_in_child()``/``stop()``/``log`` (any object with
 them; it imports no monitor).
+
+**A forked child of a process that ran the profiler.** Kineto's first start leaves a thread of its own
+and C++ static objects that own it. A fork copies the objects but not the thread, so in the child their
+destructors, run by ``exit()`` after Python's own shutdown, wait forever for it (a condition variable the
+missing thread was waiting on: the child hangs) or join it (``std::system_error``: SIGABRT). Measured with
+torch 2.13 alone, no perfmon needed: a profiler run, then ``os.fork()``, and a child that leaves through
+``sys.exit(0)`` hangs; after a capture, it aborts. perfmon cannot make torch's destructors safe, so such a
+child does not run them: once Python's shutdown is over (every ``atexit`` handler run, ``sys.stdout``
+flushed), ``exit()`` ends the process with its status through ``_exit`` (glibc's ``on_exit``, registered
+last so it runs first), before the C++ destructors. Nothing of Python's is skipped; C-level exit handlers
+registered earlier are (stdio buffers are flushed first). Children that leave through ``os._exit``
+(multiprocessing) never needed it.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import weakref
 from typing import Any
 
-from .captures.profiler import warm_up_profiler
+from .captures.profiler import profiler_has_run, warm_up_profiler
 
-__all__ = ["PREFORK_SERVERS", "live", "prefork_server", "prepare_profiler"]
+__all__ = ["PREFORK_SERVERS", "exit_guarded", "live", "prefork_server", "prepare_profiler"]
 
 #: Agents to reset in a forked child and to stop at exit.
 live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -24,6 +37,8 @@ _FORKED = False
 #: This process initialised the profiler (Kineto) ahead of captures; a fork from now on is unsafe.
 _PROFILER_PREPARED = False
 _WARNED_FORK = False
+#: This process's exit skips the C++ static destructors (see the module doc); a fork copies it.
+_EXIT_GUARDED = False
 
 #: Modules whose presence means this process may be a pre-fork server's master: it imports the
 #: application (and so starts the monitor), then forks the workers.
@@ -60,25 +75,48 @@ def prepare_profiler(log: Any, internal: Any) -> None:
         internal.report("capture", exc)
 
 
+def exit_guarded() -> bool:
+    """True in a forked child whose exit skips torch's C++ static destructors (see the module doc)."""
+    return _EXIT_GUARDED
+
+
 def _before_fork() -> None:
-    """Parent, just before fork(): say so once if the profiler ran here (the child may hang at exit)."""
+    """Parent, just before fork(): say once that the profiler ran here and what children do about it."""
     global _WARNED_FORK
-    if _PROFILER_PREPARED and not _WARNED_FORK and live:
+    if profiler_has_run() and not _WARNED_FORK and live:
         _WARNED_FORK = True
         for agent in list(live)[:1]:
             try:
-                agent.log.error("fork_after_profiler", pid=os.getpid(),
-                                note="torch.profiler ran in this process before fork(): a child that exits "
-                                     "through sys.exit may hang or abort; start the monitor after the fork "
-                                     "or pass prepare_profiler=False")
+                agent.log.info("fork_after_profiler", pid=os.getpid(),
+                               note="torch.profiler ran in this process before fork(): each child's exit skips "
+                                    "torch's C++ static destructors, which would hang or abort it")
             except Exception:  # pragma: no cover - never break a fork
                 pass
 
 
+def _exit_through_underscore_exit() -> None:
+    """Python ``atexit``, in a guarded child: make ``exit()`` call ``_exit(status)`` before anything else.
+
+    Registered at shutdown, so it is the last C exit handler registered and the first to run: after
+    Python's finalisation, before the C++ static destructors torch registered in the parent.
+    ``on_exit`` hands the handler (status, arg); ``_exit`` takes the status and ignores the rest.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.fflush(None)  # C stdio buffers: _exit would not flush them
+        libc.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        libc.on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)
+    except (AttributeError, OSError):  # pragma: no cover - no glibc on_exit (musl, macOS): the torch limit stays
+        pass
+
+
 def _reinit_after_fork() -> None:
-    global _FORKED, _PROFILER_PREPARED
+    global _FORKED, _PROFILER_PREPARED, _EXIT_GUARDED
     _FORKED = True
     _PROFILER_PREPARED = False  # the child's own Kineto state is not initialised by the parent's run
+    if profiler_has_run() and not _EXIT_GUARDED and sys.platform.startswith("linux"):
+        _EXIT_GUARDED = True  # a grandchild inherits this handler with the rest of the atexit list
+        atexit.register(_exit_through_underscore_exit)
     for agent in list(live):
         try:
             agent.after_fork_in_child()

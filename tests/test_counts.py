@@ -239,3 +239,21 @@ def test_a_dtype_switch_is_cold_at_its_first_timed_call(make_monitor) -> None:
     assert value(mon, "perfmon_forward_calls_total", model="lin") == 8
     assert hist_count(mon, "lin", "cold") == 2 and hist_count(mon, "lin", "steady") == 1
     assert value(mon, "perfmon_input_signatures", model="lin") == 2
+
+
+def test_track_past_max_models_or_with_a_bad_name_never_raises_into_the_request(make_monitor) -> None:
+    """Once max_models names exist, a new ``track`` name (or an invalid one) runs its block untracked, every
+    time, counted as an internal fault; the user's own exceptions still pass through unchanged."""
+    mon = make_monitor(max_models=2)
+    mon.instrument(lambda: None, name="a")
+    mon.instrument(lambda: None, name="b")
+    ran = 0
+    for name in ["postprocess"] * 5 + ["", "x" * 500, "\x1b[31m"]:
+        with mon.track(name, device="cpu"):
+            ran += 1
+    assert ran == 8
+    with pytest.raises(ValueError, match="mine"), mon.track("postprocess", device="cpu"):
+        raise ValueError("mine")
+    assert value(mon, "perfmon_internal_errors_total", stage="track") == 9
+    assert value(mon, "perfmon_forward_calls_total", model="postprocess") is None
+    assert sorted(mon.models.by_name) == ["a", "b"]

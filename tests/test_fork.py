@@ -6,7 +6,10 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +143,30 @@ def test_three_workers_each_reachable_once_and_nothing_double_counted(method: st
         if preload is not None:
             preload.stop()
     assert all(p.exitcode == 0 for p in procs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the exit guard uses glibc's on_exit")
+@pytest.mark.parametrize("mode,code", [("prep", 0), ("prep-parentcap", 0), ("parentcap", 0), ("childcap", 0),
+                                       ("prep-childcap", 0), ("prep-parentcap", 3)])
+def test_forked_child_exits_promptly_with_its_status_after_the_profiler_ran(mode: str, code: int) -> None:
+    """A raw fork after the profiler ran (prepared at start, a capture in the parent, in the child, or both):
+    the child leaving through sys.exit used to hang (>30 s) or abort (SIGABRT). It exits at once with its
+    own status, and what it printed is not lost."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFMON_")}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-m", "tests.apps.fork_exit", mode, str(code)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    exit_line = next((line for line in lines if line.startswith("child-")
+                      and line.split()[0] in ("child-exit", "child-hung")), None)
+    assert exit_line is not None and exit_line.startswith("child-exit"), (out.stdout, out.stderr[-2000:])
+    status, seconds = int(exit_line.split()[1]), float(exit_line.split()[2])
+    assert status == code, (out.stdout, out.stderr[-2000:])
+    assert seconds < 20, exit_line  # a hang is >30 s (killed); a prompt exit is ~1 s (the child's capture included)
+    assert "child-done" in lines
+    if "childcap" in mode:
+        assert "child-capture ok" in lines
+    if "parentcap" in mode:
+        assert "parent-capture ok" in lines

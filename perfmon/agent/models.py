@@ -16,7 +16,7 @@ import torch
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
 from .generation import GenerationTracker
-from .span import Span
+from .span import UNTRACKED, Span, Untracked
 from .stages import PREFILL, Stages, generative_stage, is_generative
 from .state import Hub, ModelState
 from .wrap import MonitoredFunction, MonitoredModule, Probe, unwrap_module
@@ -34,6 +34,9 @@ class Models:
         self.by_name: dict[str, ModelState] = {}
         self._lock = threading.Lock()
         self._anon = itertools.count(1)
+        #: ``track`` names refused (invalid, or past max_models) -> why; bounded, so a request path that
+        #: makes up names cannot grow it. A refused name is not retried: the limit does not shrink.
+        self._refused: dict[str, ConfigError] = {}
 
     def reset_after_fork(self) -> None:
         """In a forked child: a lock a parent thread held at fork() is replaced, and each state's counters."""
@@ -149,19 +152,31 @@ class Models:
 
         return decorate if fn is None else decorate(fn)
 
-    def track(self, name: str, *, device: str) -> Span:
-        """``Monitor.track``: a block counted and sample-timed under ``model=name``."""
-        state = self.by_name.get(name)
-        if state is None:
-            with self._lock:
-                state = self.by_name.get(name)
-            if state is None:
-                resolve = _fixed(device) if device != "auto" else _current_cuda_device
-                try:
-                    state = self.new_state(name, resolve, capturable=False, items=False)
-                except ConfigError:
-                    state = self.by_name[name]  # created by a racing thread
-        return Span(state)
+    def track(self, name: str, *, device: str) -> Span | Untracked:
+        """``Monitor.track``: a block counted and sample-timed under ``model=name``.
+
+        ``track`` runs in the request path, so a name perfmon cannot take (invalid, or a new one past
+        ``max_models``) never raises there: the block runs untracked, and each such block counts in
+        ``perfmon_internal_errors_total{stage="track"}`` (the first logged with the reason).
+        """
+        state = self.by_name.get(name) if isinstance(name, str) else None
+        if state is not None:
+            return Span(state)
+        refused = self._refused.get(name) if isinstance(name, str) else None
+        if refused is None:
+            resolve = _fixed(device) if device != "auto" else _current_cuda_device
+            try:
+                return Span(self.new_state(name, resolve, capturable=False, items=False))
+            except ConfigError as exc:
+                with self._lock:
+                    state = self.by_name.get(name) if isinstance(name, str) else None  # a racing thread made it
+                    if state is not None:
+                        return Span(state)
+                    if isinstance(name, str) and len(self._refused) < 1024:
+                        self._refused[name] = exc
+                refused = exc
+        self._hub.internal.report("track", refused)
+        return UNTRACKED
 
 
 def check_items(items: Any) -> None:

@@ -1,4 +1,8 @@
-"""``Span``: ``with monitor.track(name):`` counts and sample-times a block of code like a call."""
+"""``Span``: ``with monitor.track(name):`` counts and sample-times a block of code like a call.
+
+``Untracked`` is what ``track`` gives for a name perfmon cannot take (invalid, or past ``max_models``):
+the block runs as if perfmon were not there; the refusal is counted, not raised into the request.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 
 from .state import ModelState, Token
 
-__all__ = ["Span"]
+__all__ = ["Span", "Untracked"]
 
 
 class Span:
@@ -40,3 +44,18 @@ class Span:
             st.error(exc)
         elif self._token is not None:
             st.finish(self._token, self._index, self._start_ns, end_ns)
+
+
+class Untracked:
+    """A block perfmon does not count (its name was refused): runs it, lets its exceptions through."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Untracked:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        return None
+
+
+UNTRACKED = Untracked()

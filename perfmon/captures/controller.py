@@ -211,11 +211,10 @@ class CaptureController:
 
     def call(self, st: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one call of a model with a capture pending; starts/steps/stops the profiler as due."""
-        me = threading.get_ident()
         if self.state == ARMED and self._owns(st):
-            self._try_start(st, me)
+            self._try_start(st)
         rec = self._recording
-        if self.state != RECORDING or rec is None or rec.thread_id != me or not self._owns(st):
+        if self.state != RECORDING or rec is None or not rec.owned_here() or not self._owns(st):
             return fn(*args, **kwargs)  # another thread, or not capturing: untimed, unprofiled
         try:
             # One annotation per recorded call: the export attributes each op to its step by it. Only
@@ -225,7 +224,7 @@ class CaptureController:
         finally:
             self._step(st)
 
-    def _try_start(self, st: Any, me: int) -> None:
+    def _try_start(self, st: Any) -> None:
         with self._lock:
             if self.state != ARMED or not self._owns(st):
                 return
@@ -236,12 +235,15 @@ class CaptureController:
                 return
             try:
                 cuda = getattr(st, "cuda_index", -1) >= 0
-                self._recording = Recording.start(self._make_profiler, cap.options, cuda, memory=self._memory,
-                                                  thread_id=me, clock=self._clock)
+                rec = Recording.start(self._make_profiler, cap.options, cuda, memory=self._memory, clock=self._clock)
             except Exception as exc:
                 self._internal.report("capture", exc)
                 self._finish_locked(st, "failed", f"profiler did not start: {type(exc).__name__}: {exc}", "cancel")
                 return
+            # A thread-per-request server's thread ends after its request: the recording ends with it,
+            # on it (the one thread the profiler can be stopped on; see ``recording``).
+            rec.on_thread_end(lambda: self._thread_ended(st))
+            self._recording = rec
             cap.started_at = _now_iso()
             cap.thread = threading.current_thread().name
             self._move("start")
@@ -251,8 +253,22 @@ class CaptureController:
         if cap is None or rec is None:
             return
         elapsed = rec.step(cap, self._clock(), abort=self._abort, max_bytes=self.max_bytes)
-        if elapsed is None:
-            return
+        if elapsed is not None:
+            self._end_recording(st, cap, rec, elapsed)
+
+    def _thread_ended(self, st: Any) -> None:
+        """The owner thread is exiting with the recording on (its locals' finaliser, on that thread)."""
+        try:
+            cap, rec = self.current, self._recording
+            if self.state != RECORDING or cap is None or rec is None:
+                return
+            cap.ended_by = "thread_ended"
+            self._end_recording(st, cap, rec, self._clock() - rec.started)
+        except BaseException as exc:  # a finaliser must not raise: Python would only print it
+            self._internal.report("capture", exc)
+
+    def _end_recording(self, st: Any, cap: Capture, rec: Recording, elapsed: float) -> None:
+        """Stop the profiler (on its own thread: the caller is it) and hand the result to the export thread."""
         try:
             prof = rec.stop()
         except Exception as exc:
@@ -272,6 +288,8 @@ class CaptureController:
         aborted = self._abort
         # The export thread takes the profiler out of this list, so that no frame or Thread
         # attribute keeps it (and the gigabyte it may hold) alive once the trace is written.
+        # daemon=True given, not inherited: inheriting reads threading.current_thread(), which on an
+        # exiting thread (``_thread_ended``) would register a stray dummy thread.
         self._export_thread = threading.Thread(target=self._export, args=(cap, [prof], aborted),
                                                name="perfmon-capture-export", daemon=True)
         del prof

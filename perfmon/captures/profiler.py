@@ -21,9 +21,18 @@ from typing import Any, Protocol
 from .records import CaptureOptions
 
 __all__ = [
-    "Profiler", "ProfilerFactory", "Scope", "no_scope", "profiler_active", "quiet_kineto", "step_annotation",
-    "torch_profiler", "warm_up_profiler",
+    "Profiler", "ProfilerFactory", "Scope", "no_scope", "profiler_active", "profiler_has_run", "quiet_kineto",
+    "step_annotation", "torch_profiler", "warm_up_profiler",
 ]
+
+#: A real torch profiler was built in this process, or in a parent before it forked this one (a fork
+#: copies the flag): Kineto's threads may exist, or have existed in a parent (``perfmon.process``).
+_HAS_RUN = False
+
+
+def profiler_has_run() -> bool:
+    """True once perfmon built a real torch profiler in this process or in a parent before the fork."""
+    return _HAS_RUN
 
 
 class Profiler(Protocol):
@@ -43,6 +52,8 @@ def torch_profiler(options: CaptureOptions, cuda: bool) -> Profiler:
     """The real one: torch.profiler with CPU (and CUDA) activity."""
     from torch.profiler import ProfilerActivity, profile
 
+    global _HAS_RUN
+    _HAS_RUN = True  # before the start: a start that fails half-way may have initialised Kineto already
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # with_flops costs nothing measurable here (5 steps of an 8-layer MLP: 5.3-5.8 ms either way).
     return profile(activities=activities, record_shapes=options.record_shapes,  # type: ignore[no-any-return]

@@ -3,12 +3,28 @@ each recorded call, this process's memory read after each call, and what ends th
 
 The recording ends at the first of: a stop request (``"stopped"``), memory growth past the recording's
 share of ``max_bytes`` (``"max_bytes"``, see ``rss.recording_budget``), ``steps`` recorded calls
-(``"steps"``), ``max_seconds`` (``"max_seconds"``). The controller decides when to start and stop it
-(its state machine); this class holds what the serving thread uses meanwhile.
+(``"steps"``), ``max_seconds`` (``"max_seconds"``), or the end of the thread that started it
+(``"thread_ended"``). The controller decides when to start and stop it (its state machine); this class
+holds what the serving thread uses meanwhile.
+
+**Which thread owns it.** torch's profiler records the ops of the thread that started it and must be
+stopped on that same OS thread: stopped anywhere else, torch has already torn the session down with
+the thread and ``export_chrome_trace`` segfaults (measured: exit 139, 3 of 3 runs under a stdlib
+``ThreadingHTTPServer``). ``threading.get_ident()`` is no proof of "the same thread": a thread-per-request
+server's next thread often gets the ident of the one that just ended. The owner is instead marked by an
+entry in a ``threading.local``, which a new thread never sees, whatever its ident.
+
+**A thread that ends while recording** (every request thread of ``ThreadingHTTPServer``, werkzeug's
+threaded server, Django's runserver): CPython clears a thread's ``threading.local`` entries on that
+thread as it exits, so the entry's finaliser (``_ThreadEnd``) runs on the owner, after its last call,
+and ends the recording there, the one place the profiler can be stopped. On such a server a capture
+covers the calls of one request.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 
 from .profiler import Profiler, ProfilerFactory, Scope, quiet_kineto, step_annotation
@@ -18,23 +34,52 @@ from .rss import ResidentMemory, recording_budget
 __all__ = ["Recording"]
 
 
+class _ThreadEnd:
+    """Kept in the owner thread's ``threading.local``: its finaliser runs on that thread as it exits
+    (CPython clears a thread's locals there), and calls ``callback`` unless the recording let go first."""
+
+    __slots__ = ("callback", "__weakref__")
+
+    def __init__(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+
+    def __del__(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()  # never raises: the controller reports its own failures
+
+
 class Recording:
     """A started profiler and what the serving thread reads and checks after each recorded call."""
 
-    def __init__(self, prof: Profiler, *, scope: Scope, rss: ResidentMemory, rss0: int | None, thread_id: int,
+    def __init__(self, prof: Profiler, *, scope: Scope, rss: ResidentMemory, rss0: int | None,
                  started: float) -> None:
         self._prof: Profiler | None = prof
         #: torch's ``record_function``, looked up once per capture: one annotation per recorded call.
         self.scope = scope
-        #: The thread that started the profiler: only its calls are recorded, and it stops it.
-        self.thread_id = thread_id
         self._rss: ResidentMemory | None = rss
         self._rss0 = rss0
-        self._started = started
+        #: When the profiler started (the controller's clock, seconds).
+        self.started = started
+        # The owner's mark: an entry only the thread that started the profiler sees (see the module doc).
+        self._owner = threading.local()
+        # A weak reference: the owner's local must hold the only strong one, or its end frees nothing.
+        self._guard: weakref.ref[_ThreadEnd] | None = None
+
+    def owned_here(self) -> bool:
+        """True on the thread that started the profiler (only its calls are recorded, and it stops it)."""
+        return getattr(self._owner, "guard", None) is not None
+
+    def on_thread_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the owner thread as it exits, if the recording has not ended by then.
+        Call this on the owner thread."""
+        guard = _ThreadEnd(callback)
+        self._owner.guard = guard
+        self._guard = weakref.ref(guard)
 
     @classmethod
     def start(cls, make_profiler: ProfilerFactory, options: CaptureOptions, cuda: bool, *,
-              memory: Callable[[], ResidentMemory], thread_id: int, clock: Callable[[], float]) -> Recording:
+              memory: Callable[[], ResidentMemory], clock: Callable[[], float]) -> Recording:
         """Build the profiler and start it on this thread; raises (leaving nothing open) if it cannot."""
         rss = None
         try:
@@ -47,13 +92,13 @@ class Recording:
             if rss is not None:
                 rss.close()
             raise
-        return cls(prof, scope=scope, rss=rss, rss0=rss0, thread_id=thread_id, started=clock())
+        return cls(prof, scope=scope, rss=rss, rss0=rss0, started=clock())
 
     def step(self, cap: Capture, now: float, *, abort: bool, max_bytes: int) -> float | None:
         """Count one recorded call of ``cap``; returns the seconds recorded when the recording is due to end
         (``cap.ended_by`` says why), else None."""
         cap.steps_recorded += 1
-        elapsed = now - self._started
+        elapsed = now - self.started
         rss = self._rss.read() if self._rss is not None else None
         if rss is not None and self._rss0 is not None:
             cap.memory_growth_bytes = rss - self._rss0
@@ -79,7 +124,14 @@ class Recording:
         return prof
 
     def close(self) -> None:
-        """Stop reading memory and let go of the profiler (a recording that broke, or ended)."""
+        """Stop reading memory and let go of the profiler (a recording that broke, or ended); from here on
+        the owner thread's exit does nothing."""
+        ref, self._guard = self._guard, None
+        guard = ref() if ref is not None else None
+        if guard is not None:
+            # Disarmed before the local is dropped: dropping it from another thread would run the
+            # finaliser there.
+            guard.callback = None
         self._prof = None
         if self._rss is not None:
             self._rss.close()
