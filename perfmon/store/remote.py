@@ -1,10 +1,11 @@
-"""The fleet's view of the trace store (``perfmon profiles --store``): list every pod's captures, download one.
+"""The store itself (any fsspec URL) and the fleet's view of it: opening it, its layout, listing every pod's
+captures and downloading one (``perfmon profiles --store``), and finding the traces a crash left unlisted.
 
 The store is written by every pod of the fleet and may be writable by more than perfmon (a shared
 bucket, a hand-made file:// tree), so nothing read from it is trusted: a metadata object is capped in
 size and checked field by field before it is listed, and a download writes only perfmon's own names,
 only regular files of the store, never more than a cap, and never through a link already in --out.
-The layout read is the uploader's (``uploader.capture_key``).
+The layout (``capture_key``) is what the uploader (``uploader.py``) writes and everything here reads.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from ..backoff import backoff_seconds
+from ..exceptions import ConfigError
 from .files import TRACE_NAME, replacing_at, valid_id
-from .uploader import _part, _scrub, open_store, redact
 
 __all__ = [
-    "LIST_READ_TRIES", "LIST_RETRY_SECONDS", "REMOTE_META_MAX_BYTES", "REMOTE_TRACE_MAX_BYTES", "download_remote",
-    "list_remote",
+    "LIST_READ_TRIES", "LIST_RETRY_SECONDS", "REMOTE_META_MAX_BYTES", "REMOTE_TRACE_MAX_BYTES", "capture_key",
+    "download_remote", "list_remote", "open_store", "orphan_traces", "redact", "written_at",
 ]
 
 _FOLDER = re.compile(r"^(?P<stamp>[0-9]{8}T[0-9]{6}Z)-(?P<id>[0-9a-f]{22})$")
@@ -41,6 +44,106 @@ LIST_RETRY_SECONDS = 0.5
 _CHUNK = 4 * 2**20
 #: Listed fields shown by ``perfmon profiles --store`` or used by its filters: each a string or null.
 _TEXT_FIELDS = ("model", "host", "trigger", "status", "outcome", "armed_at", "ended_at")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def redact(url: str) -> str:
+    """``url`` without user-info, query or fragment: what may be logged or shown."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _part(value: Any, default: str) -> str:
+    """One key segment: [A-Za-z0-9._-], at most 100 characters, never empty, never a dot-name."""
+    text = _UNSAFE.sub("-", value if isinstance(value, str) else "")[:100].lstrip(".")
+    return text or default
+
+
+def capture_key(meta: dict[str, Any]) -> str | None:
+    """The capture's folder under the store's prefix, ``{model}/{host}/{worker}/{YYYYmmddTHHMMSSZ}-{id}``;
+    None when the metadata has no valid id. A function of the metadata alone, so every retry, restart or
+    sibling process computes the same key (time from the id, which starts with its ``time_ns``)."""
+    cid = meta.get("id")
+    if not isinstance(cid, str) or not valid_id(cid):
+        return None
+    stamp = datetime.fromtimestamp(int(cid[:16], 16) / 1e9, tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    host = _part(meta.get("host"), "host")
+    worker = meta.get("worker")
+    trace = meta.get("trace_file")
+    if not isinstance(worker, str) and isinstance(trace, str):
+        worker = trace.split(".", 1)[0]  # {worker}.{time_ns}.pt.trace.json.gz, as torch names it
+    return f"{_part(meta.get('model'), 'unknown')}/{host}/{_part(worker, host)}/{stamp}-{cid}"
+
+
+def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
+    """(fsspec filesystem, root path) for ``url``; a private instance with timeouts set where the SDK has them.
+
+    Raises ``ConfigError`` when fsspec or the protocol's package is missing. For S3 the SDK's own retries
+    are off (one try, ``timeout_seconds`` to connect and to read): retrying is the uploader's, with its
+    backoff. These bound the SDK's connects and reads, not a request: an S3 PUT (``Expect: 100-continue``)
+    to an endpoint that accepts and never answers outlived both, so the uploader puts its own deadline on
+    every call (``uploader.StoreCalls``). For GCS a request gets ``timeout_seconds`` to connect and to read
+    and ten times that in all, and the bucket-layout lookup ``timeout_seconds``; gcsfs's own retries of a
+    refused or failed request (six tries, 1-16 s apart) stay: they are fixed when its class is defined.
+    """
+    protocol = _check_usable(url)
+    from fsspec.core import url_to_fs
+
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
+                                    "retries": {"max_attempts": 1}}
+    elif protocol in ("gs", "gcs"):
+        # gcsfs hands requests_timeout to aiohttp as it is (default: aiohttp's 5 minutes for a whole request)
+        # and does not retry a request that timed out: bound connecting and each read like S3's, and the
+        # whole request (a trace body included, up to 50 MiB a request) by ten of them.
+        options["requests_timeout"] = _aiohttp_timeout(timeout_seconds)
+        # Its default class first looks up the bucket's layout over gRPC, retrying for up to 60 s.
+        options["retry_timeout"] = timeout_seconds
+    elif protocol in ("file", "local"):
+        options["auto_mkdir"] = True
+    fs, root = url_to_fs(url, **options)
+    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop (5 tries by default) would multiply an attempt's length
+    return fs, str(root).rstrip("/")
+
+
+def _aiohttp_timeout(seconds: float) -> Any:
+    """An ``aiohttp.ClientTimeout`` (connect and read ``seconds``, all ``10 * seconds``), or ``seconds``."""
+    try:
+        import aiohttp
+    except ImportError:
+        return seconds
+    return aiohttp.ClientTimeout(total=10 * seconds, sock_connect=seconds, sock_read=seconds)
+
+def _check_usable(url: str) -> str:
+    """The URL's protocol; ``ConfigError`` when fsspec or the protocol's package is missing. Builds nothing."""
+    try:
+        import fsspec
+        from fsspec.core import split_protocol
+    except ImportError:
+        raise ConfigError("trace_store needs fsspec: pip install 'perfmon[s3]' (or fsspec and your store's "
+                          "package)") from None
+    protocol, _ = split_protocol(url)
+    if not protocol:
+        raise ConfigError(f"trace_store={redact(url)!r}: expected a URL such as s3://bucket/prefix")
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        extra = " (pip install 'perfmon[s3]')" if protocol in ("s3", "s3a") else ""
+        raise ConfigError(f"trace_store {protocol}:// is not usable here{extra}: {exc}") from None
+    return str(protocol)
+
+
+def _scrub(text: str, url: str) -> str:
+    """An SDK's error message with the configured URL (and so any user-info in it) replaced by its redaction."""
+    return text.replace(url, redact(url)) if url else text
 
 
 def _relative(path: str, root: str) -> str:
@@ -164,7 +267,6 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
             if len(out) >= limit:
                 return out
     return out
-
 
 
 def _read_all(fs: Any, paths: list[str], retry_seconds: float) -> dict[str, bytes | Exception]:
@@ -295,3 +397,54 @@ def _fetch_to(fs: Any, path: str, what: str, dfd: int, name: str, cap: int, *, l
             if total > cap:  # the object grew past what its size said, or the store did not say
                 raise ValueError(f"{what} is over the {cap}-byte limit for it; refusing it")
             out.write(chunk)
+
+
+def orphan_traces(fs: Any, root: str, objects: dict[str, Any], *, written_before: float) -> list[str]:
+    """Trace objects that no listing shows and nothing else removes: in a capture folder with no metadata
+    object, and last written before ``written_before`` (Unix seconds); oldest first.
+
+    ``objects`` is ``fs.find(root, detail=True)`` (path -> info). A crash (a kill, an OOM, a lost node)
+    between a capture's two puts leaves its trace without its metadata; the capture goes up whole again only
+    if its spool outlives the pod. A trace written within the grace may be an upload in flight, so only
+    older ones are returned; one whose time cannot be read is never returned. Only perfmon's own names, in
+    perfmon's own layout, as regular files of the store (``_regular``), are considered.
+    """
+    with_meta: set[str] = set()
+    found: list[tuple[float, str, str]] = []
+    for path, info in objects.items():
+        parts = _relative(str(path), root).split("/")
+        if len(parts) != 5:
+            continue
+        m = _FOLDER.fullmatch(parts[3])
+        if m is None:
+            continue
+        folder = "/".join(parts[:4])
+        if parts[4] == f"{m['id']}.meta.json":
+            with_meta.add(folder)  # whatever it holds: a malformed one is the listing's to report, not ours to act on
+        elif TRACE_NAME.fullmatch(parts[4]):
+            written = written_at(info)
+            if written is not None and written < written_before and _regular(fs, str(path), info, root):
+                found.append((written, folder, str(path)))
+    return [path for _, folder, path in sorted(found) if folder not in with_meta]
+
+
+def written_at(info: Any) -> float | None:
+    """When a store object was last written, Unix seconds, from its ``info``/``find`` entry; None if it has no
+    such field. Each SDK names it its own way: s3fs ``LastModified`` (a datetime), adlfs ``last_modified``,
+    the local store ``mtime`` (seconds), gcsfs ``mtime`` (a datetime; ``updated``, ISO 8601 text, in older
+    versions), the memory store ``created``."""
+    if not isinstance(info, dict):
+        return None
+    for name in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        value = info.get(name)
+        if isinstance(value, datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()
+    return None

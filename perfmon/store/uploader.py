@@ -6,7 +6,8 @@
     uploader thread (daemon): pending = stored ids not in the manifest, oldest first, one capture per attempt
         ─► put the trace ─► put the metadata ─► manifest (atomic write) ─► the next one
         a failure: counted, the capture stays spooled, the next attempt after min(cap, 1 s · 2^n) · jitter
-        (``perfmon.backoff``)
+        (``perfmon.backoff``); an attempt that has not ended by its deadline is abandoned and is a failure
+    idle, about hourly: traces a crash left without their metadata, older than the grace, removed from the store
     TraceStore retention removes a capture not yet uploaded ─► on_evicted: counted as dropped
 
 Any fsspec URL is a destination (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``); fsspec and the
@@ -21,40 +22,43 @@ never adds a copy. The metadata goes last, and a listing reads metadata only: a 
 trace. Durable: ``perfmon-uploads.json`` in the trace directory (written atomically, 0600, pruned to the
 captures still there) says which captures are up; what it does not name is uploaded after a restart.
 A capture is marked only after both objects are written, so a crash in between uploads it again (the
-same keys): at least once, never twice under two keys.
+same keys): at least once, never twice under two keys. If the spool is lost too, the orphan trace (no
+listing shows it) is removed by a sweep once ``orphan_grace_seconds`` old. Every call to the store ends by
+a deadline (``StoreCalls``): an attempt that has not ended by it is abandoned and counts as failed.
 
 Bounded: the spool is the trace directory, whose retention (``trace_max_files``, ``trace_max_bytes``)
 already bounds it; a capture it removes before its upload is counted as dropped, never kept. Serving
 never waits: the request thread does not touch this module; the export thread only sets an event.
 
-The fleet's view of the store (``perfmon profiles --store``: listing and download) is ``remote.py``.
+Opening the store, its layout, and the fleet's view of it (``perfmon profiles --store``) are ``remote.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import math
 import os
 import random
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from ..backoff import backoff_seconds
 from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from ..selfcost import AgentCpu
-from .files import TRACE_NAME, _read_at, valid_id, write_at
+from .files import TRACE_NAME, _read_at, write_at
+from .remote import _check_usable, _scrub, capture_key, open_store, orphan_traces, redact, written_at
 from .traces import TraceStore
 
 __all__ = [
-    "DROP_REASONS", "MANIFEST_NAME", "OUTCOMES", "TraceUploader", "UploadStats", "capture_key", "io_thread_cpu",
-    "open_store", "redact",
+    "DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "StoreCalls", "TraceUploader", "UploadStats",
+    "capture_key", "io_thread_cpu", "open_store", "redact",
 ]
 
 #: The durable record of what is uploaded, in the trace directory (not a name TraceStore lists or removes).
@@ -63,81 +67,13 @@ MANIFEST_NAME = "perfmon-uploads.json"
 OUTCOMES = ("ok", "failed")
 #: perfmon_trace_spool_dropped_total{reason}: removed by retention before its upload, or unreadable here.
 DROP_REASONS = ("retention", "unreadable")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def redact(url: str) -> str:
-    """``url`` without user-info, query or fragment: what may be logged or shown."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.hostname or ""
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def _part(value: Any, default: str) -> str:
-    """One key segment: [A-Za-z0-9._-], at most 100 characters, never empty, never a dot-name."""
-    text = _UNSAFE.sub("-", value if isinstance(value, str) else "")[:100].lstrip(".")
-    return text or default
-
-
-def capture_key(meta: dict[str, Any]) -> str | None:
-    """The capture's folder under the store's prefix, ``{model}/{host}/{worker}/{YYYYmmddTHHMMSSZ}-{id}``;
-    None when the metadata has no valid id. A function of the metadata alone, so every retry, restart or
-    sibling process computes the same key (time from the id, which starts with its ``time_ns``)."""
-    cid = meta.get("id")
-    if not isinstance(cid, str) or not valid_id(cid):
-        return None
-    stamp = datetime.fromtimestamp(int(cid[:16], 16) / 1e9, tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    host = _part(meta.get("host"), "host")
-    worker = meta.get("worker")
-    trace = meta.get("trace_file")
-    if not isinstance(worker, str) and isinstance(trace, str):
-        worker = trace.split(".", 1)[0]  # {worker}.{time_ns}.pt.trace.json.gz, as torch names it
-    return f"{_part(meta.get('model'), 'unknown')}/{host}/{_part(worker, host)}/{stamp}-{cid}"
-
-
-def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
-    """(fsspec filesystem, root path) for ``url``; a private instance with timeouts set where the SDK has them.
-
-    Raises ``ConfigError`` when fsspec or the protocol's package is missing. For S3 the SDK's own retries
-    are off (one try, ``timeout_seconds`` to connect and to read): retrying is the uploader's, with its
-    backoff, so one attempt is bounded. For GCS a request gets ``timeout_seconds`` to connect and to read
-    and ten times that in all, and the bucket-layout lookup ``timeout_seconds``; gcsfs's own retries of a
-    refused or failed request (six tries, 1-16 s apart) stay: they are fixed when its class is defined.
-    """
-    protocol = _check_usable(url)
-    from fsspec.core import url_to_fs
-
-    options: dict[str, Any] = {"skip_instance_cache": True}
-    if protocol in ("s3", "s3a"):
-        options["config_kwargs"] = {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
-                                    "retries": {"max_attempts": 1}}
-    elif protocol in ("gs", "gcs"):
-        # gcsfs hands requests_timeout to aiohttp as it is (default: aiohttp's 5 minutes for a whole request)
-        # and does not retry a request that timed out: bound connecting and each read like S3's, and the
-        # whole request (a trace body included, up to 50 MiB a request) by ten of them.
-        options["requests_timeout"] = _aiohttp_timeout(timeout_seconds)
-        # Its default class first looks up the bucket's layout over gRPC, retrying for up to 60 s.
-        options["retry_timeout"] = timeout_seconds
-    elif protocol in ("file", "local"):
-        options["auto_mkdir"] = True
-    fs, root = url_to_fs(url, **options)
-    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
-        fs.retries = 1  # s3fs's own retry loop (5 tries by default) would multiply an attempt's length
-    return fs, str(root).rstrip("/")
-
-
-def _aiohttp_timeout(seconds: float) -> Any:
-    """An ``aiohttp.ClientTimeout`` (connect and read ``seconds``, all ``10 * seconds``), or ``seconds``."""
-    try:
-        import aiohttp
-    except ImportError:
-        return seconds
-    return aiohttp.ClientTimeout(total=10 * seconds, sock_connect=seconds, sock_read=seconds)
+#: An attempt's deadline is ``timeout_seconds`` plus its bodies at this rate (bytes per second): a 1 MiB trace
+#: adds 1 s, the largest capture (``capture_max_bytes``, 256 MiB) 256 s. A store slower than this for a whole
+#: trace fails it; one that does not answer fails at the deadline.
+MIN_BYTES_PER_SECOND = 2**20
+#: A sweep for orphan traces removes at most this many, within this many ``timeout_seconds`` in all.
+ORPHANS_PER_SWEEP = 100
+SWEEP_TIMEOUTS = 10
 
 
 @dataclass
@@ -151,6 +87,74 @@ class UploadStats:
     spool_bytes: int = 0
     #: ``clock()`` of the last successful upload, or of the uploader's start before any.
     last_ok: float = 0.0
+    #: Traces without metadata (a crash between a capture's two puts) removed from the store by the sweep.
+    orphans_removed: int = 0
+
+
+class StoreCalls:
+    """Calls to an fsspec filesystem that end by a deadline whatever the SDK does: its timeouts bound a connect
+    and a read, not a request (s3fs's PUT, ``Expect: 100-continue``, to an endpoint that accepts and never
+    answers ran on past 60 s with 5 s set). An async filesystem's call (s3fs, gcsfs, adlfs) is a task on its
+    loop, cancelled at the deadline, which closes its connection (measured there: within 1 ms). Any other's
+    runs on a thread of its own, which cannot be stopped: while ``max_abandoned`` such calls run on past
+    their deadline (each holds a connection and a body), a new call fails at once instead of starting.
+    """
+
+    def __init__(self, *, max_abandoned: int, cpu: AgentCpu) -> None:
+        if max_abandoned < 1:
+            raise ConfigError(f"max_abandoned_calls must be >= 1, got {max_abandoned!r}")
+        self.max_abandoned = max_abandoned
+        self._cpu = cpu
+        self._abandoned: list[threading.Event] = []  # one per call given up, set when it has ended
+
+    def abandoned(self) -> int:
+        """Calls given up at their deadline that are still running."""
+        self._abandoned = [ended for ended in self._abandoned if not ended.is_set()]
+        return len(self._abandoned)
+
+    def call(self, fs: Any, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)``, or ``TimeoutError`` when it has not returned by ``deadline``
+        (``time.monotonic()`` seconds), or at once when ``max_abandoned`` calls are still running."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the store did not answer within the attempt's deadline")
+        if self.abandoned() >= self.max_abandoned:
+            raise TimeoutError(f"{len(self._abandoned)} earlier calls to the store are still running past their "
+                               "deadline; none is started until one ends")
+        ended = threading.Event()
+        coroutine = getattr(fs, f"_{method}", None) if getattr(fs, "async_impl", False) else None
+        loop = getattr(fs, "loop", None)
+        future: concurrent.futures.Future[Any]
+        if coroutine is not None and isinstance(loop, asyncio.AbstractEventLoop) and loop.is_running():
+            async def run() -> Any:
+                try:
+                    return await coroutine(*args, **kwargs)
+                finally:
+                    ended.set()
+
+            future = asyncio.run_coroutine_threadsafe(run(), loop)
+        else:
+            future = concurrent.futures.Future()
+            threading.Thread(target=self._run, args=(future, ended, getattr(fs, method), args, kwargs),
+                             name="perfmon-trace-upload-call", daemon=True).start()
+        done, _ = concurrent.futures.wait([future], timeout=left)
+        if not done:
+            future.cancel()  # a task: cancelled on its loop; a thread's call runs on (cancel is a no-op)
+            if not ended.is_set():
+                self._abandoned.append(ended)
+            raise TimeoutError(f"the store did not answer within {left:.1f} s; the call was abandoned")
+        return future.result()
+
+    def _run(self, future: concurrent.futures.Future[Any], ended: threading.Event, fn: Callable[..., Any],
+             args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            if future.set_running_or_notify_cancel():  # False: given up before this thread ran
+                with self._cpu.measure("upload"):  # a sync store's requests are the upload's cost
+                    future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the waiting thread, raised there
+            future.set_exception(exc)
+        finally:
+            ended.set()
 
 
 class TraceUploader:
@@ -161,13 +165,24 @@ class TraceUploader:
     failure up to ``backoff_max_seconds``; ``poll_seconds`` is how often the spool is rescanned when idle
     (a capture saved in this process wakes the thread at once; the rescan finds other processes' captures).
     The thread's CPU seconds are added to ``cpu`` as ``thread="upload"``.
+    An attempt ends by ``timeout_seconds`` plus its bodies at ``MIN_BYTES_PER_SECOND`` (``StoreCalls``, with
+    ``max_abandoned_calls``). Idle, every ``orphan_sweep_seconds`` (jittered), traces without metadata written
+    over ``orphan_grace_seconds`` ago (``wall``: Unix seconds) are removed: at least 2 timeouts, the default
+    hour outlasts the largest capture's attempt (256 MiB: ~5 min), so an upload in flight is never removed.
     """
 
     def __init__(self, store: TraceStore, url: str, *, internal: InternalErrors | None = None, log: Any = None,
                  timeout_seconds: float = 30.0, backoff_initial_seconds: float = 1.0,
                  backoff_max_seconds: float = 300.0, poll_seconds: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, jitter: Callable[[], float] = random.random,
-                 fs: Any = None, root: str | None = None, cpu: AgentCpu | None = None) -> None:
+                 fs: Any = None, root: str | None = None, cpu: AgentCpu | None = None,
+                 orphan_grace_seconds: float = 3600.0, orphan_sweep_seconds: float = 3600.0,
+                 max_abandoned_calls: int = 2, wall: Callable[[], float] = time.time) -> None:
+        for name, value, least in (("timeout_seconds", timeout_seconds, 0.0), ("orphan_sweep_seconds",
+                                   orphan_sweep_seconds, 0.0), ("orphan_grace_seconds", orphan_grace_seconds,
+                                   2 * timeout_seconds)):  # an upload in flight must never look orphaned
+            if not (isinstance(value, (int, float)) and value > least and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a finite number of seconds > {least}, got {value!r}")
         self.store = store
         self._cpu = cpu if cpu is not None else AgentCpu()
         self.url = url
@@ -185,6 +200,11 @@ class TraceUploader:
         self._fs, self._root = fs, root
         self._fs_injected = fs is not None
         self.stats = UploadStats(last_ok=clock())
+        self.orphan_grace_seconds = orphan_grace_seconds
+        self.orphan_sweep_seconds = orphan_sweep_seconds
+        self._wall = wall
+        self._calls = StoreCalls(max_abandoned=max_abandoned_calls, cpu=self._cpu)
+        self._sweep_at = clock() + orphan_sweep_seconds * (0.5 + 0.5 * jitter())  # a fleet does not sweep in step
         self._uploaded: dict[str, str] = {}  # capture id -> its key
         self._gone: set[str] = set()  # unreadable here: never retried
         self._sizes: dict[str, tuple[int, int]] = {}  # pending id -> (files, bytes), read once
@@ -225,6 +245,7 @@ class TraceUploader:
         """In a forked child: the parent's thread is gone and its locks may be held; the filesystem
         instance holds the parent's connections. Start afresh (the manifest is reloaded)."""
         self._init_threading()
+        self._calls = StoreCalls(max_abandoned=self._calls.max_abandoned, cpu=self._cpu)  # no thread of it is here
         if not self._fs_injected:
             self._fs = self._root = None
         self._loaded = False
@@ -267,7 +288,10 @@ class TraceUploader:
             if now < self.retry_at:
                 return self.retry_at - now
             if not pending:
-                return self.poll_seconds
+                if now >= self._sweep_at:
+                    self._sweep()
+                    self._sweep_at = self.clock() + self.orphan_sweep_seconds * (0.5 + 0.5 * self._jitter())
+                return min(self.poll_seconds, max(0.0, self._sweep_at - self.clock()))
             cid = pending[0]
             ok = self._upload(cid)
             if ok is None:  # nothing to send (gone, unreadable): on to the next one
@@ -334,12 +358,15 @@ class TraceUploader:
             self._missing(cid)
             return None
         body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
+        # Real time (not self.clock, a test's hand clock): how long this thread may wait.
+        deadline = time.monotonic() + self.timeout_seconds + (len(body) + len(data or b"")) / MIN_BYTES_PER_SECOND
         io_before = io_thread_cpu()
         try:
             fs, root = self._filesystem()
             if data is not None:
-                fs.pipe_file(f"{root}/{key}/{trace_name}", data)
-            fs.pipe_file(f"{root}/{key}/{cid}.meta.json", body)  # last: a listed capture has its trace
+                self._calls.call(fs, "pipe_file", f"{root}/{key}/{trace_name}", data, deadline=deadline)
+            # Last, so a listed capture has its trace; a crash before it leaves an orphan, swept after the grace.
+            self._calls.call(fs, "pipe_file", f"{root}/{key}/{cid}.meta.json", body, deadline=deadline)
         except Exception as exc:
             first = self.failures == 0
             self.last_error = f"{type(exc).__name__}: {_scrub(str(exc), self.url)}"[:300]
@@ -354,6 +381,34 @@ class TraceUploader:
         self._uploaded[cid] = key
         self._write_manifest()
         return True
+
+    def _sweep(self) -> None:
+        """Remove orphan traces (``remote.orphan_traces``) older than the grace: at most ``ORPHANS_PER_SWEEP``,
+        within ``SWEEP_TIMEOUTS * timeout_seconds`` in all; a failure is logged and left to the next sweep."""
+        deadline, io_before, removed = time.monotonic() + SWEEP_TIMEOUTS * self.timeout_seconds, io_thread_cpu(), 0
+        try:
+            fs, root = self._filesystem()
+            # The whole prefix, every pod's (one that crashed may never return), in one flat listing (S3 pages
+            # 1000 keys a request; a five-level glob would list folder by folder).
+            objects = self._calls.call(fs, "find", root, detail=True, deadline=deadline)
+            cutoff = self._wall() - self.orphan_grace_seconds
+            for path in orphan_traces(fs, root, objects, written_before=cutoff)[:ORPHANS_PER_SWEEP]:
+                folder = path.rsplit("/", 1)[0]
+                meta = f"{folder}/{folder.rsplit('-', 1)[1]}.meta.json"
+                # Asked again just before: a restarted pod may have put the whole capture up since the listing.
+                written = written_at(self._calls.call(fs, "info", path, deadline=deadline))
+                if written is not None and written < cutoff and not self._calls.call(fs, "exists", meta,
+                                                                                     deadline=deadline):
+                    self._calls.call(fs, "rm_file", path, deadline=deadline)
+                    removed += 1
+                    self.stats.orphans_removed += 1
+        except Exception as exc:  # the store's or the SDK's: the next sweep tries again
+            if self._log is not None:
+                self._log.warning("trace_store_sweep_failed", store=self.destination, removed=removed,
+                                  error=f"{type(exc).__name__}: {_scrub(str(exc), self.url)}"[:300])
+        self._count_io(io_before)
+        if removed and self._log is not None:
+            self._log.info("trace_store_orphans_removed", store=self.destination, removed=removed)
 
     def _count_io(self, before: float | None) -> None:
         """Add what fsspec's IO thread spent during this attempt to ``thread="upload"``: async filesystems
@@ -443,27 +498,3 @@ def _read_manifest(store: TraceStore) -> dict[str, Any]:
     except Exception:  # absent, unsafe directory, torn by hand: start from nothing (uploads are idempotent)
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _check_usable(url: str) -> str:
-    """The URL's protocol; ``ConfigError`` when fsspec or the protocol's package is missing. Builds nothing."""
-    try:
-        import fsspec
-        from fsspec.core import split_protocol
-    except ImportError:
-        raise ConfigError("trace_store needs fsspec: pip install 'perfmon[s3]' (or fsspec and your store's "
-                          "package)") from None
-    protocol, _ = split_protocol(url)
-    if not protocol:
-        raise ConfigError(f"trace_store={redact(url)!r}: expected a URL such as s3://bucket/prefix")
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as exc:
-        extra = " (pip install 'perfmon[s3]')" if protocol in ("s3", "s3a") else ""
-        raise ConfigError(f"trace_store {protocol}:// is not usable here{extra}: {exc}") from None
-    return str(protocol)
-
-
-def _scrub(text: str, url: str) -> str:
-    """An SDK's error message with the configured URL (and so any user-info in it) replaced by its redaction."""
-    return text.replace(url, redact(url)) if url else text
