@@ -1,27 +1,59 @@
-"""The ``perfmon`` command line: the demo, and the client side of the capture API."""
+"""The ``perfmon`` command line: the demo, and the client side of the capture API.
+
+The agent at ``--url`` is not trusted (a broken build, a compromised pod, something else on its port): what it
+says is printed only through ``_clean`` (no terminal control sequence gets through), its answers are checked
+before use, ``http_request`` follows no redirect (the token goes to ``--url`` only), reads at most
+``ANSWER_MAX_BYTES`` of JSON (a trace: ``TRACE_MAX_BYTES``, streamed to disk) and ``--timeout`` is one deadline
+for the whole command, however slowly the agent trickles bytes.
+
+Exit status: 0 done; 1 the agent (or store) refused, failed, could not be reached, ran out the ``--timeout``, or
+answered something malformed, oversized or a redirect (one ``perfmon: ...`` line on stderr says which); 2 a
+usage error (the arguments, a malformed capture id, ``--url`` or token).
+
+over 500 lines: the agent's HTTP client (``http_request``, its deadline socket and limits) belongs in a module
+of its own; it lives here until that move (issue #22 item 7 changed only this file).
+"""
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
 import re
+import reprlib
+import socket
+import ssl
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TextIO
 
 from ._version import __version__
 from .exceptions import ConfigError
-from .store.files import TRACE_NAME, valid_id
+from .store.files import TRACE_NAME, replacing_at, temp_name, valid_id
 
-__all__ = ["ControlError", "Transport", "diff_profiles", "http_request", "list_profiles", "main", "run_profile",
-           "store_profiles"]
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+__all__ = ["ANSWER_MAX_BYTES", "TRACE_MAX_BYTES", "ControlError", "Transport", "diff_profiles", "http_request",
+           "list_profiles", "main", "run_profile", "store_profiles"]
+
+#: The largest JSON answer read from an agent. A capture's metadata is tens of KiB (at most 4 MiB on the agent's
+#: disk, ``perfmon.store.traces.META_MAX_BYTES``) and a listing of the 20 kept captures a few KiB: past this the
+#: agent is broken or hostile, and reading on would only cost memory (a 400 MB answer read whole took +760 MiB of
+#: RSS; now +0 MiB announced, +7 MiB unannounced). Parsed, 8 MiB of ``{},`` still takes ~210 MiB: JSON's worst case.
+ANSWER_MAX_BYTES = 8 * 2**20
+#: The largest trace ``perfmon profile`` downloads (streamed to disk, never held): the bound of a download from
+#: the fleet's store (``perfmon.store.remote.REMOTE_TRACE_MAX_BYTES``); a capture's own is ``capture_max_bytes``.
+TRACE_MAX_BYTES = 2 * 2**30
+#: An error answer is read up to this much (its message is cut far shorter) and the rest left unread.
+_ERROR_MAX_BYTES = 64 * 2**10
+#: Bodies are read in pieces of this size, so memory follows the limit, not the agent's Content-Length.
+_CHUNK = 2**16
 
 
 def _positive(text: str) -> float:
@@ -66,10 +98,17 @@ _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x9b[0-?]*[ -/]*[@-~]?"
 _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
+#: Non-text values (a list where a name was expected...) are shown through a bounded repr: ``str()`` of a list
+#: nested 900 deep, as JSON allows, raises RecursionError, and of a long one prints megabytes.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 200, 200
+
+
 def _clean(value: Any, limit: int | None = None) -> str:
     """``value`` as text safe to print on a terminal: escape sequences and control characters removed, then cut
-    to ``limit`` characters (a megabyte-long field must not flood the listing)."""
-    text = value if isinstance(value, str) else str(value)
+    to ``limit`` characters (a megabyte-long field must not flood the listing). The one gate for everything an
+    agent or a store says: every such string the CLI prints passes through here."""
+    text = value if isinstance(value, str) else str(value) if isinstance(value, BaseException) else _REPR.repr(value)
     if limit is not None:
         text = text[: limit * 8 + 256]  # bound the work; what is cut would not be shown anyway
     text = _CONTROLS.sub("", _ESCAPES.sub("", text))
@@ -79,6 +118,46 @@ def _clean(value: Any, limit: int | None = None) -> str:
 def _or(value: Any, default: str) -> Any:
     """``default`` for a missing or empty value (as ``value or default`` would), the value otherwise."""
     return value if value not in (None, "") else default
+
+
+_EXIT_STATUS = ("exit status: 0 done; 1 the agent refused, failed, was unreachable, ran out the --timeout or "
+                "answered something malformed, oversized or a redirect; 2 a usage error")
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` is not an agent's URL (http or https, a host, no credentials, query, fragment, controls, spaces),
+    or None."""
+    if _CONTROLS.search(url) or " " in url:
+        return "control characters or spaces"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port past 65535 or not a number
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "not an http:// or https:// URL"
+    if "@" in parts.netloc:  # never echoed: it may be a password
+        return "credentials in the URL (put the token in $PERFMON_TOKEN)"
+    if not parts.hostname:
+        return "no host"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "a query or fragment (the CLI appends the API's paths)"
+    return None
+
+
+def _agent_url(text: str) -> str:
+    """``--url``: an agent's base URL (``_url_problem``), without its trailing "/"."""
+    problem = _url_problem(text)
+    if problem is None:
+        return text.rstrip("/")
+    shown = "" if "@" in text else f": {_clean(repr(text), 120)}"
+    raise argparse.ArgumentTypeError(f"{problem}{shown}; expected e.g. http://127.0.0.1:9478")
+
+
+#: What a token may hold: printable ASCII, no space at either end. An HTTP header cannot carry CR/LF (they would
+#: end it) and http.client refuses them; other characters would go out in Latin-1 and end spaces be stripped by
+#: the agent (``http/security.py``): neither would ever match its token.
+_TOKEN = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,11 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "first token, inter-token latency, tokens (needs transformers; nothing is downloaded)")
 
     def control(name: str, help_text: str, *, url_required: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--url", required=url_required, help="the agent's base URL, e.g. http://127.0.0.1:9478")
-        p.add_argument("--token", default=os.environ.get("PERFMON_TOKEN"),
-                       help="bearer token (default: $PERFMON_TOKEN)")
-        p.add_argument("--timeout", type=_positive, default=120.0, help="seconds to wait (default 120)")
+        p = sub.add_parser(name, help=help_text, epilog=_EXIT_STATUS)
+        p.add_argument("--url", type=_agent_url, required=url_required,
+                       help="the agent's base URL, e.g. http://127.0.0.1:9478 (redirects are not followed)")
+        p.add_argument("--token", default=None,
+                       help="bearer token (default: $PERFMON_TOKEN, which is better: an argument shows in `ps` "
+                            "and shell history)")
+        p.add_argument("--timeout", type=_positive, default=120.0,
+                       help="seconds for the whole command: connecting, every answer, the trace (default 120)")
         return p
 
     prof = control("profile", "trigger a capture, wait for it, download the trace, print the top ops")
@@ -162,50 +244,152 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
         if args.command == "profiles" and args.store:
             return store_profiles(args.store, model=args.model, host=args.host, trigger=args.trigger, since=args.since,
                                   limit=args.limit, download=args.download, out=args.out)
-        if args.command == "profiles":
-            if not args.url:
-                print("perfmon: profiles needs --url (one agent) or --store (the fleet's object storage)",
-                      file=sys.stderr)
-                return 2
-            return list_profiles(args.url, token=args.token, timeout=args.timeout, transport=transport)
+        if args.command == "profiles" and not args.url:
+            print("perfmon: profiles needs --url (one agent) or --store (the fleet's object storage)",
+                  file=sys.stderr)
+            return 2
         if args.command == "diff":
             bad = [i for i in (args.before, args.after) if not valid_id(i)]
             if bad:  # a usage error, before any request: "<id>/trace" must not reach another route
                 print(f"perfmon: diff: not a capture id: {_clean(repr(bad[0]), 80)} (expected 22 lowercase hex "
                       "digits, as `perfmon profiles` lists them)", file=sys.stderr)
                 return 2
-            return diff_profiles(args.url, args.before, args.after, token=args.token, timeout=args.timeout,
+        token = args.token if args.token is not None else os.environ.get("PERFMON_TOKEN")
+        if args.token:
+            print("perfmon: warning: --token shows in `ps` and in shell history; prefer $PERFMON_TOKEN",
+                  file=sys.stderr)
+        if token and not _TOKEN.fullmatch(token):  # never echoed: it is a secret
+            print("perfmon: the token ($PERFMON_TOKEN or --token) holds characters an HTTP header cannot carry "
+                  "(control characters, non-ASCII, spaces at an end); expected printable ASCII only", file=sys.stderr)
+            return 2
+        if args.command == "profiles":
+            return list_profiles(args.url, token=token, timeout=args.timeout, transport=transport)
+        if args.command == "diff":
+            return diff_profiles(args.url, args.before, args.after, token=token, timeout=args.timeout,
                                  rows=args.rows, transport=transport)
-        return run_profile(args.url, token=args.token, model=args.model, steps=args.steps,
+        return run_profile(args.url, token=token, model=args.model, steps=args.steps,
                            max_seconds=args.max_seconds, out=args.out, timeout=args.timeout, transport=transport)
     except ControlError as exc:
-        print(f"perfmon: {_clean(exc)}", file=sys.stderr)  # it may quote what an agent or a store said
+        more = f" (--timeout {args.timeout:g} s covers the whole command)" if isinstance(exc, _TimedOut) else ""
+        # One line, cleaned and cut: the message may quote what an agent or a store said.
+        print(f"perfmon: {_clean(exc, 1000)}{more}", file=sys.stderr)
         return 1
 
 
 # -- the control API's client side: what `perfmon profile` and `perfmon profiles` do ----------------
 
 class ControlError(Exception):
-    """The agent refused or could not be reached; the message says why."""
+    """The agent refused, could not be reached or answered something unusable; the message says why."""
+
+
+class _TimedOut(ControlError):
+    """The exchange did not end by its deadline."""
 
 
 class Transport(Protocol):
     """How the CLI talks to an agent: one request, one answer.
 
-    ``transport(url, *, token, method="GET", payload=None, timeout=30.0) -> (status, headers, body)``:
-    ``payload`` is sent as a JSON body; ``token`` as a bearer token. An answer the agent refused (HTTP >= 400)
-    or a request that could not be made raises ``ControlError`` saying why. ``http_request`` is the real
-    one (urllib); tests pass a plain function that answers from a script, so the client side is exercised
-    against any agent, hostile ones included, without a server.
+    ``transport(url, *, token, method="GET", payload=None, timeout=30.0, max_bytes=ANSWER_MAX_BYTES, sink=None)
+    -> (status, headers, body)``: ``payload`` is sent as a JSON body; ``token`` as a bearer token; ``timeout``
+    bounds the whole exchange; a body over ``max_bytes`` is refused; with ``sink`` (a binary file) the body is
+    written there as it arrives and ``b""`` returned (a transport that returns it anyway has it written by the
+    caller). An answer the agent refused (HTTP >= 400), a redirect, or a request that could not be made raises
+    ``ControlError`` saying why. ``http_request`` is the real one; tests pass a plain function that answers from
+    a script, so the client side is exercised against any agent, hostile ones included, without a server.
     """
 
     def __call__(self, url: str, *, token: str | None, method: str = "GET", payload: Any = None,
-                 timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]: ...
+                 timeout: float = 30.0, max_bytes: int = ANSWER_MAX_BYTES,
+                 sink: BinaryIO | None = None) -> tuple[int, dict[str, str], bytes]: ...
 
 
-def http_request(url: str, *, token: str | None, method: str = "GET", payload: Any = None,
-                 timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
-    """The real ``Transport``: one HTTP request with urllib; HTTP errors and OS errors become ``ControlError``."""
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``); ``TimeoutError`` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    return left
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every send and receive may take only what is left until ``deadline``: a timeout per
+    operation alone restarts with every byte, so an agent sending one byte a second would hold ``--timeout 2``
+    for as long as it liked."""
+
+    deadline = math.inf
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
+        self.settimeout(_left(self.deadline))
+        return super().recv_into(buffer, nbytes, flags)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
+        self.settimeout(_left(self.deadline))
+        super().sendall(data, flags)
+
+
+class _DeadlineSSLSocket(ssl.SSLSocket):
+    """``_DeadlineSocket`` for https (the handshake is bounded by the timeout set before it: ssl applies a socket
+    timeout to a whole call)."""
+
+    deadline = math.inf
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int | None = None, flags: int = 0) -> int:
+        self.settimeout(_left(self.deadline))
+        return super().recv_into(buffer, nbytes, flags)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
+        self.settimeout(_left(self.deadline))
+        super().sendall(data, flags)
+
+
+class _Connection(http.client.HTTPConnection):
+    """http.client over a ``_DeadlineSocket`` (TLS for https): the connection, the request and the answer all end
+    by ``deadline``. No proxy: the agent is reached directly (as with ``kubectl port-forward``)."""
+
+    def __init__(self, host: str, port: int | None, *, deadline: float, tls: bool) -> None:
+        super().__init__(host, port or (443 if tls else 80))
+        self.default_port = 443 if tls else 80  # the Host header names a port only when it is not the default
+        self._deadline, self._tls = deadline, tls
+
+    def connect(self) -> None:
+        error: OSError = OSError(f"{self.host}: no address")
+        for family, kind, proto, _, address in socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[:8]:
+            sock = _DeadlineSocket(family, kind, proto)
+            sock.deadline = self._deadline
+            try:
+                sock.settimeout(_left(self._deadline))
+                sock.connect(address)
+                if self._tls:
+                    context = ssl.create_default_context()
+                    context.sslsocket_class = _DeadlineSSLSocket
+                    tls = context.wrap_socket(sock, server_hostname=self.host)
+                    tls.deadline = self._deadline  # type: ignore[attr-defined]  # our sslsocket_class
+                    self.sock = tls
+                else:
+                    self.sock = sock
+                return
+            except OSError as exc:  # the next address (IPv4 after IPv6...), while time is left
+                sock.close()
+                error = exc
+        raise error
+
+
+def http_request(url: str, *, token: str | None, method: str = "GET", payload: Any = None, timeout: float = 30.0,
+                 max_bytes: int = ANSWER_MAX_BYTES, sink: BinaryIO | None = None) -> tuple[int, dict[str, str], bytes]:
+    """The real ``Transport``: one HTTP/1.1 exchange (http.client) that ends within ``timeout`` seconds in all
+    (connect, request, head, body), follows no redirect, decodes nothing (no gzip: what is read is what is
+    counted) and reads the body in ``_CHUNK`` pieces up to ``max_bytes`` (into ``sink`` when given).
+
+    Redirects are refused rather than followed without the token: the agent never redirects (``http/routes.py``),
+    so one means something else answers on its address, and an answer from wherever it points would be trusted
+    as the agent's (its trace written to disk) even with no credential sent. ``--url`` can name the final address.
+    """
+    what = f"{method} {_clean(url, 200)}"
+    problem = _url_problem(url)
+    if problem is not None:
+        raise ControlError(f"{method}: not an agent's URL: {problem}")
+    deadline = time.monotonic() + timeout
+    parts = urllib.parse.urlsplit(url)
     data = None if payload is None else json.dumps(payload).encode()
     # X-Perfmon: with no token the agent serves its control routes only to requests carrying it (a web
     # page cannot send it cross-site without a CORS preflight the agent never grants).
@@ -214,85 +398,91 @@ def http_request(url: str, *, token: str | None, method: str = "GET", payload: A
         headers["Content-Type"] = "application/json"
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    conn = _Connection(parts.hostname or "", parts.port, deadline=deadline, tls=parts.scheme == "https")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers.items()), r.read()
-    except urllib.error.HTTPError as e:
-        body = e.read()
-        try:
-            detail = json.loads(body)
-        except ValueError:
-            detail = {"error": body[:200].decode(errors="replace")}
-        msg = detail.get("error", "") + (f" ({detail['detail']})" if detail.get("detail") else "")
-        raise ControlError(f"{method} {url}: HTTP {e.code}: {msg}") from None
-    except OSError as e:
-        raise ControlError(f"{method} {url}: {e}") from None
+        conn.request(method, parts.path or "/", body=data, headers=headers)
+        r = conn.getresponse()
+        if 300 <= r.status < 400:
+            raise ControlError(f"{what}: HTTP {r.status}: a redirect (to {_clean(r.getheader('Location'), 200)}), "
+                               "not followed: the token goes to --url only (give --url the final address)")
+        if r.status >= 400:
+            raise ControlError(f"{what}: HTTP {r.status}: {_agent_error(r.read(_ERROR_MAX_BYTES))}")
+        if r.status < 200:
+            raise ControlError(f"{what}: HTTP {r.status}: not an answer")
+        return r.status, dict(r.getheaders()), _read_body(r, max_bytes, sink, what)
+    except TimeoutError:
+        raise _TimedOut(f"{what}: no complete answer in time") from None
+    except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, not HTTP, header limits...
+        raise ControlError(f"{what}: {type(exc).__name__}: {_clean(exc, 200)}") from None
+    finally:
+        conn.close()
 
 
-def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
-                max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
-                stdout: TextIO | None = None, transport: Transport = http_request) -> int:
-    """Trigger a capture, wait for it, download its trace and print the top ops."""
-    stdout = stdout if stdout is not None else sys.stdout  # looked up per call: tests and tools swap it
-    base = url.rstrip("/")
-    payload = {k: v for k, v in (("model", model), ("steps", steps), ("max_seconds", max_seconds)) if v is not None}
-    _, _, body = transport(f"{base}/profile", token=token, method="POST", payload=payload)
-    cap_id = _json_object(body, "POST /profile").get("id")
-    if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
-        raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(repr(cap_id), 80)})")
-    print(f"capture {cap_id} armed; waiting for the model's next calls...", file=stdout, flush=True)
-    deadline = time.monotonic() + timeout
-    meta: dict[str, Any] = {}
-    last = None
-    while time.monotonic() < deadline:
-        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token)
-        meta = _json_object(body, f"capture {cap_id}")
-        if meta.get("status") != last:
-            last = meta.get("status")
-            print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})", file=stdout,
-                  flush=True)
-        if meta.get("outcome"):
+def _size(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
+
+
+def _read_body(r: http.client.HTTPResponse, limit: int, sink: BinaryIO | None, what: str) -> bytes:
+    """The body in ``_CHUNK`` pieces, into ``sink`` (``b""`` returned) or memory: ``ControlError`` when its
+    Content-Length is malformed or over ``limit``, when more than ``limit`` bytes come, or fewer than announced."""
+    lengths = r.msg.get_all("Content-Length") or []
+    if any(not v.strip().isdigit() for v in lengths) or len({v.strip() for v in lengths}) > 1:
+        raise ControlError(f"{what}: malformed Content-Length {_clean(lengths, 60)}")
+    if r.length is not None and r.length > limit:
+        raise ControlError(f"{what}: the answer is {r.length} bytes, over the CLI's limit of {_size(limit)}")
+    chunks: list[bytes] = []
+    total = 0
+    while True:  # ends: each pass reads >= 1 byte of at most limit + 1, and every read is bounded by the deadline
+        chunk = r.read(min(_CHUNK, limit + 1 - total))
+        if not chunk:
             break
-        time.sleep(0.2)
-    else:
-        raise ControlError(f"capture {cap_id} did not finish within {timeout:g} s "
-                           f"(status {_clean(meta.get('status'), 40)})")
-    if meta["outcome"] == "failed":
-        raise ControlError(f"capture {cap_id} failed: {meta.get('error')}")
-    _, _, trace = transport(f"{base}/profiles/{cap_id}/trace", token=token, timeout=timeout)
-    name = meta.get("trace_file")
-    if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
-        name = f"{cap_id}.pt.trace.json.gz"
-    target = Path(out) if out else Path(name)
-    target.write_bytes(trace)
-    print(f"trace: {target} ({len(trace)} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
-    _print_ops(meta.get("summary") or [], stdout)
-    comparison = meta.get("comparison")
-    if isinstance(comparison, dict):
-        print(f"\nvs baseline {_clean(comparison.get('baseline'), 40)}: {_clean(comparison.get('summary'), 500)}",
-              file=stdout)
-    compute = meta.get("compute") or {}
-    if compute.get("achieved_flops_per_second"):
-        mfu = f", MFU {compute['mfu_ratio']:.1%}" if compute.get("mfu_ratio") is not None else ""
-        print(f"\nwindow: {compute['achieved_flops_per_second'] / 1e9:.2f} GFLOP/s achieved{mfu} "
-              f"(peak: {compute.get('peak_source')})", file=stdout)
-    return 0
+        total += len(chunk)
+        if total > limit:
+            raise ControlError(f"{what}: the answer is over the CLI's limit of {_size(limit)}; not read further")
+        if sink is not None:
+            sink.write(chunk)
+        else:
+            chunks.append(chunk)
+    if r.length:  # bytes the Content-Length promised that the connection never brought
+        raise ControlError(f"{what}: the answer was cut short ({total} bytes, {r.length} more announced)")
+    return b"".join(chunks)
 
 
-def _print_ops(ops: list[dict[str, Any]], stdout: TextIO) -> None:
-    if not ops:
-        return
-    device = any(op.get("self_device_time_total_seconds") for op in ops)
-    key = "self_device_time_total_seconds" if device else "self_cpu_time_total_seconds"
-    print(f"\n{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
-          f"{'GFLOP':>8} {'GFLOP/s':>8}  bound", file=stdout)
-    for op in ops[:15]:
-        rate = op.get("achieved_flops_per_second")
-        cpu_ms = op["cpu_time_total_seconds"] * 1e3
-        print(f"{_clean(op['name'], 34):<34} {op['calls']:>6} {op[key] * 1e3:>13.3f} {cpu_ms:>12.3f} "
-              f"{(op.get('flops') or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
-              f"{_clean(op.get('bound') or '-', 20)}", file=stdout)
+def _agent_error(body: bytes) -> str:
+    """What an error answer says: its JSON ``error`` (and ``detail``) when they are text, else its first
+    characters; cleaned and cut either way."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), str):
+        detail = data.get("detail")
+        return _clean(data["error"], 300) + (f" ({_clean(detail, 300)})" if isinstance(detail, str) and detail else "")
+    return _clean(body[:200].decode("utf-8", "replace"), 200) or "(no message)"
+
+
+def _malformed(what: str, field: str, value: Any) -> ControlError:
+    return ControlError(f"{what}: {field} is malformed ({_clean(value, 60)}); the agent's answer is broken")
+
+
+def _number(value: Any, what: str, field: str, *, low: float = -math.inf, high: float = math.inf) -> float:
+    """``value`` as a finite float within [low, high], or ``ControlError`` naming the field: JSON allows NaN,
+    Infinity, strings, null, and 400-digit integers (whose float() overflows)."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+        number = float(value)
+    except (ValueError, OverflowError):
+        raise _malformed(what, field, value) from None
+    if not (math.isfinite(number) and low <= number <= high):
+        raise _malformed(what, field, value)
+    return number
+
+
+def _optional_number(value: Any, what: str, field: str, *, low: float = -math.inf,
+                     high: float = math.inf) -> float | None:
+    """``_number``, or None for a missing (null) value."""
+    return None if value is None else _number(value, what, field, low=low, high=high)
 
 
 def _json_object(body: bytes, what: str) -> dict[str, Any]:
@@ -301,10 +491,125 @@ def _json_object(body: bytes, what: str) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        raise ControlError(f"{what}: the agent's answer is not JSON") from None
+        raise ControlError(f"{what}: the agent's answer is not JSON ({len(body)} bytes: {_clean(body[:24])})") from None
     if not isinstance(data, dict):
-        raise ControlError(f"{what}: the agent's answer is not a JSON object")
+        raise ControlError(f"{what}: the agent's answer is not a JSON object ({_clean(data, 40)})")
     return data
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
+
+
+def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
+                max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
+                stdout: TextIO | None = None, transport: Transport = http_request) -> int:
+    """Trigger a capture, wait for it, download its trace and print the top ops, all within ``timeout`` seconds."""
+    stdout = stdout if stdout is not None else sys.stdout  # looked up per call: tests and tools swap it
+    deadline = time.monotonic() + timeout
+    base = url.rstrip("/")
+    payload = {k: v for k, v in (("model", model), ("steps", steps), ("max_seconds", max_seconds)) if v is not None}
+    _, _, body = transport(f"{base}/profile", token=token, method="POST", payload=payload,
+                           timeout=_remaining(deadline))
+    cap_id = _json_object(body, "POST /profile").get("id")
+    if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
+        raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(cap_id, 80)})")
+    what = f"capture {cap_id}"
+    print(f"{what} armed; waiting for the model's next calls...", file=stdout, flush=True)
+    meta: dict[str, Any] = {}
+    last = None
+    while time.monotonic() < deadline:  # bounded by the deadline (and so in count: one pass per 0.2 s at most)
+        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=_remaining(deadline))
+        meta = _json_object(body, what)
+        for field in ("status", "outcome"):
+            if not isinstance(meta.get(field), (str, type(None))):
+                raise _malformed(what, field, meta.get(field))
+        if meta.get("status") != last:
+            last = meta.get("status")
+            print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})", file=stdout,
+                  flush=True)
+        if meta.get("outcome"):
+            break
+        time.sleep(min(0.2, _remaining(deadline)))
+    else:
+        raise _TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
+    if meta["outcome"] == "failed":
+        raise ControlError(f"{what} failed: {_clean(meta.get('error'), 500)}")
+    report = _report(meta, what)  # checked before anything is written: a malformed answer leaves no file
+    name = meta.get("trace_file")
+    if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
+        name = f"{cap_id}.pt.trace.json.gz"
+    target = Path(out) if out else Path(name)
+    size = _download(transport, f"{base}/profiles/{cap_id}/trace", target, token=token, timeout=_remaining(deadline))
+    print(f"trace: {target} ({size} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
+    for line in report:
+        print(line, file=stdout)
+    return 0
+
+
+def _download(transport: Transport, url: str, target: Path, *, token: str | None, timeout: float) -> int:
+    """Stream a trace into ``target`` (a 0600 temp file beside it, renamed over it when whole: never written
+    through a link there, never left half-written); its size in bytes."""
+    try:
+        dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ControlError(f"cannot write the trace to {_clean(target, 200)}: {exc.strerror or exc}") from None
+    try:
+        with replacing_at(dir_fd, temp_name("trace"), target.name) as f:
+            _, _, rest = transport(url, token=token, timeout=timeout, max_bytes=TRACE_MAX_BYTES, sink=f)
+            f.write(rest)
+            return int(f.tell())
+    except OSError as exc:  # the disk is full, --out names a directory...
+        raise ControlError(f"cannot write the trace to {_clean(target, 200)}: {exc.strerror or exc}") from None
+    finally:
+        os.close(dir_fd)
+
+
+def _report(meta: dict[str, Any], what: str) -> list[str]:
+    """The lines `perfmon profile` prints after the trace: top ops, comparison, compute. ``ControlError`` naming
+    the field when one has the wrong type (a number that is text, null or a list; a list that is an object)."""
+    lines = _op_lines(meta.get("summary"), what)
+    comparison = meta.get("comparison")
+    if isinstance(comparison, dict):
+        lines.append(f"\nvs baseline {_clean(comparison.get('baseline'), 40)}: "
+                     f"{_clean(comparison.get('summary'), 500)}")
+    compute = meta.get("compute")
+    if compute is not None and not isinstance(compute, dict):
+        raise _malformed(what, "compute", compute)
+    achieved = _optional_number((compute or {}).get("achieved_flops_per_second"), what,
+                                "compute.achieved_flops_per_second")
+    if achieved:
+        assert compute is not None
+        mfu = _optional_number(compute.get("mfu_ratio"), what, "compute.mfu_ratio")
+        lines.append(f"\nwindow: {achieved / 1e9:.2f} GFLOP/s achieved{'' if mfu is None else f', MFU {mfu:.1%}'} "
+                     f"(peak: {_clean(compute.get('peak_source'), 60)})")
+    return lines
+
+
+def _op_lines(ops: Any, what: str) -> list[str]:
+    """The top-ops table (the first 15 of the capture's summary)."""
+    if ops is None or ops == []:
+        return []
+    if not isinstance(ops, list):
+        raise _malformed(what, "summary", ops)
+    ops = ops[:15]
+    for i, op in enumerate(ops):
+        if not isinstance(op, dict):
+            raise _malformed(what, f"summary[{i}]", op)
+    device = any(op.get("self_device_time_total_seconds") for op in ops)
+    key = "self_device_time_total_seconds" if device else "self_cpu_time_total_seconds"
+    lines = [f"\n{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
+             f"{'GFLOP':>8} {'GFLOP/s':>8}  bound"]
+    for i, op in enumerate(ops):
+        at = f"summary[{i}]"
+        calls, self_s = _number(op.get("calls"), what, f"{at}.calls"), _number(op.get(key), what, f"{at}.{key}")
+        cpu_s = _number(op.get("cpu_time_total_seconds"), what, f"{at}.cpu_time_total_seconds")
+        flops = _optional_number(op.get("flops"), what, f"{at}.flops")
+        rate = _optional_number(op.get("achieved_flops_per_second"), what, f"{at}.achieved_flops_per_second")
+        lines.append(f"{_clean(op.get('name'), 34):<34} {calls:>6g} {self_s * 1e3:>13.3f} {cpu_s * 1e3:>12.3f} "
+                     f"{(flops or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
+                     f"{_clean(op.get('bound') or '-', 20)}")
+    return lines
 
 
 def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO | None = None,
@@ -351,7 +656,7 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
         if download is not None:
             paths = download_remote(store, download, out, on_skip=on_skip)
             for key, reason in skipped:
-                print(f"perfmon: skipped {_clean(key, 300)}: {reason}", file=stderr)
+                print(f"perfmon: skipped {_clean(key, 300)}: {_clean(reason, 300)}", file=stderr)
             for path in paths:
                 print(_clean(path), file=stdout)
             return 0
@@ -390,25 +695,32 @@ def _short_comparison(meta: dict[str, Any], width: int = 60) -> str:
 
 #: The per-step op table's numeric fields ``captures.compare`` reads (``captures.trace_summary.step_table``).
 _OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step", "share_of_steps")
+#: The largest per-step figure (seconds, calls) taken from an agent, and the largest step count: far past any real
+#: capture (a model call of 30 years), far below where the comparison's arithmetic overflows (it squares a standard
+#: deviation: 1e308 raised OverflowError) or a float() of a 400-digit JSON integer does.
+_PER_STEP_MAX = 1e9
 
 
 def _check_ops(meta: dict[str, Any], capture_id: str) -> None:
     """``ControlError`` unless every entry of the capture's op table is an object whose numeric fields are
-    finite numbers (or absent): ``compare`` would otherwise fail with a ``ValueError`` from ``float("abc")``
-    or print nonsense from NaN. Only a broken or hostile agent sends such a table."""
+    numbers in [0, _PER_STEP_MAX] (or absent), its step count too, and its device text: ``compare`` would
+    otherwise fail with a ``ValueError`` from ``float("abc")``, an ``OverflowError``, or print nonsense from
+    NaN. Only a broken or hostile agent sends such a table."""
+    what = f"capture {capture_id}"
+    if not isinstance(meta.get("device"), (str, type(None))):
+        raise _malformed(what, "device", meta.get("device"))
+    if meta.get("steps") is not None and not isinstance(meta.get("steps"), int):
+        raise _malformed(what, "steps", meta.get("steps"))
+    _optional_number(meta.get("steps"), what, "steps", low=0, high=_PER_STEP_MAX)
     ops = meta.get("ops")
     if not isinstance(ops, dict):
         return  # no table: compare says the captures are not comparable
     for name, entry in ops.items():
         if not isinstance(entry, dict):
-            raise ControlError(f"capture {capture_id}: op {_clean(name, 60)!r} is not an object in its op table")
+            raise ControlError(f"{what}: op {_clean(name, 60)!r} is not an object in its op table")
         for field in _OP_FIELDS:
-            value = entry.get(field)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ControlError(f"capture {capture_id}: op {_clean(name, 60)!r} has a non-numeric {field} "
-                                   f"({_clean(repr(value), 40)}); the agent's op table is malformed")
+            _optional_number(entry.get(field), what, f"op {_clean(name, 60)!r}: {field}", low=0,
+                             high=_PER_STEP_MAX)
 
 
 def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float,
@@ -427,8 +739,9 @@ def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float
 
 def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeout: float = 30.0, rows: int = 20,
                   stdout: TextIO | None = None, transport: Transport = http_request) -> int:
-    """Fetch two captures' metadata from the agent and print their comparison (``perfmon.captures.compare``):
-    per op, self time per model call before and after, calls per model call, the change and its status.
+    """Fetch two captures' metadata from the agent (both within ``timeout`` seconds) and print their comparison
+    (``perfmon.captures.compare``): per op, self time per model call before and after, calls per model call, the
+    change and its status.
 
     Both ids must be capture ids (``perfmon.store.traces.valid_id``; ``ControlError`` before any request
     otherwise): an id is a path segment of the request, so "<id>/trace" would fetch another route."""
@@ -438,15 +751,19 @@ def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeo
     for capture_id in (before, after):
         if not valid_id(capture_id):
             raise ControlError(f"not a capture id: {_clean(repr(capture_id), 80)}")
+    deadline = time.monotonic() + timeout
     base = url.rstrip("/")
-    a = _fetch_meta(base, before, token=token, timeout=timeout, transport=transport)
-    b = _fetch_meta(base, after, token=token, timeout=timeout, transport=transport)
+    a = _fetch_meta(base, before, token=token, timeout=_remaining(deadline), transport=transport)
+    b = _fetch_meta(base, after, token=token, timeout=_remaining(deadline), transport=transport)
     if a.get("model") != b.get("model"):
         print(f"note: different models ({_clean(a.get('model'), 60)} vs {_clean(b.get('model'), 60)})", file=stdout)
-    result = compare(a, b)
+    try:
+        result = compare(a, b)
+    except ArithmeticError as exc:  # extreme but in-range figures (a 10,000x uniform change divides by zero)
+        raise ControlError(f"cannot compare {before} and {after}: {type(exc).__name__}: {exc}") from None
     if result.get("error"):
         raise ControlError(f"cannot compare {before} and {after}: {_clean(result['error'], 300)}")
-    per = "device" if str(b.get("device", "")).startswith("cuda") else "CPU"
+    per = "device" if (b.get("device") or "").startswith("cuda") else "CPU"
     print(f"{before} ({_clean(a.get('trigger'), 32)}, {_clean(a.get('steps'), 12)} steps) -> {after} "
           f"({_clean(b.get('trigger'), 32)}, {_clean(b.get('steps'), 12)} steps); self {per} time per model call",
           file=stdout)
@@ -459,7 +776,7 @@ def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeo
               f"{r['calls_per_call_before']:>12.1f} {r['calls_per_call_after']:>12.1f}", file=stdout)
     if len(result["ops"]) > rows:
         print(f"({len(result['ops']) - rows} more rows)", file=stdout)
-    print(f"\n{_clean(result['summary'])}", file=stdout)
+    print(f"\n{_clean(result['summary'], 2000)}", file=stdout)
     return 0
 
 
