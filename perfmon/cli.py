@@ -1,59 +1,36 @@
-"""The ``perfmon`` command line: the demo, and the client side of the capture API.
+"""The ``perfmon`` command line: the demo, and the commands that drive an agent's capture API (``profile``,
+``profiles``, ``diff``): their arguments, their checks of what the agent answers, and what they print.
 
 The agent at ``--url`` is not trusted (a broken build, a compromised pod, something else on its port): what it
-says is printed only through ``_clean`` (no terminal control sequence gets through), its answers are checked
-before use, ``http_request`` follows no redirect (the token goes to ``--url`` only), reads at most
-``ANSWER_MAX_BYTES`` of JSON (a trace: ``TRACE_MAX_BYTES``, streamed to disk) and ``--timeout`` is one deadline
-for the whole command, however slowly the agent trickles bytes.
+says is printed only through ``_clean`` (no terminal control sequence gets through) and its answers are checked
+before use. The HTTP exchange itself, with its deadline, size caps and refused redirects, is ``perfmon.client``.
 
 Exit status: 0 done; 1 the agent (or store) refused, failed, could not be reached, ran out the ``--timeout``, or
 answered something malformed, oversized or a redirect (one ``perfmon: ...`` line on stderr says which); 2 a
 usage error (the arguments, a malformed capture id, ``--url`` or token).
-
-over 500 lines: the agent's HTTP client (``http_request``, its deadline socket and limits) belongs in a module
-of its own; it lives here until that move (issue #22 item 7 changed only this file).
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import math
 import os
-import re
-import reprlib
-import socket
-import ssl
 import sys
 import time
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TextIO
+from typing import Any, TextIO
 
+from . import client
 from ._version import __version__
+from .client import ANSWER_MAX_BYTES, TRACE_MAX_BYTES, ControlError, Transport, http_request
+from .client import clean as _clean  # the name every line here, and the tests, use
 from .exceptions import ConfigError
-from .store.files import TRACE_NAME, replacing_at, temp_name, valid_id
-
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer, WriteableBuffer
+from .store.files import TRACE_NAME, valid_id
 
 __all__ = ["ANSWER_MAX_BYTES", "TRACE_MAX_BYTES", "ControlError", "Transport", "diff_profiles", "http_request",
            "list_profiles", "main", "run_profile", "store_profiles"]
-
-#: The largest JSON answer read from an agent. A capture's metadata is tens of KiB (at most 4 MiB on the agent's
-#: disk, ``perfmon.store.traces.META_MAX_BYTES``) and a listing of the 20 kept captures a few KiB: past this the
-#: agent is broken or hostile, and reading on would only cost memory (a 400 MB answer read whole took +760 MiB of
-#: RSS; now +0 MiB announced, +7 MiB unannounced). Parsed, 8 MiB of ``{},`` still takes ~210 MiB: JSON's worst case.
-ANSWER_MAX_BYTES = 8 * 2**20
-#: The largest trace ``perfmon profile`` downloads (streamed to disk, never held): the bound of a download from
-#: the fleet's store (``perfmon.store.remote.REMOTE_TRACE_MAX_BYTES``); a capture's own is ``capture_max_bytes``.
-TRACE_MAX_BYTES = 2 * 2**30
-#: An error answer is read up to this much (its message is cut far shorter) and the rest left unread.
-_ERROR_MAX_BYTES = 64 * 2**10
-#: Bodies are read in pieces of this size, so memory follows the limit, not the agent's Content-Length.
-_CHUNK = 2**16
 
 
 def _positive(text: str) -> float:
@@ -86,34 +63,6 @@ def _port(text: str) -> int:
     return value
 
 
-#: Terminal escape sequences: CSI (ESC [ ... final, or the C1 CSI), OSC / DCS / SOS / PM / APC strings up to
-#: their terminator (BEL or ST; an unterminated one runs to the end of the text), and two-character ESC
-#: sequences. A capture's fields come from an agent or a store that may be hostile or corrupt; printed raw,
-#: these would retitle the window, clear the screen, hide text or forge lines.
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x9b[0-?]*[ -/]*[@-~]?"
-                      r"|(?:\x1b[\]P^_X]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
-                      r"|\x1b[ -/]*[0-~]?")
-#: What is left after the sequences: C0 controls (newline, CR, BS... too: a field is one line), DEL, C1
-#: controls, and the bidirectional overrides and isolates that make text display in another order.
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-#: Non-text values (a list where a name was expected...) are shown through a bounded repr: ``str()`` of a list
-#: nested 900 deep, as JSON allows, raises RecursionError, and of a long one prints megabytes.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 200, 200
-
-
-def _clean(value: Any, limit: int | None = None) -> str:
-    """``value`` as text safe to print on a terminal: escape sequences and control characters removed, then cut
-    to ``limit`` characters (a megabyte-long field must not flood the listing). The one gate for everything an
-    agent or a store says: every such string the CLI prints passes through here."""
-    text = value if isinstance(value, str) else str(value) if isinstance(value, BaseException) else _REPR.repr(value)
-    if limit is not None:
-        text = text[: limit * 8 + 256]  # bound the work; what is cut would not be shown anyway
-    text = _CONTROLS.sub("", _ESCAPES.sub("", text))
-    return text if limit is None else text[:limit]
-
 
 def _or(value: Any, default: str) -> Any:
     """``default`` for a missing or empty value (as ``value or default`` would), the value otherwise."""
@@ -124,40 +73,14 @@ _EXIT_STATUS = ("exit status: 0 done; 1 the agent refused, failed, was unreachab
                 "answered something malformed, oversized or a redirect; 2 a usage error")
 
 
-def _url_problem(url: str) -> str | None:
-    """Why ``url`` is not an agent's URL (http or https, a host, no credentials, query, fragment, controls, spaces),
-    or None."""
-    if _CONTROLS.search(url) or " " in url:
-        return "control characters or spaces"
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 -- raises ValueError for a port past 65535 or not a number
-    except ValueError as exc:
-        return f"not a URL ({exc})"
-    if parts.scheme not in ("http", "https"):
-        return "not an http:// or https:// URL"
-    if "@" in parts.netloc:  # never echoed: it may be a password
-        return "credentials in the URL (put the token in $PERFMON_TOKEN)"
-    if not parts.hostname:
-        return "no host"
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        return "a query or fragment (the CLI appends the API's paths)"
-    return None
-
 
 def _agent_url(text: str) -> str:
-    """``--url``: an agent's base URL (``_url_problem``), without its trailing "/"."""
-    problem = _url_problem(text)
+    """``--url``: an agent's base URL (``url_problem``), without its trailing "/"."""
+    problem = client.url_problem(text)
     if problem is None:
         return text.rstrip("/")
     shown = "" if "@" in text else f": {_clean(repr(text), 120)}"
     raise argparse.ArgumentTypeError(f"{problem}{shown}; expected e.g. http://127.0.0.1:9478")
-
-
-#: What a token may hold: printable ASCII, no space at either end. An HTTP header cannot carry CR/LF (they would
-#: end it) and http.client refuses them; other characters would go out in Latin-1 and end spaces be stripped by
-#: the agent (``http/security.py``): neither would ever match its token.
-_TOKEN = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,7 +181,7 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
         if args.token:
             print("perfmon: warning: --token shows in `ps` and in shell history; prefer $PERFMON_TOKEN",
                   file=sys.stderr)
-        if token and not _TOKEN.fullmatch(token):  # never echoed: it is a secret
+        if token and not client.SENDABLE_TOKEN.fullmatch(token):  # never echoed: it is a secret
             print("perfmon: the token ($PERFMON_TOKEN or --token) holds characters an HTTP header cannot carry "
                   "(control characters, non-ASCII, spaces at an end); expected printable ASCII only", file=sys.stderr)
             return 2
@@ -270,196 +193,13 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
         return run_profile(args.url, token=token, model=args.model, steps=args.steps,
                            max_seconds=args.max_seconds, out=args.out, timeout=args.timeout, transport=transport)
     except ControlError as exc:
-        more = f" (--timeout {args.timeout:g} s covers the whole command)" if isinstance(exc, _TimedOut) else ""
+        more = f" (--timeout {args.timeout:g} s covers the whole command)" if isinstance(exc, client.TimedOut) else ""
         # One line, cleaned and cut: the message may quote what an agent or a store said.
         print(f"perfmon: {_clean(exc, 1000)}{more}", file=sys.stderr)
         return 1
 
 
-# -- the control API's client side: what `perfmon profile` and `perfmon profiles` do ----------------
-
-class ControlError(Exception):
-    """The agent refused, could not be reached or answered something unusable; the message says why."""
-
-
-class _TimedOut(ControlError):
-    """The exchange did not end by its deadline."""
-
-
-class Transport(Protocol):
-    """How the CLI talks to an agent: one request, one answer.
-
-    ``transport(url, *, token, method="GET", payload=None, timeout=30.0, max_bytes=ANSWER_MAX_BYTES, sink=None)
-    -> (status, headers, body)``: ``payload`` is sent as a JSON body; ``token`` as a bearer token; ``timeout``
-    bounds the whole exchange; a body over ``max_bytes`` is refused; with ``sink`` (a binary file) the body is
-    written there as it arrives and ``b""`` returned (a transport that returns it anyway has it written by the
-    caller). An answer the agent refused (HTTP >= 400), a redirect, or a request that could not be made raises
-    ``ControlError`` saying why. ``http_request`` is the real one; tests pass a plain function that answers from
-    a script, so the client side is exercised against any agent, hostile ones included, without a server.
-    """
-
-    def __call__(self, url: str, *, token: str | None, method: str = "GET", payload: Any = None,
-                 timeout: float = 30.0, max_bytes: int = ANSWER_MAX_BYTES,
-                 sink: BinaryIO | None = None) -> tuple[int, dict[str, str], bytes]: ...
-
-
-def _left(deadline: float) -> float:
-    """Seconds until ``deadline`` (``time.monotonic()``); ``TimeoutError`` once it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
-
-
-class _DeadlineSocket(socket.socket):
-    """A socket whose every send and receive may take only what is left until ``deadline``: a timeout per
-    operation alone restarts with every byte, so an agent sending one byte a second would hold ``--timeout 2``
-    for as long as it liked."""
-
-    deadline = math.inf
-
-    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
-        self.settimeout(_left(self.deadline))
-        return super().recv_into(buffer, nbytes, flags)
-
-    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
-        self.settimeout(_left(self.deadline))
-        super().sendall(data, flags)
-
-
-class _DeadlineSSLSocket(ssl.SSLSocket):
-    """``_DeadlineSocket`` for https (the handshake is bounded by the timeout set before it: ssl applies a socket
-    timeout to a whole call)."""
-
-    deadline = math.inf
-
-    def recv_into(self, buffer: WriteableBuffer, nbytes: int | None = None, flags: int = 0) -> int:
-        self.settimeout(_left(self.deadline))
-        return super().recv_into(buffer, nbytes, flags)
-
-    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
-        self.settimeout(_left(self.deadline))
-        super().sendall(data, flags)
-
-
-class _Connection(http.client.HTTPConnection):
-    """http.client over a ``_DeadlineSocket`` (TLS for https): the connection, the request and the answer all end
-    by ``deadline``. No proxy: the agent is reached directly (as with ``kubectl port-forward``)."""
-
-    def __init__(self, host: str, port: int | None, *, deadline: float, tls: bool) -> None:
-        super().__init__(host, port or (443 if tls else 80))
-        self.default_port = 443 if tls else 80  # the Host header names a port only when it is not the default
-        self._deadline, self._tls = deadline, tls
-
-    def connect(self) -> None:
-        error: OSError = OSError(f"{self.host}: no address")
-        for family, kind, proto, _, address in socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[:8]:
-            sock = _DeadlineSocket(family, kind, proto)
-            sock.deadline = self._deadline
-            try:
-                sock.settimeout(_left(self._deadline))
-                sock.connect(address)
-                if self._tls:
-                    context = ssl.create_default_context()
-                    context.sslsocket_class = _DeadlineSSLSocket
-                    tls = context.wrap_socket(sock, server_hostname=self.host)
-                    tls.deadline = self._deadline  # type: ignore[attr-defined]  # our sslsocket_class
-                    self.sock = tls
-                else:
-                    self.sock = sock
-                return
-            except OSError as exc:  # the next address (IPv4 after IPv6...), while time is left
-                sock.close()
-                error = exc
-        raise error
-
-
-def http_request(url: str, *, token: str | None, method: str = "GET", payload: Any = None, timeout: float = 30.0,
-                 max_bytes: int = ANSWER_MAX_BYTES, sink: BinaryIO | None = None) -> tuple[int, dict[str, str], bytes]:
-    """The real ``Transport``: one HTTP/1.1 exchange (http.client) that ends within ``timeout`` seconds in all
-    (connect, request, head, body), follows no redirect, decodes nothing (no gzip: what is read is what is
-    counted) and reads the body in ``_CHUNK`` pieces up to ``max_bytes`` (into ``sink`` when given).
-
-    Redirects are refused rather than followed without the token: the agent never redirects (``http/routes.py``),
-    so one means something else answers on its address, and an answer from wherever it points would be trusted
-    as the agent's (its trace written to disk) even with no credential sent. ``--url`` can name the final address.
-    """
-    what = f"{method} {_clean(url, 200)}"
-    problem = _url_problem(url)
-    if problem is not None:
-        raise ControlError(f"{method}: not an agent's URL: {problem}")
-    deadline = time.monotonic() + timeout
-    parts = urllib.parse.urlsplit(url)
-    data = None if payload is None else json.dumps(payload).encode()
-    # X-Perfmon: with no token the agent serves its control routes only to requests carrying it (a web
-    # page cannot send it cross-site without a CORS preflight the agent never grants).
-    headers = {"User-Agent": "perfmon-cli", "Accept": "application/json", "X-Perfmon": "1"}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    conn = _Connection(parts.hostname or "", parts.port, deadline=deadline, tls=parts.scheme == "https")
-    try:
-        conn.request(method, parts.path or "/", body=data, headers=headers)
-        r = conn.getresponse()
-        if 300 <= r.status < 400:
-            raise ControlError(f"{what}: HTTP {r.status}: a redirect (to {_clean(r.getheader('Location'), 200)}), "
-                               "not followed: the token goes to --url only (give --url the final address)")
-        if r.status >= 400:
-            raise ControlError(f"{what}: HTTP {r.status}: {_agent_error(r.read(_ERROR_MAX_BYTES))}")
-        if r.status < 200:
-            raise ControlError(f"{what}: HTTP {r.status}: not an answer")
-        return r.status, dict(r.getheaders()), _read_body(r, max_bytes, sink, what)
-    except TimeoutError:
-        raise _TimedOut(f"{what}: no complete answer in time") from None
-    except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, not HTTP, header limits...
-        raise ControlError(f"{what}: {type(exc).__name__}: {_clean(exc, 200)}") from None
-    finally:
-        conn.close()
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
-
-
-def _read_body(r: http.client.HTTPResponse, limit: int, sink: BinaryIO | None, what: str) -> bytes:
-    """The body in ``_CHUNK`` pieces, into ``sink`` (``b""`` returned) or memory: ``ControlError`` when its
-    Content-Length is malformed or over ``limit``, when more than ``limit`` bytes come, or fewer than announced."""
-    lengths = r.msg.get_all("Content-Length") or []
-    if any(not v.strip().isdigit() for v in lengths) or len({v.strip() for v in lengths}) > 1:
-        raise ControlError(f"{what}: malformed Content-Length {_clean(lengths, 60)}")
-    if r.length is not None and r.length > limit:
-        raise ControlError(f"{what}: the answer is {r.length} bytes, over the CLI's limit of {_size(limit)}")
-    chunks: list[bytes] = []
-    total = 0
-    while True:  # ends: each pass reads >= 1 byte of at most limit + 1, and every read is bounded by the deadline
-        chunk = r.read(min(_CHUNK, limit + 1 - total))
-        if not chunk:
-            break
-        total += len(chunk)
-        if total > limit:
-            raise ControlError(f"{what}: the answer is over the CLI's limit of {_size(limit)}; not read further")
-        if sink is not None:
-            sink.write(chunk)
-        else:
-            chunks.append(chunk)
-    if r.length:  # bytes the Content-Length promised that the connection never brought
-        raise ControlError(f"{what}: the answer was cut short ({total} bytes, {r.length} more announced)")
-    return b"".join(chunks)
-
-
-def _agent_error(body: bytes) -> str:
-    """What an error answer says: its JSON ``error`` (and ``detail``) when they are text, else its first
-    characters; cleaned and cut either way."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), str):
-        detail = data.get("detail")
-        return _clean(data["error"], 300) + (f" ({_clean(detail, 300)})" if isinstance(detail, str) and detail else "")
-    return _clean(body[:200].decode("utf-8", "replace"), 200) or "(no message)"
-
+# -- the subcommands that drive an agent: what `perfmon profile`, `profiles` and `diff` do -------------
 
 def _malformed(what: str, field: str, value: Any) -> ControlError:
     return ControlError(f"{what}: {field} is malformed ({_clean(value, 60)}); the agent's answer is broken")
@@ -485,21 +225,6 @@ def _optional_number(value: Any, what: str, field: str, *, low: float = -math.in
     return None if value is None else _number(value, what, field, low=low, high=high)
 
 
-def _json_object(body: bytes, what: str) -> dict[str, Any]:
-    """The JSON object an agent answered, or ``ControlError``: a body that is not JSON (or nests past the
-    parser's depth, a ``RecursionError``) or not an object is a broken or hostile agent, not a traceback."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        raise ControlError(f"{what}: the agent's answer is not JSON ({len(body)} bytes: {_clean(body[:24])})") from None
-    if not isinstance(data, dict):
-        raise ControlError(f"{what}: the agent's answer is not a JSON object ({_clean(data, 40)})")
-    return data
-
-
-def _remaining(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.0)
-
 
 def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
                 max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
@@ -510,8 +235,8 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     base = url.rstrip("/")
     payload = {k: v for k, v in (("model", model), ("steps", steps), ("max_seconds", max_seconds)) if v is not None}
     _, _, body = transport(f"{base}/profile", token=token, method="POST", payload=payload,
-                           timeout=_remaining(deadline))
-    cap_id = _json_object(body, "POST /profile").get("id")
+                           timeout=client.remaining(deadline))
+    cap_id = client.json_object(body, "POST /profile").get("id")
     if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
         raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(cap_id, 80)})")
     what = f"capture {cap_id}"
@@ -519,8 +244,8 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     meta: dict[str, Any] = {}
     last = None
     while time.monotonic() < deadline:  # bounded by the deadline (and so in count: one pass per 0.2 s at most)
-        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=_remaining(deadline))
-        meta = _json_object(body, what)
+        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=client.remaining(deadline))
+        meta = client.json_object(body, what)
         for field in ("status", "outcome"):
             if not isinstance(meta.get(field), (str, type(None))):
                 raise _malformed(what, field, meta.get(field))
@@ -530,9 +255,9 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
                   flush=True)
         if meta.get("outcome"):
             break
-        time.sleep(min(0.2, _remaining(deadline)))
+        time.sleep(min(0.2, client.remaining(deadline)))
     else:
-        raise _TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
+        raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
     if meta["outcome"] == "failed":
         raise ControlError(f"{what} failed: {_clean(meta.get('error'), 500)}")
     report = _report(meta, what)  # checked before anything is written: a malformed answer leaves no file
@@ -540,29 +265,13 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
         name = f"{cap_id}.pt.trace.json.gz"
     target = Path(out) if out else Path(name)
-    size = _download(transport, f"{base}/profiles/{cap_id}/trace", target, token=token, timeout=_remaining(deadline))
+    size = client.download(transport, f"{base}/profiles/{cap_id}/trace", target, token=token,
+                           timeout=client.remaining(deadline))
     print(f"trace: {target} ({size} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
     for line in report:
         print(line, file=stdout)
     return 0
 
-
-def _download(transport: Transport, url: str, target: Path, *, token: str | None, timeout: float) -> int:
-    """Stream a trace into ``target`` (a 0600 temp file beside it, renamed over it when whole: never written
-    through a link there, never left half-written); its size in bytes."""
-    try:
-        dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ControlError(f"cannot write the trace to {_clean(target, 200)}: {exc.strerror or exc}") from None
-    try:
-        with replacing_at(dir_fd, temp_name("trace"), target.name) as f:
-            _, _, rest = transport(url, token=token, timeout=timeout, max_bytes=TRACE_MAX_BYTES, sink=f)
-            f.write(rest)
-            return int(f.tell())
-    except OSError as exc:  # the disk is full, --out names a directory...
-        raise ControlError(f"cannot write the trace to {_clean(target, 200)}: {exc.strerror or exc}") from None
-    finally:
-        os.close(dir_fd)
 
 
 def _report(meta: dict[str, Any], what: str) -> list[str]:
@@ -617,7 +326,7 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
     """Print the agent's captures, newest first."""
     stdout = stdout if stdout is not None else sys.stdout
     _, _, body = transport(f"{url.rstrip('/')}/profiles", token=token, timeout=timeout)
-    profiles = _json_object(body, "GET /profiles").get("profiles")
+    profiles = client.json_object(body, "GET /profiles").get("profiles")
     if not isinstance(profiles, list):
         raise ControlError("GET /profiles: the agent's answer has no list of profiles")
     profiles = [p for p in profiles if isinstance(p, dict)]
@@ -728,7 +437,7 @@ def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float
     """A capture's metadata with a usable per-step op table, or ``ControlError`` saying why not."""
     _, _, body = transport(f"{base}/profiles/{urllib.parse.quote(capture_id, safe='')}", token=token,
                            timeout=timeout)
-    meta = _json_object(body, f"capture {capture_id}")
+    meta = client.json_object(body, f"capture {capture_id}")
     if not meta.get("ops"):
         state = _clean(meta.get("outcome") or meta.get("status"), 40)
         why = f"{state}: {_clean(meta['error'], 200)}" if meta.get("error") else state
@@ -753,13 +462,13 @@ def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeo
             raise ControlError(f"not a capture id: {_clean(repr(capture_id), 80)}")
     deadline = time.monotonic() + timeout
     base = url.rstrip("/")
-    a = _fetch_meta(base, before, token=token, timeout=_remaining(deadline), transport=transport)
-    b = _fetch_meta(base, after, token=token, timeout=_remaining(deadline), transport=transport)
+    a = _fetch_meta(base, before, token=token, timeout=client.remaining(deadline), transport=transport)
+    b = _fetch_meta(base, after, token=token, timeout=client.remaining(deadline), transport=transport)
     if a.get("model") != b.get("model"):
         print(f"note: different models ({_clean(a.get('model'), 60)} vs {_clean(b.get('model'), 60)})", file=stdout)
     try:
         result = compare(a, b)
-    except ArithmeticError as exc:  # extreme but in-range figures (a 10,000x uniform change divides by zero)
+    except ArithmeticError as exc:  # a guard: extreme in-range figures once divided by zero (uniform_ratio 0.0)
         raise ControlError(f"cannot compare {before} and {after}: {type(exc).__name__}: {exc}") from None
     if result.get("error"):
         raise ControlError(f"cannot compare {before} and {after}: {_clean(result['error'], 300)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -493,3 +494,22 @@ def test_a_whole_call_moving_alike_is_named_as_such_and_one_op_moving_is_not() -
     # Unchanged: no ratio (inside 1.25 either way).
     assert compare(_meta("b", before), _meta("a", before))["uniform_ratio"] is None
     assert uniform_ratio([]) is None
+
+
+@pytest.mark.parametrize(("factor", "way", "shown"), [
+    (1e-4, "faster", "10,000"), (1e-9, "faster", "over 1,000,000"), (5e-324, "faster", "over 1,000,000"),
+    (1e4, "slower", "10,000"), (1e300, "slower", "over 1,000,000")],
+    ids=["10000x-faster", "1e9x-faster", "underflow", "10000x-slower", "1e300x-slower"])
+def test_an_extreme_uniform_change_gives_a_sane_summary(factor: float, way: str, shown: str) -> None:
+    """Every op moving alike by an extreme factor (10,000x faster rounded the ratio to 0.0 and the summary
+    divided by it) gives a positive finite ratio or None and a summary with a readable factor, never a crash."""
+    before = {f"op{i}": (1e-3 * (i + 1), 0.0, 1) for i in range(4)}
+    after = {name: (s * factor, sd, c) for name, (s, sd, c) in before.items()}
+    got = compare(_meta("b", before), _meta("a", after))
+    ratio = got["uniform_ratio"]
+    assert ratio is None or (0 < ratio < math.inf and (ratio < 1) == (way == "faster")), ratio
+    assert json.loads(json.dumps(got, allow_nan=False))["summary"] == got["summary"]
+    assert "inf" not in got["summary"] and "nan" not in got["summary"]
+    assert f"{shown}{TIMES} {way}" in got["summary"], got["summary"]
+    if ratio is not None:
+        assert got["summary"].startswith(f"every large op ~{shown}{TIMES} {way} alike")

@@ -144,9 +144,9 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
     uniform = uniform_ratio(rows)
     out["uniform_ratio"] = uniform
     if uniform is not None and out["summary"] != "no op changed beyond run-to-run spread":
-        factor, way = (uniform, "slower") if uniform > 1 else (1 / uniform, "faster")
-        out["summary"] = (f"every large op ~{factor:.1f}{TIMES} {way} alike: the machine or runtime more likely than "
-                          f"one op (CPU contention, clocks, threads, a library); {out['summary']}")
+        factor, way = (uniform, "slower") if uniform > 1 else (1 / uniform, "faster")  # uniform > 0: no 1/0
+        out["summary"] = (f"every large op ~{_factor(factor)}{TIMES} {way} alike: the machine or runtime more likely "
+                          f"than one op (CPU contention, clocks, threads, a library); {out['summary']}")
     return out
 
 
@@ -160,7 +160,7 @@ UNIFORM_MIN_OPS = 3
 
 
 def uniform_ratio(rows: list[dict[str, Any]]) -> float | None:
-    """The factor by which the ops in both captures moved together, or None.
+    """The factor (positive, finite) by which the ops in both captures moved together, or None.
 
     A whole machine or runtime that got slower (CPU contention on a shared host, a lower clock, fewer
     threads, another library build) moves every op by about the same factor; a model change moves some
@@ -176,8 +176,8 @@ def uniform_ratio(rows: list[dict[str, Any]]) -> float | None:
     if before <= 0 or after <= 0:
         return None
     ratio = after / before
-    if 1 / UNIFORM_MIN_RATIO < ratio < UNIFORM_MIN_RATIO:
-        return None
+    if not 0 < ratio < math.inf or 1 / UNIFORM_MIN_RATIO < ratio < UNIFORM_MIN_RATIO:
+        return None  # a ratio that under- or overflowed a float (every op 1e-300 of what it was) says nothing
     covered, large = 0.0, []
     for r in sorted(common, key=lambda r: -r["seconds_per_call_before"]):
         if covered >= UNIFORM_COVERAGE * before:
@@ -190,7 +190,9 @@ def uniform_ratio(rows: list[dict[str, Any]]) -> float | None:
         moved = r["seconds_per_call_after"] / r["seconds_per_call_before"]
         if not ratio / UNIFORM_SPREAD <= moved <= ratio * UNIFORM_SPREAD:
             return None
-    return float(round(ratio, 3))
+    # Three decimals, or three significant digits below 0.1: round(1e-4, 3) is 0.0, and every op 10,000x faster
+    # is a ratio of 0.0001, not 0 (the summary divides by it).
+    return float(round(ratio, 3)) if ratio >= 0.1 else float(f"{ratio:.3g}")
 
 
 def headline(comparison: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -233,10 +235,19 @@ def _stats(entry: Any) -> tuple[float, float, float]:
 
 
 def _ms(seconds: float) -> str:
-    """A duration for a sentence: ms with two significant decimals, µs below 0.1 ms."""
+    """A duration for a sentence: ms with two significant decimals, µs below 0.1 ms, seconds from 1000 s."""
+    if abs(seconds) >= 1e3:  # not a real model call; still one short figure, not 300 digits
+        return f"{seconds:.3g} s"
     if abs(seconds) < 1e-4:
         return f"{seconds * 1e6:.0f} µs"
     return f"{seconds * 1e3:.2g} ms" if abs(seconds) < 1e-3 else f"{seconds * 1e3:.1f} ms"
+
+
+def _factor(times: float) -> str:
+    """A factor for a sentence: "1.8", "10,000"; past a million (or infinite: an op now taking no time) a bound."""
+    if times < 1e3:
+        return f"{times:.1f}"
+    return f"{times:,.0f}" if times < 1e6 else "over 1,000,000"
 
 
 def _signed(seconds: float) -> str:
@@ -253,7 +264,7 @@ def _phrase(row: Mapping[str, Any]) -> str:
     if ratio is None:
         return f"{op} {status} ({_signed(added)} a call)"
     times = ratio if status == "slower" else 1.0 / ratio if ratio > 0 else math.inf
-    return f"{op} {times:.1f}{TIMES} {status} ({_signed(added)} a call)"
+    return f"{op} {_factor(times)}{TIMES} {status} ({_signed(added)} a call)"
 
 
 def _sentence(rows: list[dict[str, Any]], total_before: float, total_after: float, top: int = 3) -> str:
