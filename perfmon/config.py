@@ -102,7 +102,9 @@ class Config:
     #: An HTTP connection to the agent lasts at most this long (slow or stuck clients are cut off).
     http_connection_timeout_seconds: float = 30.0
     #: Fraction of one CPU core the agent's own HTTP server may spend, on average (a flood of scrapes or
-    #: bad requests is held in the kernel's queue beyond it, so it cannot take the model's time).
+    #: bad requests is held in the kernel's queue beyond it, so it cannot take the model's time). At the
+    #: limits (max_models models and as many generation names) two scrapers every 15 s take about half of
+    #: the default (docs/reliability.md, "Scrapes at the documented limits").
     http_cpu_budget: float = 0.01
     #: Fraction of steady-state calls timed, in (0, 1]. Cold calls are always timed.
     sample_rate: float = 0.01

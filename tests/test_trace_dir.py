@@ -189,3 +189,25 @@ def test_oom_snapshot_writer_refuses_a_symlinked_dir(tmp_path: Path) -> None:
     snap.join(10)
     assert len(errors) == 1 and isinstance(errors[0], UnsafeTraceDir) and snap.written == []
     assert list(real.iterdir()) == []
+
+
+def test_metadata_is_strict_json_and_a_nested_or_broken_file_is_skipped(tmp_path) -> None:
+    """NaN in a capture's metadata is stored as null (strict JSON other tools can read); a metadata file nested
+    past the parser's depth is skipped by the listing and lookups, not an error."""
+    import json as _json
+
+    from perfmon.store.files import new_id
+    from perfmon.store.traces import TraceStore
+
+    store = TraceStore(tmp_path, max_files=10, max_bytes=10**9)
+    good = new_id()
+    store.save({"id": good, "model": "m", "duration_seconds": float("nan"), "compute": {"peak": float("inf")}},
+               None, None)
+    text = (tmp_path / f"{good}.meta.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    stored = _json.loads(text)
+    assert stored["duration_seconds"] is None and stored["compute"]["peak"] is None
+    bad = new_id()
+    (tmp_path / f"{bad}.meta.json").write_text("[" * 5000 + "]" * 5000)
+    assert [m["id"] for m in store.list()] == [good]
+    assert store.get(bad) is None and store.get(good)["model"] == "m"

@@ -26,8 +26,11 @@ def make_wsgi_app(monitor: Agent, *, mounted: bool = True) -> Callable[..., Iter
             length = 0
         # Read at most one byte past the limit: a huge body is refused without being read.
         body = environ["wsgi.input"].read(min(length, MAX_BODY_BYTES + 1)) if length > 0 else b""
+        method = environ.get("REQUEST_METHOD", "GET")
         with monitor.cpu.measure("http"):
-            resp = router.handle(environ.get("REQUEST_METHOD", "GET"), path, headers, body)
+            resp = router.handle(method, path, headers, body)
+        if method == "HEAD":
+            resp = resp.head()  # the GET answer's headers, never a body (not every WSGI server drops it)
         hdrs = [("Content-Type", resp.content_type), *resp.headers]
         if not any(k == "Content-Length" for k, _ in hdrs):
             hdrs.append(("Content-Length", str(len(resp.body))))
@@ -64,8 +67,10 @@ def make_asgi_app(monitor: Agent, *, mounted: bool = True) -> Callable[..., Any]
             if len(body) > MAX_BODY_BYTES or not msg.get("more_body"):
                 break
         # A scrape renders for milliseconds: keep it off the event loop.
-        resp = await asyncio.get_running_loop().run_in_executor(
-            None, router.handle, scope.get("method", "GET"), path, headers, body)
+        method = scope.get("method", "GET")
+        resp = await asyncio.get_running_loop().run_in_executor(None, router.handle, method, path, headers, body)
+        if method == "HEAD":
+            resp = resp.head()  # the GET answer's headers, never a body
         hdrs = [(b"content-type", resp.content_type.encode())]
         hdrs += [(k.lower().encode(), v.encode()) for k, v in resp.headers]
         if not any(k == b"content-length" for k, _ in hdrs):

@@ -90,32 +90,48 @@ class Exchange:
         self.take(conn, now)
 
     def take(self, conn: Conn, now: float) -> None:
-        """Queue the request at the head of the inbox once it is complete; refuse a malformed one now."""
+        """Take the complete requests at the head of the inbox in order: answer a /healthz at once, queue
+        anything else (then stop: the rest waits its turn), refuse a malformed one. Stops as well when an
+        answer waits for the client to read it or the connection ends.
+
+        A loop, never a recursion through ``flush``: a client may pipeline a thousand /healthz requests in
+        one packet (that used to overflow the stack halfway, reset the connection and count an internal
+        error).
+        """
+        for _ in range(MAX_REQUESTS_PER_CONNECTION + 1):  # the connection closes after that many anyway
+            if (not conn.inbox or conn.queued or conn.outbox is not None or conn.draining >= 0
+                    or conn not in self.conns or not self._take_one(conn, now)):
+                return
+
+    def _take_one(self, conn: Conn, now: float) -> bool:
+        """Take the request at the head of the inbox; False if it is not all here yet."""
         try:
             request = parse_request(conn.inbox)
         except Refusal as refusal:
             self.shedding.refused[refusal.reason] += 1
+            head = conn.inbox.lstrip(b"\r\n").startswith(b"HEAD ")  # a HEAD answer has no body, refusals too
             conn.inbox.clear()
             conn.draining = 0  # the rest of what it sends (a refused body) is read and dropped
-            self._respond(conn, refusal.response, close=True, now=now)
-            return
+            self._respond(conn, refusal.response, close=True, now=now, head=head, more=False)
+            return True
         if request is None:
-            return
+            return False
         request.read_at = conn.received_at
         if request.path.rstrip("/") == "/healthz" and request.method in ("GET", "HEAD"):
             self._answer_health(conn, request, now)  # at once, in triage, from a precomputed answer
-            return
+            return True
         conn.queued = True
         self.conns.watch(conn, 0)  # read no more of it (pipelined requests wait their turn in the kernel)
         scrape = request.method in ("GET", "HEAD") and request.path.rstrip("/") == "/metrics"
         (self.scrapes if scrape else self.others).append((conn, request))
+        return True
 
     def _answer_health(self, conn: Conn, request: Request, now: float) -> None:
         conn.requests += 1
         close = request.close or conn.requests >= MAX_REQUESTS_PER_CONNECTION
         if request.method == "HEAD":
             self._respond(conn, self.router.handle("HEAD", "/healthz", {}), close=close, now=now,
-                          keep_alive=request.http10)
+                          keep_alive=request.http10, head=True, more=False)
             return
         if now - self._health_at > _HEALTH_TTL_SECONDS:
             self._health.clear()
@@ -127,28 +143,30 @@ class Exchange:
             data = self._health[key] = encode_response(self._health_resp, close=close, keep_alive=request.http10)
         conn.outbox = memoryview(data)
         conn.closing = close
-        self.flush(conn, now)
+        self.flush(conn, now, more=False)  # take() goes on with the next request
 
     def answer(self, request: Request, conn: Conn, now: float) -> None:
         conn.requests += 1
         close = request.close or conn.requests >= MAX_REQUESTS_PER_CONNECTION
         clean = request.path.rstrip("/") or request.path
         is_open = request.method in ("GET", "HEAD") and clean in self.router.open_routes
+        head = request.method == "HEAD"
         if not is_open and self.throttle.blocked(conn.address):
             self.shedding.refused["throttled"] += 1
-            self._respond(conn, _THROTTLED, close=True, now=now)
+            self._respond(conn, _THROTTLED, close=True, now=now, head=head)
             return
-        if request.method == "GET" and clean in ("/metrics", "/stats"):
+        if request.method in ("GET", "HEAD") and clean in ("/metrics", "/stats"):
             # Share a render only with requests already read when it started: a client that scrapes
             # after its own calls always sees them (the single-flight rule, without threads). The key is
             # what the answer depends on (the format Accept chooses, gzip), not the client's raw header:
             # at most 6 distinct /metrics renders (text, OpenMetrics, protobuf; gzip or not) and one /stats render.
+            # A HEAD takes the GET answer (its Content-Length) without the body: no render of its own.
             if clean == "/metrics":
                 key = (metrics_format(request.headers.get("accept", ""))[1],
                        accepts_gzip(request.headers.get("accept-encoding", "")))
             else:
                 key = ("/stats", False)
-            resp = self.renders.get(key, functools.partial(self.router.handle, request.method, request.path,
+            resp = self.renders.get(key, functools.partial(self.router.handle, "GET", request.path,
                                                             request.headers, b"", conn.address), request.read_at)
         else:
             resp = self.router.handle(request.method, request.path, request.headers, request.body, conn.address)
@@ -156,15 +174,19 @@ class Exchange:
             self.throttle.failed(conn.address)
         elif resp.status == 200 and clean == "/metrics":
             conn.scraper = True
-        self._respond(conn, resp, close=close, now=now, keep_alive=request.http10)
+        self._respond(conn, resp, close=close, now=now, keep_alive=request.http10, head=head)
 
-    def _respond(self, conn: Conn, resp: Response, *, close: bool, now: float, keep_alive: bool = False) -> None:
+    def _respond(self, conn: Conn, resp: Response, *, close: bool, now: float, keep_alive: bool = False,
+                 head: bool = False, more: bool = True) -> None:
+        if head:
+            resp = resp.head()
         conn.outbox = memoryview(encode_response(resp, close=close, keep_alive=keep_alive))
         conn.closing = close
-        self.flush(conn, now)
+        self.flush(conn, now, more=more)
 
-    def flush(self, conn: Conn, now: float) -> None:
-        """Send what the socket takes now; once the answer is all out, read (or take) the next request."""
+    def flush(self, conn: Conn, now: float, *, more: bool = True) -> None:
+        """Send what the socket takes now; once the answer is all out, read the next request, and with
+        ``more`` take those already in the inbox (``take`` itself passes False: it loops instead)."""
         assert conn.outbox is not None
         try:
             sent = conn.sock.send(conn.outbox)
@@ -186,5 +208,5 @@ class Exchange:
         conn.deadline = now + self.timeout
         conn.since = now
         self.conns.watch(conn, selectors.EVENT_READ)
-        if conn.inbox:  # pipelined: the next request may already be here
+        if more and conn.inbox:  # pipelined: the next request may already be here
             self.take(conn, now)

@@ -120,6 +120,8 @@ class HealthServer:
         path = rest.partition(b" ")[0].partition(b"?")[0].rstrip(b"/")
         health = method in (b"GET", b"HEAD") and path == b"/healthz"
         resp = self._answer(method.decode()) if health else _NOT_FOUND
+        if method == b"HEAD":
+            resp = resp.head()  # never a body after a HEAD answer, a 404 included
         try:
             sock.send(encode_response(resp, close=True))  # a few hundred bytes into a fresh socket's buffer
         except OSError:

@@ -69,9 +69,14 @@ class Router:
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"",
                peer: str | None = None) -> Response:
         """Answer one request (``peer``: the client's address as its socket reports it, None when unknown);
-        internal failures become a 500 JSON body and are counted."""
+        internal failures become a 500 JSON body and are counted.
+
+        HEAD is answered as GET, on every route (RFC 9110 9.3.2), body included: whoever writes the answer
+        sends it without the body (``Response.head()``: the agent's server, the health port, the mounted
+        apps), whatever the status.
+        """
         try:
-            return self._route(method, path, headers, body, peer)
+            return self._route("GET" if method == "HEAD" else method, path, headers, body, peer)
         except Exception as exc:
             self.agent.internal.report("http", exc)
             return Response.json(500, {"error": "internal error", "detail": type(exc).__name__})
@@ -81,13 +86,9 @@ class Router:
         clean = path.rstrip("/") or path
         view = self.open_routes.get(clean)
         if view is not None:
-            if method not in ("GET", "HEAD"):
+            if method != "GET":
                 return _not_allowed(method, "GET, HEAD")
-            resp = view(headers)
-            if method == "HEAD":
-                resp.headers.append(("Content-Length", str(len(resp.body))))
-                resp.body = b""
-            return resp
+            return view(headers)
         parts = clean.split("/")
         if clean == "/profile" or clean == "/profiles" or (len(parts) in (3, 4) and parts[1] == "profiles"):
             denied = authorize(self.agent.config, headers, peer, bound=self.bound, mounted=self.mounted)
@@ -101,7 +102,7 @@ class Router:
                     return Response.json(415, {"error": "send the capture request as JSON",
                                                "detail": "POST /profile needs 'Content-Type: application/json'"})
                 return self._post_profile(headers, body)
-            if method not in ("GET", "HEAD"):
+            if method != "GET":
                 return _not_allowed(method, "GET, HEAD")
             if clean == "/profiles":
                 return Response.json(200, {"profiles": [_brief(p) for p in self.agent.profiles()]})
@@ -158,9 +159,11 @@ class Router:
         if len(body) > MAX_BODY_BYTES:
             return Response.json(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
         try:
-            payload = json.loads(body) if body.strip() else {}
-        except ValueError as exc:
-            return Response.json(400, {"error": f"body is not valid JSON: {exc}"})
+            payload = json.loads(body, parse_constant=_no_constant) if body.strip() else {}
+        except ValueError as exc:  # malformed, not UTF-8, NaN/Infinity, an integer of over 4,300 digits
+            return Response.json(400, {"error": f"body is not valid JSON: {str(exc)[:200]}"})
+        except RecursionError:  # nested deeper than the interpreter's recursion limit ("[[[[..." of 16 KiB)
+            return Response.json(400, {"error": "body is not a capture request: JSON nested too deeply"})
         if not isinstance(payload, dict):
             return Response.json(400, {"error": "body must be a JSON object"})
         # Only what the JSON body decides here: known fields, JSON types. Value ranges are the capture's own
@@ -206,6 +209,11 @@ class Router:
 @functools.cache
 def _status_page() -> bytes:
     return resources.files("perfmon.http").joinpath("static/index.html").read_bytes()
+
+
+def _no_constant(name: str) -> Any:
+    """``json.loads``' hook for NaN, Infinity and -Infinity, which Python accepts and JSON does not."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _not_allowed(method: str, allow: str) -> Response:

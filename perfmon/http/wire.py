@@ -9,6 +9,7 @@ and the mounted apps (``apps.py``) share these pieces: one implementation of eac
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -19,10 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 from urllib.parse import unquote
 
-from prometheus_client.exposition import generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
-
 from ..metrics import promproto
+from ..metrics.exposition import generate_openmetrics, generate_text
 
 __all__ = ["JSON_CONTENT_TYPE", "MAX_BODY_BYTES", "MAX_HEADER_BYTES", "OPENMETRICS_CONTENT_TYPE", "REASONS",
            "TEXT_CONTENT_TYPE", "Refusal", "Request", "Response", "SharedRenders", "accepts_gzip",
@@ -52,8 +51,32 @@ class Response:
 
     @classmethod
     def json(cls, status: int, payload: Any, headers: list[tuple[str, str]] | None = None) -> Response:
-        body = json.dumps(payload, indent=1, sort_keys=True, allow_nan=False, default=str).encode() + b"\n"
-        return cls(status, body, JSON_CONTENT_TYPE, headers or [])
+        """``payload`` as JSON, always valid JSON: NaN and infinities (which ``json`` would write as the
+        non-JSON ``NaN``/``Infinity``, and a capture's stored metadata or a view can hold) become null."""
+        try:
+            text = json.dumps(payload, indent=1, sort_keys=True, allow_nan=False, default=str)
+        except (ValueError, TypeError):  # a non-finite float, or keys of mixed types that cannot be sorted
+            text = json.dumps(_plain(payload), indent=1, sort_keys=True, allow_nan=False, default=str)
+        return cls(status, text.encode() + b"\n", JSON_CONTENT_TYPE, headers or [])
+
+    def head(self) -> Response:
+        """This response as the answer to a HEAD request: no body (RFC 9110 9.3.2), and the Content-Length
+        the GET answer has. A response that already is one comes back unchanged."""
+        if any(k.lower() == "content-length" for k, _ in self.headers):
+            return Response(self.status, b"", self.content_type, self.headers)
+        return Response(self.status, b"", self.content_type, [*self.headers, ("Content-Length", str(len(self.body)))])
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None and every dict key a string (as ``json``
+    writes keys), so that ``json.dumps(allow_nan=False, sort_keys=True)`` takes it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else json.dumps(k, default=str): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -226,7 +249,7 @@ def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
         return promproto.generate, promproto.CONTENT_TYPE
     if _offers_openmetrics(accept):
         return generate_openmetrics, OPENMETRICS_CONTENT_TYPE
-    return generate_latest, TEXT_CONTENT_TYPE
+    return generate_text, TEXT_CONTENT_TYPE
 
 
 def wants_protobuf(accept: str) -> bool:

@@ -25,7 +25,7 @@ from ..selfcost import AgentCpu, HttpShedding
 from ..telemetry.memory import MemorySource, read_memory
 from ..telemetry.nvml import NvmlPoller, normalize_uuid
 from .catalog import GENERATION_HISTOGRAMS, METRICS, NATIVE_GENERATION, _family
-from .promproto import NativeHistogramFamily
+from .family import HistogramRows
 from .store import _Histogram, _le
 
 __all__ = ["AgentCollector", "CaptureCollector", "GenerationCollector", "TelemetryCollector", "UploadCollector"]
@@ -299,13 +299,10 @@ class GenerationCollector(Collector):
                 dropped.add_metric([m, reason], count_value(c.dropped[reason]))
         yield from (requests, prompt, generated, dropped)
         with self._lock:
-            rows = [(name, model, h.cumulative(), h.native.snapshot() if h.native is not None else None)
-                    for (name, model), h in sorted(self._hists.items())]
+            rows = [(name, h.row((model,))) for (name, model), h in sorted(self._hists.items())]
         for name in GENERATION_HISTOGRAMS:
-            fam = NativeHistogramFamily(name, METRICS[name][3], labels=["model"])
-            for row_name, model, (buckets, total), native in rows:
+            fam = HistogramRows(name, METRICS[name][3], labels=["model"])
+            for row_name, row in rows:
                 if row_name == name:
-                    fam.add_metric([model], buckets, total)
-                    if native is not None:
-                        fam.add_native((model,), native)
+                    fam.add_row(row)
             yield fam

@@ -12,6 +12,7 @@ varint/zigzag/length-delimited rules of the wire format (field numbers from the 
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from typing import Any
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
 
+from .family import HistogramRows
 from .native import NativeSnapshot, spans
 
 __all__ = ["CONTENT_TYPE", "NativeHistogramFamily", "encode_families", "generate"]
@@ -50,6 +52,8 @@ class NativeHistogramFamily(HistogramMetricFamily):
 # -- wire format --------------------------------------------------------------------------------
 
 def _varint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _ONE_BYTE[n]  # most keys, lengths and counts: no loop, no new object
     if n < 0:
         n += 1 << 64  # int64 as two's complement (10 bytes), as protobuf does
     out = bytearray()
@@ -58,6 +62,9 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
 
 
 def _zigzag(n: int) -> int:
@@ -138,13 +145,18 @@ def _histogram(group: dict[str, Any], native: NativeSnapshot | None) -> bytes:
         body += _bytes(3, bucket)
     if "created" in group:
         body += _bytes(15, _timestamp(group["created"]))
-    if native is not None:
-        span_list, deltas = spans(native.counts)
-        body += _sint(5, native.schema) + _dbl(6, native.zero_threshold) + _uint(7, native.zero_count)
-        for offset, length in span_list:
-            body += _bytes(12, _sint(1, offset) + _uint(2, length))
-        body += b"".join(_key(13, 0) + _varint(_zigzag(d)) for d in deltas)  # unpacked, as proto2 writes it
-    return body
+    return body + _native(native)
+
+
+def _native(native: NativeSnapshot | None) -> bytes:
+    """A histogram's exponential-bucket fields (b"" for none)."""
+    if native is None:
+        return b""
+    span_list, deltas = spans(native.counts)
+    body = _sint(5, native.schema) + _dbl(6, native.zero_threshold) + _uint(7, native.zero_count)
+    for offset, length in span_list:
+        body += _bytes(12, _sint(1, offset) + _uint(2, length))
+    return body + b"".join(_key(13, 0) + _varint(_zigzag(d)) for d in deltas)  # unpacked, as proto2 writes it
 
 
 def _summary(group: dict[str, Any]) -> bytes:
@@ -177,8 +189,51 @@ def _grouped(metric: Metric, bound: str) -> dict[tuple[tuple[str, str], ...], di
     return groups
 
 
+def _rows(metric: HistogramRows) -> bytes:
+    """A ``HistogramRows`` family straight from its rows: the bytes ``encode_family`` writes from its samples,
+    without making a ``Sample`` and a label dict per bucket (~17,000 at the documented limits)."""
+    out = []
+    for row in metric.rows:
+        total = 0
+        body = []
+        exemplars = row.exemplars
+        # Each bucket as _histogram writes it (+Inf left out: it is the sample count), its bound's bytes made once.
+        for i, (bound, n) in enumerate(zip(_bounds(row.bounds), row.counts)):
+            total += n
+            # As _count(float(total)) in _histogram: beyond 2**53 a float's rounding, kept for the same bytes.
+            count = total if total <= 1 << 53 else _count(float(total))
+            bucket = _COUNT_KEY + _varint(count) + bound if count else bound
+            ex = exemplars[i] if exemplars is not None else None
+            if ex is not None:
+                bucket += _bytes(3, _exemplar(ex))
+            body.append(_BUCKET_KEY + _varint(len(bucket)) + bucket)
+        total += row.counts[-1]
+        head = b""
+        if row.les and float(row.les[0]) >= 0:  # as HistogramMetricFamily: no sum and count with negative buckets
+            head = _uint(1, _count(float(total))) + _dbl(2, row.sum)
+        hist = head + b"".join(body) + _native(row.native)
+        labels = row.cache.get("label_pairs")  # as _metric writes them, made once per series
+        if labels is None:
+            labels = row.cache["label_pairs"] = b"".join(_bytes(1, _label_pair(k, v))
+                                                         for k, v in zip(metric.labelnames, row.labels))
+        out.append(labels + _bytes(7, hist))
+    return _family(metric.name, metric.documentation, _HISTOGRAM, out) if out else b""
+
+
+_COUNT_KEY = bytes((1 << 3 | 0,))  # Bucket.cumulative_count, varint
+_BUCKET_KEY = bytes((3 << 3 | 2,))  # Histogram.bucket, length-delimited
+
+
+@functools.lru_cache(maxsize=64)  # one entry per distinct bucket grid: a handful per process
+def _bounds(bounds: tuple[float, ...]) -> tuple[bytes, ...]:
+    """Each finite bound as a Bucket.upper_bound field."""
+    return tuple(_dbl(2, b, always=True) for b in bounds)
+
+
 def encode_family(metric: Metric) -> bytes:
     """One family as a length-delimited MetricFamily message (b"" when it has no samples)."""
+    if isinstance(metric, HistogramRows):
+        return _rows(metric)
     if not metric.samples:
         return b""
     typ = metric.type

@@ -13,9 +13,10 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Info
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -27,8 +28,8 @@ from ..agent.state import ModelState
 from ..config import Config
 from ..faults import InternalErrors, count_value
 from .catalog import BATCH_BUCKETS, METRICS, _family
+from .family import HistogramRow, HistogramRows
 from .native import NativeBuckets
-from .promproto import NativeHistogramFamily
 
 __all__ = ["Metrics", "trace_exemplar"]
 
@@ -45,7 +46,7 @@ class _Histogram:
     bucket at most, made on the first one): OpenMetrics scrapes show it, the text format does not.
     """
 
-    __slots__ = ("bounds", "counts", "exemplars", "labels", "native", "sum")
+    __slots__ = ("bounds", "cache", "counts", "exemplars", "labels", "native", "sum")
 
     def __init__(self, bounds: tuple[float, ...], labels: tuple[str, ...], *, native: bool = False) -> None:
         self.bounds = bounds
@@ -54,6 +55,8 @@ class _Histogram:
         self.sum = 0.0
         self.native = NativeBuckets() if native else None
         self.exemplars: list[Exemplar | None] | None = None
+        #: What the encoders derive from the series' labels (``family.HistogramRow.cache``), kept across scrapes.
+        self.cache: dict[str, Any] = {}
 
     def observe(self, value: float, exemplar: Exemplar | None = None, weight: int = 1) -> None:
         """Count ``value`` ``weight`` times (an inter-token gap can stand for a chunk of tokens)."""
@@ -68,15 +71,11 @@ class _Histogram:
                 self.exemplars = [None] * len(self.counts)
             self.exemplars[i] = exemplar
 
-    def cumulative(self) -> tuple[list[tuple[str, float] | tuple[str, float, Exemplar]], float]:
-        out: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
-        total = 0
-        exemplars = self.exemplars
-        for i, (le, n) in enumerate(zip(self.labels, self.counts)):
-            total += n
-            ex = exemplars[i] if exemplars is not None else None
-            out.append((le, float(total)) if ex is None else (le, float(total), ex))
-        return out, self.sum
+    def row(self, labels: tuple[str, ...]) -> HistogramRow:
+        """A copy of the counts for a scrape (the caller holds the lock that guards ``observe``)."""
+        return HistogramRow(labels, self.bounds, self.labels, list(self.counts), self.sum,
+                            None if self.exemplars is None else list(self.exemplars),
+                            None if self.native is None else self.native.snapshot(), self.cache)
 
 
 def trace_exemplar(trace: tuple[int, int], value: float, end_ns: int) -> Exemplar:
@@ -167,26 +166,20 @@ class Metrics:
         return self._firsts.get(model)
 
     def histograms(self) -> Iterator[Metric]:
-        """The two latency histogram families (classic and native buckets), rendered from a consistent copy."""
+        """The latency and batch-size histogram families, rendered from a consistent copy."""
         with self._lock:
-            rows = [(name, key, h.cumulative(), h.native.snapshot() if h.native is not None else None)
-                    for name, table in
-                    (("perfmon_forward_duration_seconds", self._duration),
-                     ("perfmon_forward_host_duration_seconds", self._host))
-                    for key, h in sorted(table.items())]
-            batches = [(model, h.cumulative()) for model, h in sorted(self._batch.items())]
-        for name in ("perfmon_forward_duration_seconds", "perfmon_forward_host_duration_seconds"):
-            fam = NativeHistogramFamily(name, METRICS[name][3], labels=["model", "device", "phase", "stage"])
-            for row_name, key, (buckets, total), native in rows:
-                if row_name == name:
-                    fam.add_metric(list(key), buckets, total)
-                    if native is not None:
-                        fam.add_native(key, native)
+            rows = [(name, [h.row(key) for key, h in sorted(table.items())])
+                    for name, table in (("perfmon_forward_duration_seconds", self._duration),
+                                        ("perfmon_forward_host_duration_seconds", self._host))]
+            batches = [h.row((model,)) for model, h in sorted(self._batch.items())]
+        for name, series in rows:
+            fam = HistogramRows(name, METRICS[name][3], labels=["model", "device", "phase", "stage"])
+            for row in series:
+                fam.add_row(row)
             yield fam
-        batch = HistogramMetricFamily("perfmon_forward_batch_size", METRICS["perfmon_forward_batch_size"][3],
-                                      labels=["model"])
-        for model, (buckets, total) in batches:
-            batch.add_metric([model], buckets, total)
+        batch = HistogramRows("perfmon_forward_batch_size", METRICS["perfmon_forward_batch_size"][3], labels=["model"])
+        for row in batches:
+            batch.add_row(row)
         yield batch
 
 

@@ -19,6 +19,8 @@ and capture ids, generated here, never taken from a caller.
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import re
 import secrets
@@ -33,7 +35,7 @@ from typing import Any
 from ..exceptions import ConfigError
 
 __all__ = [
-    "TEMP_NAME", "TRACE_NAME", "UnsafeTraceDir", "host_name", "new_id", "open_private_dir", "open_regular",
+    "TEMP_NAME", "TRACE_NAME", "UnsafeTraceDir", "host_name", "meta_json", "new_id", "open_private_dir", "open_regular",
     "replacing_at", "temp_name", "valid_id", "worker_name", "write_at", "write_private",
 ]
 
@@ -187,6 +189,27 @@ def _read_at(dir_fd: int, name: str, limit: int | None) -> bytes | None:
 
 
 _ID = re.compile(r"^[0-9a-f]{22}$")
+
+
+def meta_json(meta: dict[str, Any]) -> bytes:
+    """A capture's metadata as strict JSON (the stored and uploaded form): NaN and infinities, which Python
+    writes as bare ``NaN`` that other JSON readers refuse, become null; anything else unknown a string."""
+    try:
+        return json.dumps(meta, indent=1, sort_keys=True, default=str, allow_nan=False).encode()
+    except ValueError:  # a non-finite float somewhere: the rare case pays for the walk
+        return json.dumps(_finite(meta, 0), indent=1, sort_keys=True, default=str, allow_nan=False).encode()
+
+
+def _finite(value: Any, depth: int) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if depth > 64:  # metadata is shallow; deeper is not worth keeping
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, depth + 1) for v in value]
+    return value
 
 
 def new_id() -> str:

@@ -31,6 +31,7 @@ from .files import (
     UnsafeTraceDir,
     _read_at,
     host_name,
+    meta_json,
     open_private_dir,
     open_regular,
     temp_name,
@@ -141,7 +142,7 @@ class TraceStore:
                 meta = {**meta, "trace_file": trace_name, "trace_bytes": size}
             # Where it was made travels with it: an upload after a restart keys it as its maker would have.
             meta = {"host": host_name(), "worker": worker_name(), **meta}
-            body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
+            body = meta_json(meta)
             write_at(dfd, f"{meta['id']}.meta.json", body)
             self._retain(dfd)
         _notify(self.on_saved, meta)
@@ -185,7 +186,7 @@ class TraceStore:
         body = _read_at(dfd, name, META_MAX_BYTES)
         try:
             meta = json.loads(body) if body is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: not a capture of ours
             return None
         return meta if isinstance(meta, dict) else None
 

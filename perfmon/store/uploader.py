@@ -52,7 +52,7 @@ from ..backoff import backoff_seconds
 from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from ..selfcost import AgentCpu
-from .files import TRACE_NAME, _read_at, write_at
+from .files import TRACE_NAME, _read_at, meta_json, write_at
 from .remote import _check_usable, _scrub, capture_key, open_store, orphan_traces, redact, written_at
 from .traces import TraceStore
 
@@ -322,7 +322,7 @@ class TraceUploader:
             if size is None:
                 meta = self.store.get(cid) or {}
                 trace_bytes = meta.get("trace_bytes")
-                body = len(json.dumps(meta, indent=1, sort_keys=True, default=str))
+                body = len(meta_json(meta))
                 if isinstance(trace_bytes, int) and not isinstance(trace_bytes, bool):
                     size = (2, body + trace_bytes)
                 else:
@@ -357,7 +357,7 @@ class TraceUploader:
         if key is None:
             self._missing(cid)
             return None
-        body = json.dumps(meta, indent=1, sort_keys=True, default=str).encode()
+        body = meta_json(meta)
         # Real time (not self.clock, a test's hand clock): how long this thread may wait.
         deadline = time.monotonic() + self.timeout_seconds + (len(body) + len(data or b"")) / MIN_BYTES_PER_SECOND
         io_before = io_thread_cpu()
