@@ -46,7 +46,7 @@ def test_a_capture_ends_with_its_thread_and_the_next_thread_with_its_ident_is_no
     # Ended when its one-call thread did: one step, never stepped (or stopped) on a thread reusing the ident.
     assert meta["outcome"] == "ok", meta
     assert meta["ended_by"] == "thread_ended" and meta["steps_recorded"] == 1
-    name, data = mon.read_trace(cap["id"])
+    _, data = mon.read_trace(cap["id"])
     events = json.loads(gzip.decompress(data))["traceEvents"]
     assert sum(e.get("name") == "aten::linear" for e in events) == 1  # the one recorded call
     assert not profiler_active()  # no flag left on: a new capture, from any monitor, may start

@@ -100,12 +100,13 @@ def test_captures_on_a_thread_per_request_server_finish_with_a_valid_trace(tmp_p
             done = [base]
             for _ in range(3):  # manual captures, one after the other
                 # An automatic one may hold the slot (noise on a loaded box can look like a regression): a 409.
-                status, data = wait_until(lambda: _accepted(agent_port, b'{"steps": 5, "max_seconds": 5}'),
+                _, data = wait_until(lambda: _accepted(agent_port, b'{"steps": 5, "max_seconds": 5}'),
                                           timeout=60, what="a manual capture accepted",
                                           between=lambda: _dead(proc, log))
                 cid = json.loads(data)["id"]
-                cap = wait_until(lambda: alive() and next((p for p in _profiles(agent_port)
-                                                          if p["id"] == cid and p.get("status") == "done"), None),
+                cap = wait_until(lambda cid=cid: alive() and next((p for p in _profiles(agent_port)
+                                                                  if p["id"] == cid and p.get("status") == "done"),
+                                                                 None),
                                  timeout=60, what=f"manual capture {cid}", between=lambda: _dead(proc, log))
                 done.append(cap)
             # A regression: the model slows down; the detector arms an automatic capture.

@@ -38,7 +38,7 @@ class _ThreadEnd:
     """Kept in the owner thread's ``threading.local``: its finaliser runs on that thread as it exits
     (CPython clears a thread's locals there), and calls ``callback`` unless the recording let go first."""
 
-    __slots__ = ("callback", "__weakref__")
+    __slots__ = ("__weakref__", "callback")
 
     def __init__(self, callback: Callable[[], None] | None) -> None:
         self.callback = callback
