@@ -6,6 +6,10 @@ the 25th-75th percentile spread of that difference, and the ratio to the bare ca
 
     python benchmarks/overhead.py [--rounds 30] [--calls 2000]
 
+Every figure here has the monitor constructed but **not started** (no resolver, HTTP or upload thread
+waking mid-round): the hot path's own cost. What the running agent costs the serving thread, threads
+and a scraper included, is ``benchmarks/agent_cost.py``.
+
 Not a test: timings on a shared 2-core machine are noisy (read ratios, not absolutes).
 """
 
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wanted = set(args.models.split(","))
     torch.set_num_threads(1)  # a steadier baseline on a 2-core machine
-    print(f"{machine()}, torch threads {torch.get_num_threads()}")
+    print(f"{machine()}, torch threads {torch.get_num_threads()}; monitor not started (hot path alone: "
+          "agent_cost.py measures it running)")
     warm = AlwaysProfiled(torch.nn.Linear(2, 2))  # the first profiler start in a process takes ~1 s
     warm.begin()
     warm.end()

@@ -124,7 +124,8 @@ class Config:
     queue_size: int = 8192
     #: CUDA event pairs preallocated per device; when all are in flight, samples are dropped.
     event_pool_size: int = 256
-    #: How often the resolver wakes to resolve events and update metrics.
+    #: How often the resolver polls CUDA events while some are in flight. With none in flight it sleeps a
+    #: second (housekeeping) unless a quarter of the queue or event pool waits: an idle agent stays quiet.
     resolve_interval_seconds: float = 0.05
     #: The span of the exact percentiles reported by /stats.
     stats_window_seconds: float = 60.0

@@ -92,7 +92,7 @@ class Monitor:
         self.generations = GenerationTracker(
             internal=hub.internal, timing=lambda: hub.timing, max_names=cfg.max_models,
             max_live=cfg.max_live_generations, queue_size=cfg.generation_queue_size,
-            window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples)
+            window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples, wake=lambda: hub.wake.set())
         self.models = Models(cfg, hub, self.generations)
         self.metrics = Metrics(self.registry, cfg, states=self.models.states, internal=hub.internal,
                                started_ns=lambda: hub.started_ns)

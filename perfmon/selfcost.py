@@ -14,22 +14,37 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["AgentCpu", "CpuBudget", "HttpShedding"]
+__all__ = ["THREADS", "WAKING", "AgentCpu", "CpuBudget", "HttpShedding"]
 
 #: The ``thread`` label values.
 THREADS = ("resolver", "nvml", "http", "capture_export", "upload")
+#: The threads that wake on their own (timeouts, polls): ``perfmon_agent_wakeups_total{thread}``.
+WAKING = ("resolver", "nvml", "http", "upload")
 
 
 class AgentCpu:
-    """CPU seconds per agent thread kind."""
+    """CPU seconds per agent thread kind, and how often each background thread woke up.
+
+    CPU seconds do not show what a wake costs the serving thread of a GIL-bound server: each wake takes
+    the GIL from it at least once (a hand-off, tens of µs there, measured in benchmarks/agent_cost.py),
+    whatever the wake then spends. So the background loops count their wakes too (``woke``).
+    """
 
     def __init__(self) -> None:
-        self._seconds = dict.fromkeys(THREADS, 0.0)
-        self._lock = threading.Lock()
+        self.reset_after_fork()
 
     def reset_after_fork(self) -> None:
         self._seconds = dict.fromkeys(THREADS, 0.0)
+        self._wakes = dict.fromkeys(WAKING, 0)
         self._lock = threading.Lock()
+
+    def woke(self, thread: str) -> None:
+        """Count one wake of a background thread (its loop's thread only: one writer per key, so no lock)."""
+        self._wakes[thread] = self._wakes.get(thread, 0) + 1
+
+    def wakes(self) -> dict[str, int]:
+        """Wakes so far per background thread kind."""
+        return dict(self._wakes)
 
     def add(self, thread: str, seconds: float) -> None:
         with self._lock:

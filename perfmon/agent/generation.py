@@ -184,11 +184,13 @@ class Generation:
             queue = tracker.queue
             if len(queue) >= tracker.queue_size:  # racy by at most one record per thread: still bounded
                 next(counts.dropped["queue_full"])
-            elif last is None:
-                self.first_ns = now
-                queue.append((counts, _FIRST, now - self.start_ns, n, now))
             else:
-                queue.append((counts, _NEXT, now - last, n, now))
+                if last is None:
+                    self.first_ns = now
+                queue.append((counts, _FIRST, now - self.start_ns, n, now) if last is None
+                             else (counts, _NEXT, now - last, n, now))
+                if len(queue) >= tracker.wake_at and tracker.wake is not None:
+                    tracker.wake()
         elif last is None:
             self.first_ns = now
 
@@ -233,8 +235,11 @@ class GenerationTracker:
 
     def __init__(self, *, internal: InternalErrors, timing: Callable[[], bool] = lambda: True,
                  max_names: int = 64, max_live: int = 10_000, queue_size: int = 65_536,
-                 window_seconds: float = 60.0, max_samples: int = 10_000) -> None:
+                 window_seconds: float = 60.0, max_samples: int = 10_000,
+                 wake: Callable[[], None] | None = None) -> None:
         self._internal = internal
+        self.wake = wake  # request thread, a quarter of the queue used: the resolver drains it now
+        self.wake_at = max(1, queue_size // 4)
         self._timing = timing  # False while the monitor is stopped: count, do not time
         self.max_names = max_names
         self.max_live = max_live

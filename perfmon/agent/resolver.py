@@ -39,7 +39,10 @@ class Resolver:
         log: Any = None,
         on_tick: Callable[[int], None] | None = None,
         device_refresh_seconds: float = 1.0,
+        idle_seconds: float = 1.0,
     ) -> None:
+        #: How long the thread sleeps when no device event is in flight (seconds): housekeeping's cadence.
+        self.idle_seconds = idle_seconds
         #: Housekeeping called once per resolver pass with perf_counter_ns (faults are counted, never raised).
         self.on_tick = on_tick
         self.hub = hub
@@ -198,13 +201,26 @@ class Resolver:
         self._thread.start()
 
     def _run(self, interval: float) -> None:
+        """Wake only when there is work. While device events are in flight, poll them every ``interval``;
+        otherwise sleep ``idle_seconds`` (housekeeping: windows, the sampling floor, device refresh), or
+        until the hot path says a quarter of the queue or event pool waits (``Hub.wake``). Host-timed
+        samples wait for the next tick (at most a second, against a 15 s scrape); each wake the thread
+        saves is a GIL hand-off the serving thread does not pay (docs/design.md, "What the agent costs")."""
         cpu = self.hub.cpu
-        while not self._stop.wait(interval):
+        wake = self.hub.wake
+        wait = interval
+        while True:
+            wake.wait(wait)
+            if self._stop.is_set():
+                return
+            wake.clear()
+            cpu.woke("resolver")
             try:
                 with cpu.measure("resolver"):
                     self.step()
             except Exception as exc:  # a sink or housekeeping bug must not kill the thread
                 self.hub.internal.report("resolver", exc)
+            wait = interval if self._pending else max(interval, self.idle_seconds)
 
     @property
     def alive(self) -> bool:
@@ -214,6 +230,7 @@ class Resolver:
         """Stop the thread, resolve what completes within the timeout, drop the rest (reason shutdown)."""
         deadline = perf_counter_ns() + int(timeout_seconds * 1e9)
         self._stop.set()
+        self.hub.wake.set()
         if self._thread is not None:
             self._thread.join(timeout_seconds)
             self._thread = None

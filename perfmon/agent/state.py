@@ -42,6 +42,10 @@ class Hub:
         self.backend = backend
         self.queue: collections.deque[Pending] = collections.deque()
         self.queue_size = config.queue_size
+        #: Set when a quarter of the queue or of the event pool is waiting: the resolver, which sleeps up to
+        #: a second while nothing is in flight, drains it now (``Resolver``: wake only when there is work).
+        self.wake = threading.Event()
+        self.wake_at = max(1, min(config.queue_size, config.event_pool_size) // 4)
         self.pools = EventPools(backend, config.event_pool_size)
         self.internal = InternalErrors()
         #: CPU seconds the agent's own threads spend (exported as perfmon_agent_cpu_seconds_total).
@@ -60,6 +64,7 @@ class Hub:
     def reset_after_fork(self) -> None:
         """In a forked child: fresh queue, event pools (CUDA state does not survive fork), fault counts."""
         self.queue = collections.deque()
+        self.wake = threading.Event()
         self.pools = EventPools(self.backend, self.config.event_pool_size)
         self.internal.reset_after_fork()  # reset in place: collectors hold references to these
         self.cpu.reset_after_fork()
@@ -321,6 +326,8 @@ class ModelState:
                     hub.internal.report("exemplar", exc)
             queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items, size, trace))
             self.last_sample_ns = end_ns
+            if len(queue) >= hub.wake_at:
+                hub.wake.set()
         except Exception as exc:
             if pair is not None:
                 hub.pools.release(pair)

@@ -164,6 +164,7 @@ class AgentServer:
         try:
             while not self._stop.is_set():
                 c0 = time.thread_time()
+                self.cpu.woke("http")
                 try:
                     self._turn()
                 except Exception as exc:  # never let the loop die: count it and go on

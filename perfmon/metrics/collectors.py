@@ -224,6 +224,9 @@ class AgentCollector(Collector):
         cpu = _family("perfmon_agent_cpu_seconds_total")
         for thread, seconds in sorted(self._cpu.totals().items()):
             cpu.add_metric([thread], seconds)
+        wakes = _family("perfmon_agent_wakeups_total")
+        for thread, n in sorted(self._cpu.wakes().items()):
+            wakes.add_metric([thread], n)
         lag = _family("perfmon_resolver_lag_seconds")
         lag.add_metric([], self._resolver.lag_seconds())
         pending = _family("perfmon_pending_records")
@@ -233,7 +236,7 @@ class AgentCollector(Collector):
             refused.add_metric([reason], n)
         paused = _family("perfmon_agent_http_paused_seconds_total")
         paused.add_metric([], self._http.paused_seconds)
-        yield from (cpu, lag, pending, refused, paused)
+        yield from (cpu, wakes, lag, pending, refused, paused)
         listening = self._listening()
         if listening is not None:
             up = _family("perfmon_agent_http_listening")

@@ -56,10 +56,8 @@ from .files import TRACE_NAME, _read_at, meta_json, write_at
 from .remote import _check_usable, _scrub, capture_key, open_store, orphan_traces, redact, written_at
 from .traces import TraceStore
 
-__all__ = [
-    "DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "StoreCalls", "TraceUploader", "UploadStats",
-    "capture_key", "io_thread_cpu", "open_store", "redact",
-]
+__all__ = ["DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "StoreCalls", "TraceUploader",
+           "UploadStats", "capture_key", "io_thread_cpu", "open_store", "redact"]
 
 #: The durable record of what is uploaded, in the trace directory (not a name TraceStore lists or removes).
 MANIFEST_NAME = "perfmon-uploads.json"
@@ -268,6 +266,7 @@ class TraceUploader:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            self._cpu.woke("upload")
             try:
                 # Its CPU (trace reads, a sync SDK's requests) is the agent's own cost too; an async SDK's
                 # requests run on fsspec's IO thread, added per attempt by _count_io.

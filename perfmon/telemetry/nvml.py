@@ -153,6 +153,7 @@ class NvmlPoller:
     def _run(self) -> None:
         delay = self.interval
         while not self._stop.wait(delay):
+            self._cpu.woke("nvml")
             delay = self.tick()
 
     def tick(self) -> float:

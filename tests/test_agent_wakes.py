@@ -1,0 +1,38 @@
+"""The agent wakes only when there is work: each background wake costs a GIL-bound server's serving thread."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .conftest import hist_count, value, wait_until
+
+
+def test_an_idle_agent_stays_quiet_and_counts_its_wakes(make_monitor) -> None:
+    """Started, no traffic: the resolver wakes about once a second (it used to wake every 50 ms, 20 a
+    second), and perfmon_agent_wakeups_total says so."""
+    mon = make_monitor(port=0).start()
+    wait_until(lambda: (value(mon, "perfmon_agent_wakeups_total", thread="resolver") or 0) >= 1, timeout=10,
+               what="the resolver's first wake")
+    first = value(mon, "perfmon_agent_wakeups_total", thread="resolver")
+    t0 = time.monotonic()
+    wait_until(lambda: time.monotonic() - t0 >= 3.0, timeout=10, what="3 s")  # a span to count over
+    woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
+    assert 1 <= woke <= 8, woke  # ~3 at 1/s; 60 at the old 50 ms cadence
+    assert value(mon, "perfmon_agent_wakeups_total", thread="http") is not None
+
+
+def test_a_filling_queue_wakes_the_resolver_from_its_idle_sleep(make_monitor) -> None:
+    """Timed calls that fill a quarter of the queue wake the resolver at once, however long its idle sleep."""
+    mon = make_monitor(sample_rate=1.0, queue_size=64)
+    mon.resolver.idle_seconds = 3600.0  # asleep for an hour once idle: only the hot path's wake can drain it
+    mon.start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    wait_until(lambda: (value(mon, "perfmon_agent_wakeups_total", thread="resolver") or 0) >= 1, timeout=10,
+               what="the resolver's first wake (then it sleeps)")
+    for _ in range(40):  # a quarter of the queue is 16
+        model(torch.ones(1, 4))
+    wait_until(lambda: mon.resolver.pending == 0, timeout=10, what="the queue drained by a woken resolver")
+    assert (value(mon, "perfmon_samples_dropped_total", model="m", reason="queue_full") or 0) == 0
+    assert hist_count(mon, "m", "steady") + hist_count(mon, "m", "cold") == 40  # every call timed, resolved
