@@ -36,3 +36,16 @@ def test_a_filling_queue_wakes_the_resolver_from_its_idle_sleep(make_monitor) ->
     wait_until(lambda: mon.resolver.pending == 0, timeout=10, what="the queue drained by a woken resolver")
     assert (value(mon, "perfmon_samples_dropped_total", model="m", reason="queue_full") or 0) == 0
     assert hist_count(mon, "m", "steady") + hist_count(mon, "m", "cold") == 40  # every call timed, resolved
+
+
+def test_the_resolver_wakes_for_the_next_sampling_floor(make_monitor) -> None:
+    """A model whose last timed call was just now has its floor due a floor later: the resolver's idle sleep
+    ends then, not at its one-second cadence, so a low-traffic model keeps a timed call a second."""
+    mon = make_monitor(sample_rate=0.001, warmup_calls=1, sample_floor_seconds=0.4)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    for _ in range(3):
+        model(torch.ones(1, 4))  # the cold call is timed; the next ones are not (0.1% sampling)
+    mon.flush()
+    (st,) = mon.models.states()
+    assert st.next_index > 0  # not armed: its floor is still ahead
+    assert mon.resolver.floor_due_ns == st.last_sample_ns + int(0.4e9)

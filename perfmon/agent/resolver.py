@@ -54,6 +54,8 @@ class Resolver:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._refresh_ns = int(device_refresh_seconds * 1e9)
+        #: perf_counter_ns when the next model's sampling floor falls due (None: none pending).
+        self.floor_due_ns: int | None = None
         self._last_refresh_ns = 0
         self._dropped_seen: dict[tuple[str, str], int] = {}
 
@@ -140,17 +142,22 @@ class Resolver:
         refresh = now_ns - self._last_refresh_ns >= self._refresh_ns
         if refresh:
             self._last_refresh_ns = now_ns
+        soonest = None
         for st in self._states():
             try:
                 # The sampling floor: a model with no timed call for floor_seconds gets its next call timed.
                 if st.sampler.floor_due(st.last_sample_ns, now_ns):
                     st.next_index = 0
+                elif st.next_index:  # not armed yet: its floor falls due then (the thread wakes for it)
+                    due = st.last_sample_ns + st.sampler.floor_ns
+                    soonest = due if soonest is None or due < soonest else soonest
                 st.drain_items()
                 if refresh:
                     st.refresh_device()
                     self._note_drops(st)
             except Exception as exc:
                 self.hub.internal.report("housekeeping", exc)
+        self.floor_due_ns = soonest
         if self.on_tick is not None:
             try:
                 self.on_tick(now_ns)
@@ -220,7 +227,15 @@ class Resolver:
                     self.step()
             except Exception as exc:  # a sink or housekeeping bug must not kill the thread
                 self.hub.internal.report("resolver", exc)
-            wait = interval if self._pending else max(interval, self.idle_seconds)
+            wait = interval if self._pending else self._idle_wait(interval)
+
+    def _idle_wait(self, interval: float) -> float:
+        """Seconds to sleep with nothing in flight: ``idle_seconds``, or until a model's sampling floor falls
+        due (a low-traffic model keeps its one timed call a second, whatever the idle cadence)."""
+        due = self.floor_due_ns
+        if due is None:
+            return max(interval, self.idle_seconds)
+        return max(interval, min(self.idle_seconds, (due - perf_counter_ns()) / 1e9))
 
     @property
     def alive(self) -> bool:

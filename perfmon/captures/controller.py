@@ -38,6 +38,7 @@ the metrics collector reads), ``export`` (the export thread's work).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -260,7 +261,8 @@ class CaptureController:
         """The owner thread is exiting with the recording on (its locals' finaliser, on that thread)."""
         try:
             cap, rec = self.current, self._recording
-            if self.state != RECORDING or cap is None or rec is None:
+            # At interpreter shutdown torch may be half torn down and no export thread can start: leave it.
+            if self.state != RECORDING or cap is None or rec is None or sys.is_finalizing():
                 return
             cap.ended_by = "thread_ended"
             self._end_recording(st, cap, rec, self._clock() - rec.started)
