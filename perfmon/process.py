@@ -28,7 +28,7 @@ from typing import Any
 
 from .captures.profiler import profiler_has_run, warm_up_profiler
 
-__all__ = ["PREFORK_SERVERS", "exit_guarded", "live", "prefork_server", "prepare_profiler"]
+__all__ = ["PREFORK_SERVERS", "live", "prefork_server", "prepare_profiler"]
 
 #: Agents to reset in a forked child and to stop at exit.
 live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -73,11 +73,6 @@ def prepare_profiler(log: Any, internal: Any) -> None:
         log.info("profiler_ready", seconds=round(took, 3))
     except Exception as exc:
         internal.report("capture", exc)
-
-
-def exit_guarded() -> bool:
-    """True in a forked child whose exit skips torch's C++ static destructors (see the module doc)."""
-    return _EXIT_GUARDED
 
 
 def _before_fork() -> None:
