@@ -230,3 +230,31 @@ def test_moving_a_model_makes_its_next_calls_cold(make_monitor) -> None:
     assert hist_count(mon, "lin", "steady", device="cpu") == 2
     assert hist_count(mon, "lin", "cold", device="meta") == 1
     assert hist_count(mon, "lin", "steady", device="meta") == 1
+
+
+def test_a_calls_signature_is_its_work_not_its_bookkeeping() -> None:
+    """Keyword calls (a Hugging Face decode step): the same work is one signature whatever the attention mask
+    or positions; a new input shape, dtype, or a tensor inside a tuple changing shape, is a new one."""
+    from collections import namedtuple
+
+    from perfmon.agent.phases import signature
+
+    Pair = namedtuple("Pair", "a b")
+
+    class Cache:
+        pass
+
+    def step(ids: torch.Tensor, mask_len: int, pair: Pair | None = None) -> object:
+        kw = {"input_ids": ids, "past_key_values": Cache(), "attention_mask": torch.ones(1, mask_len),
+              "cache_position": torch.tensor([mask_len]), "use_cache": True}
+        if pair is not None:
+            kw["extra"] = pair
+        return signature((), kw)
+
+    ids = torch.ones(1, 1, dtype=torch.long)
+    assert step(ids, 9) == step(torch.zeros(1, 1, dtype=torch.long), 10)  # bookkeeping moved, work did not
+    assert step(ids, 9) != step(torch.ones(2, 1, dtype=torch.long), 9)  # batch 2
+    assert step(ids, 9) != step(ids.int(), 9)  # dtype
+    assert step(ids, 9, Pair(torch.ones(2), 1)) != step(ids, 9, Pair(torch.ones(3), 1))  # one level into a tuple
+    assert signature((torch.nn.Parameter(torch.ones(2)),), {}) == signature((torch.ones(2),), {})
+    assert signature((torch.ones(2), 3), {}) == signature((torch.ones(2), 4), {})  # an int: its type only

