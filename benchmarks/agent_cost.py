@@ -8,7 +8,8 @@ the agent's own threads shows. So this times the serving thread itself:
 
 - ``stopped``: the monitor stopped, the bare model;
 - ``running, unwrapped``: the monitor running (threads, scraper), the bare model: the background alone;
-- ``running, wrapped``: the monitor running, the model wrapped at the default 1% sampling.
+- ``running, wrapped``: the monitor running, the model wrapped at the default 1% sampling (the same module
+  object throughout: wrapped and unwrapped between variants).
 
 Each round runs every variant once in a shuffled order (they share the machine's noise); the figure is
 the median over rounds of each variant's time per call divided by the same round's ``stopped`` one, with
@@ -118,8 +119,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="perfmon-agent-cost-")
     mon = perfmon.Monitor(port=0, log_level="error", registry=CollectorRegistry(), trace_dir=f"{tmp}/traces",
                           trace_store=f"file://{tmp}/store")  # everything else: the defaults
-    base = gil_bound_model()
-    bare, wrapped = copy.deepcopy(base), mon.wrap(copy.deepcopy(base), name="gil_bound")
+    # One module, wrapped and unwrapped between variants (Monitor.unwrap restores its class): a twin copy
+    # would put its weights elsewhere in memory, a difference of its own (an A/A of two copies: ±0.5%).
+    model = gil_bound_model()
     x = torch.randn(4, 32)
     lin = torch.nn.Linear(64, 64).eval()
     lin_bare, lin_wrapped = copy.deepcopy(lin), mon.wrap(copy.deepcopy(lin), name="linear64")
@@ -127,17 +129,23 @@ def main() -> None:
     mon.start()
     scraper = Scraper(lambda: mon.url)
 
-    def bare_call() -> Any:
+    def call() -> Any:
         with torch.inference_mode():
-            return bare(x)
+            return model(x)
 
-    def wrapped_call() -> Any:
-        with torch.inference_mode():
-            return wrapped(x)
+    wrapped = False
 
-    for _ in range(3):  # warm both paths and the monitor's cold calls
-        time_calls(bare_call, 300)
-        time_calls(wrapped_call, 300)
+    def set_wrapped(want: bool) -> None:
+        nonlocal wrapped
+        if want and not wrapped:
+            mon.wrap(model, name="gil_bound")  # the same name again: its counters continue
+        elif wrapped and not want:
+            mon.unwrap(model)
+        wrapped = want
+
+    for want in (True, False, True, False):  # warm both paths and the monitor's cold calls
+        set_wrapped(want)
+        time_calls(call, 300)
     running = True
     per: dict[str, list[float]] = {"stopped": [], "running, unwrapped": [], "running, wrapped": []}
     wakes: dict[str, int] = {}
@@ -151,14 +159,15 @@ def main() -> None:
                 mon.start() if want else mon.stop()
                 running = want
                 time.sleep(0.2)  # threads settled
-            fn = wrapped_call if variant == "running, wrapped" else bare_call
+            set_wrapped(variant == "running, wrapped")
             t0, before = time.perf_counter(), agent_threads_wakes()
-            per[variant].append(time_calls(fn, args.calls))
+            per[variant].append(time_calls(call, args.calls))
             if variant == "running, unwrapped":  # the background alone: its wakes while the loop runs
                 wake_seconds += time.perf_counter() - t0
                 after = agent_threads_wakes()
                 for name in after.keys() & before.keys():
                     wakes[name] = wakes.get(name, 0) + after[name] - before[name]
+    set_wrapped(False)
     if not running:
         mon.start()
     rows, out = [], {"machine": machine(), "calls": args.calls, "rounds": args.rounds}
