@@ -349,10 +349,9 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     """List the fleet's captures in object storage (``trace_store``), newest first, or download one.
 
     Metadata objects the listing cannot use (over 1 MiB, not JSON, a field of the wrong type: see
-    ``perfmon.store.uploader.list_remote``) are left out and counted in one line on ``stderr``.
+    ``perfmon.store.remote.list_remote``) are left out and counted in one line on ``stderr``.
     """
-    from .store.remote import download_remote, list_remote
-    from .store.uploader import redact
+    from .store.remote import download_remote, list_remote, redact
 
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr

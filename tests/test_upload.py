@@ -17,9 +17,9 @@ from perfmon.cli import main
 from perfmon.exceptions import ConfigError
 from perfmon.metrics.collectors import UploadCollector
 from perfmon.store.files import new_id, worker_name
-from perfmon.store.remote import download_remote, list_remote
+from perfmon.store.remote import capture_key, download_remote, list_remote, redact
 from perfmon.store.traces import TraceStore
-from perfmon.store.uploader import MANIFEST_NAME, TraceUploader, UploadStats, capture_key, redact
+from perfmon.store.uploader import MANIFEST_NAME, TraceUploader, UploadStats
 
 from .conftest import HandClock
 

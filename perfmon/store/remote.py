@@ -27,7 +27,8 @@ from .files import TRACE_NAME, replacing_at, valid_id
 
 __all__ = [
     "LIST_READ_TRIES", "LIST_RETRY_SECONDS", "REMOTE_META_MAX_BYTES", "REMOTE_TRACE_MAX_BYTES", "capture_key",
-    "download_remote", "list_remote", "open_store", "orphan_traces", "redact", "written_at",
+    "check_usable", "download_remote", "list_remote", "open_store", "orphan_traces", "redact", "scrub",
+    "written_at",
 ]
 
 _FOLDER = re.compile(r"^(?P<stamp>[0-9]{8}T[0-9]{6}Z)-(?P<id>[0-9a-f]{22})$")
@@ -92,7 +93,7 @@ def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
     and ten times that in all, and the bucket-layout lookup ``timeout_seconds``; gcsfs's own retries of a
     refused or failed request (six tries, 1-16 s apart) stay: they are fixed when its class is defined.
     """
-    protocol = _check_usable(url)
+    protocol = check_usable(url)
     from fsspec.core import url_to_fs
 
     options: dict[str, Any] = {"skip_instance_cache": True}
@@ -122,7 +123,7 @@ def _aiohttp_timeout(seconds: float) -> Any:
         return seconds
     return aiohttp.ClientTimeout(total=10 * seconds, sock_connect=seconds, sock_read=seconds)
 
-def _check_usable(url: str) -> str:
+def check_usable(url: str) -> str:
     """The URL's protocol; ``ConfigError`` when fsspec or the protocol's package is missing. Builds nothing."""
     try:
         import fsspec
@@ -141,7 +142,7 @@ def _check_usable(url: str) -> str:
     return str(protocol)
 
 
-def _scrub(text: str, url: str) -> str:
+def scrub(text: str, url: str) -> str:
     """An SDK's error message with the configured URL (and so any user-info in it) replaced by its redaction."""
     return text.replace(url, redact(url)) if url else text
 
@@ -247,7 +248,7 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
             if body is None:
                 continue  # removed since the listing: not malformed, just gone
             if isinstance(body, Exception):  # still failing after the retries: say so, never drop it silently
-                skip(key, f"unreadable: {type(body).__name__}: {_scrub(str(body), url)}"[:300])
+                skip(key, f"unreadable: {type(body).__name__}: {scrub(str(body), url)}"[:300])
                 continue
             if len(body) > meta_max_bytes:  # grown since the listing said its size
                 skip(key, f"over {meta_max_bytes} bytes")

@@ -53,11 +53,11 @@ from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from ..selfcost import AgentCpu
 from .files import TRACE_NAME, _read_at, meta_json, write_at
-from .remote import _check_usable, _scrub, capture_key, open_store, orphan_traces, redact, written_at
+from .remote import capture_key, check_usable, open_store, orphan_traces, redact, scrub, written_at
 from .traces import TraceStore
 
 __all__ = ["DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "StoreCalls", "TraceUploader",
-           "UploadStats", "capture_key", "io_thread_cpu", "open_store", "redact"]
+           "UploadStats", "io_thread_cpu"]
 
 #: The durable record of what is uploaded, in the trace directory (not a name TraceStore lists or removes).
 MANIFEST_NAME = "perfmon-uploads.json"
@@ -194,7 +194,7 @@ class TraceUploader:
         self.clock = clock
         self._jitter = jitter
         if fs is None:
-            _check_usable(url)  # a missing package is a ConfigError now; the filesystem is built on the thread
+            check_usable(url)  # a missing package is a ConfigError now; the filesystem is built on the thread
         self._fs, self._root = fs, root
         self._fs_injected = fs is not None
         self.stats = UploadStats(last_ok=clock())
@@ -368,7 +368,7 @@ class TraceUploader:
             self._calls.call(fs, "pipe_file", f"{root}/{key}/{cid}.meta.json", body, deadline=deadline)
         except Exception as exc:
             first = self.failures == 0
-            self.last_error = f"{type(exc).__name__}: {_scrub(str(exc), self.url)}"[:300]
+            self.last_error = f"{type(exc).__name__}: {scrub(str(exc), self.url)}"[:300]
             if first and self._log is not None:  # once per outage, not per retry
                 self._log.warning("trace_upload_failed", store=self.destination, id=cid, error=self.last_error,
                                   note="the capture stays in trace_dir and is retried with backoff")
@@ -404,7 +404,7 @@ class TraceUploader:
         except Exception as exc:  # the store's or the SDK's: the next sweep tries again
             if self._log is not None:
                 self._log.warning("trace_store_sweep_failed", store=self.destination, removed=removed,
-                                  error=f"{type(exc).__name__}: {_scrub(str(exc), self.url)}"[:300])
+                                  error=f"{type(exc).__name__}: {scrub(str(exc), self.url)}"[:300])
         self._count_io(io_before)
         if removed and self._log is not None:
             self._log.info("trace_store_orphans_removed", store=self.destination, removed=removed)
