@@ -39,11 +39,11 @@ def test_default_grid_meets_the_series_budget_at_half_the_fine_grid(make_monitor
 
 
 #: docs/metrics.md, "Generation series": per generation name, histograms and counters.
-GENERATION_SERIES_BUDGET = 180
+GENERATION_SERIES_BUDGET = 182
 
 
 def test_a_generation_name_costs_at_most_its_budget_and_no_latency_histogram_over_100(make_monitor) -> None:
-    """One generation name (requests ok, error and cancelled, chunks): <= 180 series in all, and neither TTFT
+    """One generation name (requests ok, error and cancelled, chunks): <= 182 series in all, and neither TTFT
     nor ITL over the 100-series latency budget a model's forward histogram has (they were 119 and 89)."""
     mon = make_monitor().start()
     for _ in range(3):

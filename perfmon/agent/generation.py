@@ -23,18 +23,46 @@ from __future__ import annotations
 
 import collections
 import itertools
-import operator
 import threading
 from collections.abc import Callable
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..config import log_buckets
 from ..exceptions import ConfigError
 from ..faults import InternalErrors, count_value
 from ..stats.windows import summarize
-from .streams import CANCELLED, OK, OUTCOMES, async_stream, measuring, outcome_of, sync_stream, token_count
+from .gen_events import (
+    DONE,
+    DROP_REASONS,
+    FIRST,
+    NEXT,
+    TIMELINE,
+    GenerationCounts,
+    GenerationEvent,
+    GenerationSink,
+    RequestDone,
+    TokenTiming,
+    advance,
+    check_name,
+    check_prompt,
+    events_of,
+)
+from .streams import (
+    CANCELLED,
+    OK,
+    OUTCOMES,
+    Consumer,
+    async_stream,
+    consumer_of,
+    is_streamer,
+    measuring,
+    outcome_of,
+    sync_stream,
+    token_count,
+    watch_consumer,
+)
 
 __all__ = [
     "DROP_REASONS",
@@ -49,13 +77,6 @@ __all__ = [
     "RequestDone",
     "TokenTiming",
 ]
-
-#: Why a timing record never reached the histograms (the ``reason`` label; all always exported).
-DROP_REASONS = (
-    "queue_full",  # the resolver fell behind: a token or request record found the queue full
-    "live_limit",  # a request started while max_live_generations were being timed: counted, not timed
-    "after_finish",  # token() on a request that had already ended: ignored
-)
 
 #: TTFT buckets (s): 12 per decade (adjacent bounds 21% apart, histogram_quantile within ~10%; the same
 #: bounds as the forward latency's DEFAULT_BUCKETS where they overlap) from 1 ms to 60 s: a prefill on a
@@ -75,51 +96,7 @@ DURATION_BUCKETS: tuple[float, ...] = tuple(
 #: Tokens per request: powers of two from 1 to 128 Ki (131072).
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(18))
 
-_FIRST, _NEXT, _DONE = 0, 1, 2  # record kinds on the queue
 _BATCH = 4096  # records turned into events at a time: bounds the resolver's transient memory
-
-
-class TokenTiming(NamedTuple):
-    """One TTFT or inter-token observation, as the resolver hands it to the sinks."""
-
-    model: str
-    kind: str  # "ttft" or "itl"
-    seconds: float
-    tokens: int  # how many tokens this observation stands for (its histogram weight; 1 for TTFT)
-    end_ns: int  # perf_counter_ns() when the token(s) were handed over
-
-
-class RequestDone(NamedTuple):
-    """A request that ended."""
-
-    model: str
-    outcome: str  # one of OUTCOMES
-    duration_seconds: float  # from the request's start to its end
-    prompt_tokens: int | None
-    output_tokens: int
-    end_ns: int
-
-
-GenerationEvent = TokenTiming | RequestDone
-#: A stage that consumes a batch of generation events (resolver thread).
-GenerationSink = Callable[[list[GenerationEvent]], None]
-
-
-class GenerationCounts:
-    """Exact counts for one name, written on the request path and read at scrape time."""
-
-    __slots__ = ("dropped", "generated", "name", "prompt", "requests", "started")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.requests = {o: itertools.count() for o in OUTCOMES}
-        self.started = itertools.count()
-        self.generated = itertools.count()
-        self.prompt = 0  # an int, not a count: a prompt adds up to 128 Ki at once (under the tracker's lock)
-        self.dropped = {r: itertools.count() for r in DROP_REASONS}
-
-    def request_counts(self) -> dict[str, int]:
-        return {o: count_value(c) for o, c in self.requests.items()}
 
 
 class Generation:
@@ -132,7 +109,7 @@ class Generation:
     as ``cancelled``.
     """
 
-    __slots__ = ("__weakref__", "_counts", "_key", "_tracker", "first_ns", "last_ns", "outcome",
+    __slots__ = ("__weakref__", "_counts", "_key", "_tracker", "feeder", "first_ns", "last_ns", "outcome",
                  "prompt_tokens", "start_ns", "tokens")
 
     def __init__(self, tracker: GenerationTracker, counts: GenerationCounts, key: int, start_ns: int,
@@ -146,6 +123,9 @@ class Generation:
         self.tokens = 0  # tokens handed over so far
         self.prompt_tokens = prompt_tokens
         self.outcome: str | None = None  # set once, by finish()
+        #: A tracked generate() call that delivers this request's tokens (a stream opened over its streamer
+        #: first): the stream then only decides the outcome, and does not count its items as tokens.
+        self.feeder: Any = None
 
     @property
     def name(self) -> str:
@@ -178,7 +158,7 @@ class Generation:
         if n == 1:
             next(counts.generated)
         else:
-            _advance(counts.generated, n)
+            advance(counts.generated, n)
         if self._key:
             tracker = self._tracker
             queue = tracker.queue
@@ -187,8 +167,8 @@ class Generation:
             else:
                 if last is None:
                     self.first_ns = now
-                queue.append((counts, _FIRST, now - self.start_ns, n, now) if last is None
-                             else (counts, _NEXT, now - last, n, now))
+                queue.append((counts, FIRST, now - self.start_ns, n, now) if last is None
+                             else (counts, NEXT, now - last, n, now))
                 if len(queue) >= tracker.wake_at and tracker.wake is not None:
                     tracker.wake()
         elif last is None:
@@ -261,6 +241,9 @@ class GenerationTracker:
         #: so an abandoned one is still garbage-collected (and ends as cancelled).
         self._live: dict[int, tuple[GenerationCounts, int]] = {}
         self.queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        #: Work a request thread handed over because it needs device values (a generate() on CUDA whose
+        #: returned sequences must be read to count tokens): run by drain() on the resolver thread.
+        self.deferred: collections.deque[Callable[[], None]] = collections.deque()
         self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
         self._rings_lock = threading.Lock()
 
@@ -287,7 +270,7 @@ class GenerationTracker:
         counts = self._names.get(name) if name.__class__ is str else None
         if counts is None:
             counts = self._register(name)
-        prompt = None if prompt_tokens is None else _check_prompt(prompt_tokens)
+        prompt = None if prompt_tokens is None else check_prompt(prompt_tokens)
         timing = self._timing()
         now = perf_counter_ns()
         key = 0
@@ -303,7 +286,7 @@ class GenerationTracker:
         return Generation(self, counts, key, now, prompt)
 
     def _register(self, name: str) -> GenerationCounts:
-        _check_name(name)
+        check_name(name)
         with self._lock:
             counts = self._names.get(name)
             if counts is None:
@@ -312,6 +295,11 @@ class GenerationTracker:
                                       f"(each is a label value on every generation metric); {name!r} is one more")
                 counts = self._names[name] = GenerationCounts(name)
         return counts
+
+    def finish_at(self, g: Generation, outcome: str, now: int) -> None:
+        """End ``g`` with ``outcome`` at host time ``now`` (``perf_counter_ns``): a generate() call's requests
+        end when the call returns, or when the consumer of their streamer does. Idempotent."""
+        self._finish(g, outcome, now)
 
     def _finish(self, g: Generation, outcome: str, now: int) -> None:
         with self._lock:  # check-and-set under the lock: finish() racing __del__ or another thread counts once
@@ -326,7 +314,44 @@ class GenerationTracker:
         if len(self.queue) >= self.queue_size:
             next(counts.dropped["queue_full"])
         else:
-            self.queue.append((counts, _DONE, now - g.start_ns, g.tokens, now, outcome, g.prompt_tokens))
+            self.queue.append((counts, DONE, now - g.start_ns, g.tokens, now, outcome, g.prompt_tokens))
+
+    def add_prompt(self, counts: GenerationCounts, real: int, padding: int) -> None:
+        """Add a generate() call's prompt tokens (real ones and padding), known when the call ends."""
+        with self._lock:
+            counts.prompt += real
+            counts.padding += padding
+
+    def settle(self, g: Generation, times: list[int], sizes: list[int] | None, upto: int, tokens: int,
+               prompt: int | None) -> None:
+        """Record a whole request's tokens at once (a tracked generate() call, when it ends).
+
+        ``times[:upto]`` are the host times (``perf_counter_ns``) at which its chunks of tokens became
+        available to the caller, ``sizes[:upto]`` their sizes (None: one token each), ``tokens`` their sum.
+        One queue record, expanded into TTFT and ITL observations on the resolver thread (``events_of``).
+        """
+        if g.outcome is not None:
+            next(g._counts.dropped["after_finish"])
+            return
+        if tokens:
+            advance(g._counts.generated, tokens)
+        g.tokens += tokens
+        g.prompt_tokens = prompt
+        if upto <= 0:
+            return
+        g.first_ns = times[0]
+        g.last_ns = times[upto - 1]
+        if g._key:
+            if len(self.queue) >= self.queue_size:
+                next(g._counts.dropped["queue_full"])
+            else:
+                self.queue.append((g._counts, TIMELINE, g.start_ns, times, sizes, upto))
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the resolver thread (its next pass, woken now); it must not raise."""
+        self.deferred.append(work)
+        if self.wake is not None:
+            self.wake()
 
     def _count_of(self, n: Any) -> int:
         """A token count other than 1, checked (the slow path of token())."""
@@ -351,13 +376,21 @@ class GenerationTracker:
         """
         if tokens is not None and not callable(tokens):
             raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
-        if hasattr(iterable, "__iter__"):
-            it = iter(iterable)
-            return sync_stream(it, self.start(name, prompt_tokens), measuring(tokens, self._internal))
-        if hasattr(iterable, "__aiter__"):
-            ait = iterable.__aiter__()
-            return async_stream(ait, self.start(name, prompt_tokens), measuring(tokens, self._internal))
-        raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
+        sync = hasattr(iterable, "__iter__")
+        if not sync and not hasattr(iterable, "__aiter__"):
+            raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
+        request: Any = consumer_of(iterable)  # a tracked generate() feeds this streamer already: its request
+        if request is None:
+            request = self.start(name, prompt_tokens)
+            if is_streamer(iterable):
+                # generate() may start after this (in its thread): it then feeds this request (counted once).
+                consumer = Consumer(request)
+                if watch_consumer(iterable, consumer):
+                    request = consumer
+        measure = measuring(tokens, self._internal)
+        if sync:
+            return sync_stream(iter(iterable), request, measure)
+        return async_stream(iterable.__aiter__(), request, measure)
 
     # -- resolver thread ----------------------------------------------------------------------
 
@@ -366,6 +399,16 @@ class GenerationTracker:
 
         Works in batches (one lock per batch and stage, not per record): ~1 µs a record on this machine.
         """
+        deferred = self.deferred
+        while deferred:
+            try:
+                work = deferred.popleft()
+            except IndexError:  # pragma: no cover - only the resolver pops
+                break
+            try:
+                work()
+            except Exception as exc:
+                self._internal.report("generation", exc)
         queue = self.queue
         done = 0
         while queue:
@@ -376,7 +419,7 @@ class GenerationTracker:
                 except IndexError:
                     break
                 try:
-                    batch.append(_event(rec))
+                    batch.extend(events_of(rec))
                 except Exception as exc:  # pragma: no cover - records are built by this module
                     self._internal.report("generation", exc)
             if not batch:
@@ -445,6 +488,8 @@ class GenerationTracker:
                 "in_flight": max(0, count_value(c.started) - sum(requests.values())),
                 "oldest_in_flight_seconds": (now - oldest[c.name]) / 1e9 if c.name in oldest else None,
                 "prompt_tokens": c.prompt,
+                "prompt_padding_tokens": c.padding,
+                "verify_tokens": count_value(c.verify),
                 "generated_tokens": count_value(c.generated),
                 "dropped": {r: n for r, d in c.dropped.items() if (n := count_value(d))},
                 "time_to_first_token": summarize(rings.get((c.name, "ttft"), [])),
@@ -454,47 +499,3 @@ class GenerationTracker:
                 "tokens_per_second": sum(output) / span_s if span_s > 0 else None,
             }
         return out
-
-
-def _event(rec: tuple[Any, ...]) -> GenerationEvent:
-    counts, kind = rec[0], rec[1]
-    if kind == _FIRST:
-        return TokenTiming(counts.name, "ttft", rec[2] / 1e9, 1, rec[4])
-    if kind == _NEXT:
-        n = rec[3]
-        return TokenTiming(counts.name, "itl", rec[2] / 1e9 / n, n, rec[4])
-    _, _, duration_ns, output, end, outcome, prompt = rec
-    return RequestDone(counts.name, outcome, duration_ns / 1e9, prompt, output, end)
-
-
-def _advance(counter: itertools.count[int], n: int) -> None:
-    """Advance an itertools.count by n in C (each step atomic; other threads' steps may interleave)."""
-    collections.deque(itertools.islice(counter, n), maxlen=0)
-
-
-def _check_name(name: Any) -> None:
-    # The same rule as Monitor._new_state: the name is the ``model`` label on every render.
-    if not isinstance(name, str) or not name or len(name) > 128:
-        raise ConfigError(f"generation name {name!r}: expected a non-empty string of at most 128 characters")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        ok = False
-    else:
-        ok = name.isprintable()
-    if not ok:
-        raise ConfigError(f"generation name {name!r}: expected printable characters that encode as UTF-8 "
-                          "(no control characters, no lone surrogates)")
-
-
-def _check_prompt(prompt_tokens: Any) -> int:
-    try:
-        if isinstance(prompt_tokens, bool):
-            raise TypeError
-        v = operator.index(prompt_tokens)
-    except TypeError:
-        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None") from None
-    if v < 0:
-        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None")
-    return v
-

@@ -15,9 +15,10 @@ import torch
 
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
+from .decoding import GenerateCall
 from .generation import GenerationTracker
 from .span import UNTRACKED, Span, Untracked
-from .stages import PREFILL, Stages, generative_stage, is_generative
+from .stages import ENCODE, PREFILL, Stages, generative_stage, is_generative
 from .state import Hub, ModelState
 from .wrap import MonitoredFunction, MonitoredModule, Probe, unwrap_module
 
@@ -117,16 +118,26 @@ class Models:
         every = max(1, round(1 / self.config.sample_rate))
         calls_of_generate = itertools.count()
         generations = self._generations
+        internal = self._hub.internal
 
-        def requests(args: tuple[Any, ...], kwargs: Any) -> tuple[list[Any], bool]:
-            batch, prompt = _prompt_shape(args, kwargs)
+        def requests(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], streamable: bool) -> GenerateCall:
             # The first generate() call, then one in 1/sample_rate, has every step timed.
             timed = next(calls_of_generate) % every == 0
-            return [generations.start(label, prompt) for _ in range(batch)], timed
+            return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable)
 
-        return MonitoredModule.create(model, state, lambda fn: Stages(stage, make, fn, first=state,
-                                                                     internal=self._hub.internal),
-                                      requests=requests)
+        built: list[Stages] = []
+
+        def build(fn: Any) -> Stages:
+            built.append(Stages(stage, make, fn, first=state, internal=internal))
+            return built[-1]
+
+        MonitoredModule.create(model, state, build, requests=requests)
+        encoder = _encoder_of(model)
+        if encoder is not None and built:
+            # generate() runs an encoder-decoder's encoder once, through the encoder module itself: its own hot
+            # path, counted as the model's stage="encode" (the decoder's steps stay prefill/decode).
+            MonitoredModule.create(encoder, built[0].state(ENCODE))
+        return model
 
     def unwrap(self, model: Any) -> Any:
         """``Monitor.unwrap``: the module's own class back; its series stay."""
@@ -134,6 +145,9 @@ class Models:
         if st is None or not isinstance(model, MonitoredModule) or self.by_name.get(st.name) is not st:
             raise WrapError("this object is not a module monitored by this monitor")
         unwrap_module(model)
+        encoder = _encoder_of(model, monitored=True)
+        if encoder is not None and type(encoder)._perfmon_state.name == st.name:
+            unwrap_module(encoder)
         st.attached = False
         return model
 
@@ -184,20 +198,18 @@ def check_items(items: Any) -> None:
         raise ConfigError(f"items={items!r}: expected None (batch dimension), a callable or False")
 
 
-def _prompt_shape(args: tuple[Any, ...], kwargs: Any) -> tuple[int, int | None]:
-    """(sequences, prompt tokens per sequence) of a generate() call, from the inputs' shape (no sync).
-
-    Padding is counted: the attention mask's sum would be a device read.
-    """
-    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    if inputs is None:
-        inputs = kwargs.get("inputs_embeds")
-    shape = getattr(inputs, "shape", None)
-    if shape is None or len(shape) == 0:
-        return 1, None
-    if len(shape) == 1:
-        return 1, int(shape[0])
-    return int(shape[0]), int(shape[1])
+def _encoder_of(model: Any, *, monitored: bool = False) -> Any:
+    """An encoder-decoder model's encoder module (Hugging Face ``get_encoder()``), or None."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    get = getattr(model, "get_encoder", None)
+    try:
+        encoder = get() if callable(get) else None
+    except Exception:
+        return None
+    if not isinstance(encoder, torch.nn.Module) or encoder is model:
+        return None
+    return encoder if isinstance(encoder, MonitoredModule) == monitored else None
 
 
 def _printable_utf8(text: str) -> bool:

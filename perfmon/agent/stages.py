@@ -14,26 +14,32 @@ never a device sync. Any other model has one stage; ``wrap(stage=callable)`` lab
 
 A model with stages gets a ``ModelState`` and a hot path per stage (``Stages``), and a ``__call__``
 that picks the call's stage first (``staged_path``); its own ``generate()``, when it has one, is
-tracked as generation requests whose tokens are its forwards (``tracked_generate``).
+tracked as the requests its caller receives (decoding.py); inside it, the forwards of assisted generation
+after the first are ``stage="verify"``, and an encoder-decoder's encoder forward is ``stage="encode"``.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 from collections.abc import Callable, Mapping
+from time import perf_counter_ns
 from typing import Any
 
 from ..faults import InternalErrors
+from .decoding import generating
 from .hotpath import hot_path
 from .state import ModelState
 
-__all__ = ["DECODE", "MAX_STAGES", "PREFILL", "StageFn", "Stages", "generative_stage", "is_generative", "stage_label",
-           "staged_path", "tracked_generate"]
+__all__ = ["DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "generative_stage",
+           "is_generative", "stage_label", "staged_path"]
 
 PREFILL = "prefill"
 DECODE = "decode"
+#: A main-model forward of assisted/speculative generation after the first: it verifies the drafts.
+VERIFY = "verify"
+#: The encoder forward of an encoder-decoder model (run once per generate() call, before the decoder's).
+ENCODE = "encode"
 #: Distinct stage labels per model; beyond, calls are labelled "other" (labels stay bounded).
 MAX_STAGES = 8
 
@@ -114,6 +120,15 @@ class Stages:
         call = self.calls[st.stage] = hot_path(st, self._fn)
         return call
 
+    def state(self, label: str) -> ModelState:
+        """The state of stage ``label``, made if new (a stage timed by a hot path of its own: the encoder's)."""
+        with self._lock:
+            st = self.states.get(label)
+            if st is None:
+                self._register(self._make(label))
+                st = self.states[label]
+        return st
+
     def add(self, label: Any) -> Callable[..., Any]:
         """The hot path for a stage label not seen before (validated; bounded; "other" beyond)."""
         try:
@@ -142,7 +157,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     calls = stages.calls
     add = stages.add
     internal = stages.internal
-    local = _generating
+    local = generating
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         label = None
@@ -152,70 +167,22 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         except Exception as exc:  # the stage function failed: count it, time the call under the fallback
             internal.report("stage", exc)
             call = stages.fallback
-        active = local.__dict__.get("requests")
-        if active is None or active[0] is not self:
+        active = local.__dict__.get("active")
+        if active is None or active.model is not self:
             return call(self, *args, **kwargs)
-        if active[2]:  # a timed request: every step of it is timed (CUDA events on GPU: device time per step)
+        # Inside this model's own generate() (decoding.py: its tokens are counted there, not here).
+        if active.verify and label == DECODE:  # assisted/speculative: a step against the cache verifies drafts
+            label = VERIFY
+            call = calls.get(VERIFY) or add(VERIFY)
+        if active.timed:  # a timed request: every step of it is timed (CUDA events on GPU: device time per step)
             st = stages.states.get(label)  # type: ignore[arg-type]
             if st is not None:
                 st.next_index = 0
+        stamps = active.stamps
+        if stamps is None:
+            return call(self, *args, **kwargs)
         out = call(self, *args, **kwargs)
-        # Inside this model's own generate(): each forward of it makes one token per sequence.
-        try:
-            for g in active[1]:
-                g.token()
-        except Exception as exc:  # never the user's problem: their output is returned
-            internal.report("generation", exc)
+        stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
         return out
 
     return __call__
-
-
-#: Per thread: (model, its requests, timed) while a monitored model's generate() runs on the thread.
-_generating = threading.local()
-
-
-def tracked_generate(generate: Callable[..., Any],
-                     start: Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[list[Any], bool]],
-                     internal: InternalErrors) -> Callable[..., Any]:
-    """A model's own ``generate()`` (Hugging Face's), tracked as generation requests, one per sequence.
-
-    ``start(args, kwargs)`` opens the requests (``GenerationTracker.start``); every forward of the
-    model during the call is one token of each (``staged_path``: host time when the forward
-    returned, the token is chosen right after), so the first gives the time to first token, the
-    next ones the inter-token latency. Works with or without a ``streamer=`` (tokens are timed by
-    the forwards, so no device-to-host copy is added) and never syncs. The outcome is ``ok``,
-    ``error`` (the exception passes through unchanged) or ``cancelled`` (KeyboardInterrupt and the like).
-    ``start`` also says whether this call is a timed request (the first, then one in 1/sample_rate):
-    every forward of a timed request is timed, so on CUDA each step gets device time from events
-    (``perfmon_forward_duration_seconds{stage}``, host time beside it), never a sync.
-    """
-
-    @functools.wraps(generate)
-    def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _generating.__dict__.get("requests") is not None:  # nested: the outer generate() tracks
-            return generate(self, *args, **kwargs)
-        try:
-            requests, timed = start(args, kwargs)
-        except Exception as exc:
-            internal.report("generation", exc)
-            requests, timed = [], False
-        _generating.requests = (self, requests, timed)
-        outcome = "ok"
-        try:
-            return generate(self, *args, **kwargs)
-        except Exception:
-            outcome = "error"
-            raise
-        except BaseException:
-            outcome = "cancelled"
-            raise
-        finally:
-            _generating.requests = None
-            for g in requests:
-                try:
-                    g.finish(outcome)
-                except Exception as exc:
-                    internal.report("generation", exc)
-
-    return generate_

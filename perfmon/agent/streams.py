@@ -10,13 +10,16 @@ adaptors that decide most outcomes; ``Generation``'s context manager uses the sa
 from __future__ import annotations
 
 import operator
+import threading
+import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from time import perf_counter_ns
 from typing import Any, TypeVar
 
 from ..faults import InternalErrors
 
-__all__ = ["CANCELLED", "ERROR", "OK", "OUTCOMES", "Request", "async_stream", "measuring", "outcome_of", "sync_stream",
-           "token_count"]
+__all__ = ["CANCELLED", "ERROR", "OK", "OUTCOMES", "Consumer", "Request", "async_stream", "consumer_of", "is_streamer",
+           "measuring", "outcome_of", "sync_stream", "token_count", "watch_consumer"]
 
 T = TypeVar("T")
 
@@ -102,3 +105,130 @@ def measuring(tokens: Callable[[Any], int] | None, internal: InternalErrors) -> 
             return 1
 
     return measure
+
+
+# -- a streamer's consumer -----------------------------------------------------------------------
+
+class Consumer:
+    """One request fed by a producer (a tracked ``generate()`` putting tokens into a streamer) and ended by
+    the streamer's consumer: ``ok`` when the consumer reads to the end, ``cancelled`` when it stops early
+    (the ``Monitor.stream`` wrapper closed, the streamer garbage-collected unread).
+
+    The request ends once both sides are done: the producer's tokens are settled (``produced``) and the
+    consumer's outcome is known (``finish``), at the consumer's time. A producer that fails ends it at once
+    (``error``). With no producer (a stream over a streamer nobody tracks), items are counted as tokens, as
+    any ``Monitor.stream``. It is also the ``Request`` a stream adaptor drives (``token``/``finish``).
+    """
+
+    __slots__ = ("_lock", "consumed", "consumed_ns", "fed", "g", "produced_outcome")
+
+    def __init__(self, g: Any) -> None:
+        self.g = g
+        self.fed = False  # a producer delivers the tokens
+        self.produced_outcome: str | None = None
+        self.consumed: str | None = None
+        self.consumed_ns = 0
+        self._lock = threading.Lock()
+
+    def token(self, n: int = 1) -> None:
+        if not self.fed:
+            self.g.token(n)
+
+    def finish(self, outcome: str = OK) -> None:
+        """The consumer side ended with ``outcome`` (first one wins)."""
+        now = perf_counter_ns()
+        with self._lock:
+            if self.consumed is not None:
+                return
+            self.consumed, self.consumed_ns = outcome, now
+            ready = self.produced_outcome is not None or not self.fed
+        if ready:
+            self.g._tracker.finish_at(self.g, outcome, now)
+
+    def produced(self, outcome: str, now: int) -> None:
+        """The producer ended (its tokens settled) with ``outcome``."""
+        with self._lock:
+            self.produced_outcome = outcome
+            consumed, at = self.consumed, self.consumed_ns
+        if outcome != OK:
+            self.g._tracker.finish_at(self.g, outcome, now)
+        elif consumed is not None:
+            self.g._tracker.finish_at(self.g, consumed, max(at, now))
+
+
+def is_streamer(obj: Any) -> bool:
+    """A Hugging Face-style streamer (``put``/``end``) that its caller iterates (TextIteratorStreamer and kin)."""
+    return (callable(getattr(obj, "put", None)) and callable(getattr(obj, "end", None))
+            and (hasattr(obj, "__next__") or hasattr(obj, "__anext__")))
+
+
+def consumer_of(streamer: Any) -> Consumer | None:
+    """The request a streamer is tied to, if one is."""
+    try:
+        return vars(streamer).get("_perfmon_consumer")  # type: ignore[no-any-return]
+    except TypeError:
+        return None
+
+
+_watched: dict[type, type] = {}
+_watched_lock = threading.Lock()
+
+
+def watch_consumer(streamer: Any, consumer: Consumer) -> bool:
+    """Tie ``consumer`` to an iterator streamer: its consumer's end (``StopIteration``) ends the request
+    ``ok``; the streamer collected before that ends it ``cancelled``. False if it cannot be watched.
+
+    The streamer's class is swapped, in place, for a subclass made once per class whose ``__next__`` (or
+    ``__anext__``) notes the end: the caller keeps iterating the object it made, nothing is proxied.
+    """
+    cls = type(streamer)
+    try:
+        attrs = vars(streamer)
+    except TypeError:
+        return False
+    sub = cls if getattr(cls, "_perfmon_watched", False) else _watched_class(cls)
+    if sub is None:
+        return False
+    try:
+        streamer.__class__ = sub
+    except TypeError:
+        return False
+    attrs["_perfmon_consumer"] = consumer
+    weakref.finalize(streamer, consumer.finish, CANCELLED)
+    return True
+
+
+def _watched_class(cls: type) -> type | None:
+    with _watched_lock:
+        sub = _watched.get(cls)
+        if sub is not None or len(_watched) >= 64:  # bounded: one class per streamer class
+            return sub
+        ns: dict[str, Any] = {"_perfmon_watched": True, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        if hasattr(cls, "__next__"):
+            base_next = cls.__next__  # type: ignore[attr-defined]
+
+            def __next__(self: Any) -> Any:
+                try:
+                    return base_next(self)
+                except StopIteration:
+                    c = self.__dict__.get("_perfmon_consumer")
+                    if c is not None:
+                        c.finish(OK)
+                    raise
+
+            ns["__next__"] = __next__
+        if hasattr(cls, "__anext__"):
+            base_anext = cls.__anext__  # type: ignore[attr-defined]
+
+            async def __anext__(self: Any) -> Any:
+                try:
+                    return await base_anext(self)
+                except StopAsyncIteration:
+                    c = self.__dict__.get("_perfmon_consumer")
+                    if c is not None:
+                        c.finish(OK)
+                    raise
+
+            ns["__anext__"] = __anext__
+        sub = _watched[cls] = type(cls.__name__, (cls,), ns)
+        return sub

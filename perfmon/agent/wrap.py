@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .decoding import GenerateCall, tracked_generate
 from .dynamo import mark_for_dynamo
 from .hotpath import hot_path
-from .stages import Stages, staged_path, tracked_generate
+from .stages import Stages, staged_path
 from .state import ModelState
 
 __all__ = ["MonitoredFunction", "MonitoredModule", "Probe", "unwrap_module"]
@@ -90,13 +91,13 @@ class MonitoredModule:
 
     @classmethod
     def create(cls, module: torch.nn.Module, state: ModelState, stages: Callable[..., Stages] | None = None,
-               requests: Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[list[Any], bool]] | None = None
+               requests: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall] | None = None
                ) -> Any:
         """Swap ``module``'s class for a monitored subclass (in place); returns ``module``.
 
         ``stages``, for a model with stages, builds its ``Stages`` from the call target; ``state`` is
-        then its first stage's. ``requests`` opens the generation requests of a ``generate()`` call
-        (models with stages only: see ``tracked_generate``).
+        then its first stage's. ``requests`` opens a ``generate()`` call's requests (models with stages
+        only: see ``decoding.tracked_generate``).
         """
         base = type(module)
         mark_for_dynamo()

@@ -64,7 +64,14 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "counter", "requests", ("model", "outcome"),
         "Generation requests that ended, by outcome (ok, error, cancelled)."),
     "perfmon_prompt_tokens_total": (
-        "counter", "tokens", ("model",), "Prompt tokens of generation requests, counted when they start, exact."),
+        "counter", "tokens", ("model",),
+        "Real prompt tokens of generation requests (padding apart), once per input row, exact."),
+    "perfmon_prompt_padding_tokens_total": (
+        "counter", "tokens", ("model",),
+        "Padding positions of generate() prompts (the attention mask's zeros): work done, not tokens sent."),
+    "perfmon_generation_verify_tokens_total": (
+        "counter", "tokens", ("model",),
+        "Tokens produced by speculative verify steps (accepted drafts + 1 each); steps: forward calls stage=verify."),
     "perfmon_generated_tokens_total": (
         "counter", "tokens", ("model",), "Tokens handed to callers by generation requests, counted as they go, exact."),
     "perfmon_generation_prompt_tokens": (

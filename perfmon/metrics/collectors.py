@@ -290,6 +290,8 @@ class GenerationCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         requests = _family("perfmon_generation_requests_total")
         prompt = _family("perfmon_prompt_tokens_total")
+        padding = _family("perfmon_prompt_padding_tokens_total")
+        verify = _family("perfmon_generation_verify_tokens_total")
         generated = _family("perfmon_generated_tokens_total")
         dropped = _family("perfmon_generation_dropped_total")
         for c in self._tracker.names():
@@ -297,10 +299,12 @@ class GenerationCollector(Collector):
             for outcome in OUTCOMES:
                 requests.add_metric([m, outcome], count_value(c.requests[outcome]))
             prompt.add_metric([m], c.prompt)
+            padding.add_metric([m], c.padding)
+            verify.add_metric([m], count_value(c.verify))
             generated.add_metric([m], count_value(c.generated))
             for reason in GENERATION_DROP_REASONS:
                 dropped.add_metric([m, reason], count_value(c.dropped[reason]))
-        yield from (requests, prompt, generated, dropped)
+        yield from (requests, prompt, padding, verify, generated, dropped)
         with self._lock:
             rows = [(name, h.row((model,))) for (name, model), h in sorted(self._hists.items())]
         for name in GENERATION_HISTOGRAMS:

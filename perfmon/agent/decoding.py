@@ -1,0 +1,332 @@
+"""A monitored model's own ``generate()`` (Hugging Face's), tracked as the requests the caller receives.
+
+Definitions (README, docs/metrics.md "Generation"):
+
+- a **request** is one sequence the caller receives: ``B`` input rows with ``num_return_sequences=k`` are
+  ``B * k`` requests (beam search and sampling alike);
+- its **generated tokens** are the tokens of its sequence after the prompt, up to and including its own
+  first EOS token; a row stopped by stop strings or a criterion of the caller's ends where the padding HF
+  appends to finished rows begins (trailing ``pad_token_id`` when it differs from EOS);
+- **prompt tokens** are the real tokens of each input row (the attention mask's ones), counted once per
+  input row; the mask's zeros are padding, counted apart;
+- a token's **time** is when it became available to the caller: when ``generate()`` hands the step's
+  tokens to a streamer (greedy, sampling, assisted generation: the same moment with or without a
+  streamer of the caller's), and for beam search (no streamer possible, beams are reordered to the end)
+  when ``generate()`` returns.
+
+How, without a device sync: a streamer of perfmon's own (``_Tap``, in front of the caller's, if any) gets
+each step's tokens from ``generate()`` itself (HF copies them to the host for any streamer, at the point
+where it already waits for the step: its stop check) and stamps them (``perf_counter_ns``); when the call
+ends, each row's tokens are cut at its EOS and recorded as one timeline per request
+(``GenerationTracker.settle``). Beam search keeps no tap: the returned sequences are read when the call
+returns; on CUDA that read is handed to the resolver thread (``GenerationTracker.defer``), never done on
+the request thread. So are the attention mask's sums when the mask is on the device.
+
+With a streamer its caller iterates (``TextIteratorStreamer``), the request ends when that consumer reads
+to the end (``ok``) or drops it (``cancelled``): ``streams.Consumer``. Assisted and speculative generation:
+the main model's forwards after the first verify drafts (``stage="verify"``, tokens they produced in
+``perfmon_generation_verify_tokens_total``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Mapping
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from ..faults import InternalErrors
+from .gen_events import advance
+from .generation import Generation, GenerationTracker
+from .streams import CANCELLED, ERROR, OK, Consumer, consumer_of, is_streamer, watch_consumer
+
+__all__ = ["Active", "GenerateCall", "generating", "tracked_generate"]
+
+#: At most this many steps are stamped per call (a bound on the tap's memory: max_length is far below).
+_MAX_STEPS = 1 << 20
+
+
+class Active:
+    """What ``staged_path`` needs while a monitored model's ``generate()`` runs on this thread."""
+
+    __slots__ = ("model", "stamps", "timed", "verify")
+
+    def __init__(self, model: Any, timed: bool, verify: bool) -> None:
+        self.model = model
+        self.timed = timed  # every step of this call is timed (the first call, then one in 1/sample_rate)
+        self.verify = verify  # assisted/speculative: decode-stage forwards verify drafts
+        #: A generate() that takes no streamer (a custom loop): host time as each forward returns, one token
+        #: per row each (what such a loop is assumed to do). None when a tap stamps the tokens.
+        self.stamps: list[int] | None = None
+
+
+#: Per thread: the ``Active`` of the generate() call running on it (``None`` outside one).
+generating = threading.local()
+
+
+class _Tap:
+    """The streamer ``generate()`` is given: stamps each step's tokens, then hands them to the caller's."""
+
+    __slots__ = ("inner", "prompt_seen", "steps")
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.prompt_seen = False
+        self.steps: list[tuple[int, torch.Tensor]] = []
+
+    def put(self, value: Any) -> None:
+        now = perf_counter_ns()
+        if self.prompt_seen:
+            if len(self.steps) < _MAX_STEPS:
+                self.steps.append((now, value))
+        else:
+            self.prompt_seen = True  # generate() puts the prompt first
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
+class GenerateCall:
+    """One tracked ``generate()`` call: its requests, its tap, and how they are settled when it ends."""
+
+    def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
+                 name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True) -> None:
+        self.tracker = tracker
+        self.internal = internal
+        self.start_ns = perf_counter_ns()
+        cfg = _config(model, args, kwargs)
+        beams = int(_option(kwargs, cfg, "num_beams", 1) or 1)
+        self.k = max(1, int(_option(kwargs, cfg, "num_return_sequences", 1) or 1))
+        self.verify = (kwargs.get("assistant_model") is not None
+                       or _option(kwargs, cfg, "prompt_lookup_num_tokens", None) is not None
+                       or _option(kwargs, cfg, "assistant_early_exit", None) is not None)
+        self.beam = beams > 1 and not self.verify
+        self.eos = _token_ids(_option(kwargs, cfg, "eos_token_id", None))
+        pad = _option(kwargs, cfg, "pad_token_id", None)
+        # HF pads a row that one of its per-row criteria ended; only EOS (cut at above) and, when given, stop
+        # strings or the caller's own criteria end a single row. Trailing padding is cut only then: a model
+        # may well generate the pad id itself (a random T5 does: pad 0 is also its decoder start).
+        per_row = bool(kwargs.get("stopping_criteria")) or _option(kwargs, cfg, "stop_strings", None) is not None
+        self.pad = pad if per_row and isinstance(pad, int) and pad not in self.eos else None
+        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        shape = tuple(getattr(inputs, "shape", ()) or ())
+        self.rows = int(shape[0]) if len(shape) >= 2 else 1
+        self.prompt_len = int(shape[1]) if len(shape) >= 2 else int(shape[0]) if len(shape) == 1 else 0
+        self.mask = kwargs.get("attention_mask")
+        decoder = kwargs.get("decoder_input_ids")
+        self.decoder_len = int(decoder.shape[-1]) if isinstance(decoder, torch.Tensor) and decoder.dim() else 1
+        self.active = Active(model, timed, self.verify)
+        streamer = kwargs.get("streamer")
+        self.tap: _Tap | None = None
+        self.consumer: Consumer | None = None
+        self.requests: list[Generation] = []
+        consumer = consumer_of(streamer) if streamer is not None else None
+        if consumer is not None and self.rows * self.k == 1 and not consumer.fed:
+            consumer.fed = True  # a stream over this streamer opened the request first: feed it
+            consumer.g.feeder = self
+            self.consumer = consumer
+            self.requests = [consumer.g]
+        else:
+            self.requests = [tracker.start(name) for _ in range(self.rows * self.k)]
+            if streamer is not None and len(self.requests) == 1 and is_streamer(streamer):
+                consumer = Consumer(self.requests[0])
+                consumer.fed = True
+                if watch_consumer(streamer, consumer):
+                    self.consumer = consumer
+        if not streamable:
+            self.active.stamps = []
+        elif not self.beam:
+            self.tap = _Tap(streamer)
+            kwargs["streamer"] = self.tap
+        self.kwargs = kwargs
+
+    # -- the call ended ------------------------------------------------------------------------
+
+    def end(self, outcome: str, out: Any = None) -> None:
+        """Settle the requests: on this thread when every value needed is on the host, else on the resolver."""
+        now = perf_counter_ns()
+        sequences = None
+        if self.beam and outcome == OK:
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        mask = self.mask if isinstance(self.mask, torch.Tensor) else None
+        on_device = any(t is not None and t.device.type != "cpu" for t in (sequences, mask))
+        if on_device:
+            self.tracker.defer(lambda: self._settle(outcome, now, sequences, mask))
+        else:
+            self._settle(outcome, now, sequences, mask)
+
+    def _settle(self, outcome: str, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        try:
+            self._count(now, sequences, mask)
+        except Exception as exc:  # never the caller's problem: the requests still end, with what was known
+            self.internal.report("generation", exc)
+        for g in self.requests:
+            try:
+                if self.consumer is not None and self.consumer.g is g:
+                    self.consumer.produced(outcome, now)
+                else:
+                    self.tracker.finish_at(g, outcome, now)
+            except Exception as exc:
+                self.internal.report("generation", exc)
+
+    def _count(self, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        requests = self.requests
+        counts = requests[0]._counts if requests else None
+        # Prompt tokens: real ones per input row, padding apart; each request records its row's.
+        if mask is not None and mask.dim() == 2:
+            real = [int(x) for x in mask.sum(-1).tolist()]
+        else:
+            real = [self.prompt_len] * self.rows
+        if counts is not None:
+            self.tracker.add_prompt(counts, sum(real), max(0, self.prompt_len * len(real) - sum(real)))
+        prompts = [real[min(i // self.k, len(real) - 1)] for i in range(len(requests))] if real else []
+        if sequences is not None:  # beam search: everything arrives when generate() returns
+            start = self.decoder_len if self.encoder_decoder else self.prompt_len
+            rows = sequences[:, start:].tolist()
+            for i, g in enumerate(requests):
+                n = self._cut(rows[i]) if i < len(rows) else 0
+                self.tracker.settle(g, [now], [n], 1 if n else 0, n, prompts[i])
+            return
+        stamps = self.active.stamps
+        if stamps:  # a custom generate loop: each forward one token per row, no token values to cut at
+            for i, g in enumerate(requests):
+                self.tracker.settle(g, stamps, None, len(stamps), len(stamps), prompts[i])
+            return
+        tap = self.tap
+        steps = tap.steps if tap is not None else []
+        if not steps:
+            for i, g in enumerate(requests):
+                self.tracker.settle(g, [], None, 0, 0, prompts[i])
+            return
+        times = [t for t, _ in steps]
+        values = [v for _, v in steps]
+        if all(v.dim() == 1 for v in values):  # one token per row per step
+            table = torch.stack(values, 1).tolist()
+            for i, g in enumerate(requests):
+                n = self._cut(table[i]) if i < len(table) else 0
+                self.tracker.settle(g, times, None, n, n, prompts[i])
+            return
+        # Several tokens a step (assisted generation: one verify step accepts drafts + 1), batch 1.
+        flat = [v.reshape(v.shape[0], -1) for v in values]
+        sizes = [int(v.shape[1]) for v in flat]
+        table = torch.cat(flat, 1).tolist()
+        for i, g in enumerate(requests):
+            n = self._cut(table[i]) if i < len(table) else 0
+            upto, left, kept = 0, n, []
+            for size in sizes:
+                if left <= 0:
+                    break
+                kept.append(min(size, left))
+                left -= kept[-1]
+                upto += 1
+            self.tracker.settle(g, times, kept, upto, n, prompts[i])
+            if self.verify and upto > 1:
+                advance(g._counts.verify, n - kept[0])
+
+    def _cut(self, row: list[int]) -> int:
+        """Tokens of one row the caller receives: up to and including its first EOS, trailing padding apart."""
+        n = len(row)
+        eos = self.eos
+        if eos:
+            for i, tok in enumerate(row):
+                if tok in eos:
+                    n = i + 1
+                    break
+        pad = self.pad
+        if pad is not None:
+            while n and row[n - 1] == pad:
+                n -= 1
+        return n
+
+
+def tracked_generate(generate: Callable[..., Any],
+                     start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall],
+                     internal: InternalErrors) -> Callable[..., Any]:
+    """A model's own ``generate()``, tracked as the requests the caller receives (``GenerateCall``).
+
+    ``start(model, args, kwargs, streamable)`` opens the call's requests and may replace
+    ``kwargs["streamer"]`` with its tap (when ``generate`` takes a ``streamer``, as Hugging Face's does).
+    The caller's result and exceptions pass through unchanged; the outcome is ``ok``, ``error``
+    (an Exception) or ``cancelled`` (KeyboardInterrupt and the like). A failure inside perfmon runs the
+    call untracked and is counted (``perfmon_internal_errors_total{stage="generation"}``).
+    """
+
+    streamable = _takes(generate, "streamer")
+
+    @functools.wraps(generate)
+    def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if generating.__dict__.get("active") is not None:  # nested (an assistant's own): the outer call tracks
+            return generate(self, *args, **kwargs)
+        try:
+            call: GenerateCall | None = start(self, args, dict(kwargs), streamable)
+        except Exception as exc:
+            internal.report("generation", exc)
+            call = None
+        if call is None:
+            return generate(self, *args, **kwargs)
+        generating.active = call.active
+        try:
+            out = generate(self, *args, **call.kwargs)
+        except Exception:
+            generating.active = None
+            _end(call, ERROR, None, internal)
+            raise
+        except BaseException:
+            generating.active = None
+            _end(call, CANCELLED, None, internal)
+            raise
+        generating.active = None
+        _end(call, OK, out, internal)
+        return out
+
+    return generate_
+
+
+def _end(call: GenerateCall, outcome: str, out: Any, internal: InternalErrors) -> None:
+    try:
+        call.end(outcome, out)
+    except Exception as exc:
+        internal.report("generation", exc)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    cfg = kwargs.get("generation_config")
+    if cfg is None and len(args) > 1 and hasattr(args[1], "num_beams"):
+        cfg = args[1]
+    return cfg if cfg is not None else getattr(model, "generation_config", None)
+
+
+def _option(kwargs: Mapping[str, Any], cfg: Any, key: str, default: Any) -> Any:
+    """A generation option as generate() resolves it: the call's keyword first, then the config's."""
+    if key in kwargs and kwargs[key] is not None:
+        return kwargs[key]
+    value = getattr(cfg, key, default) if cfg is not None else default
+    return default if value is None else value
+
+
+def _token_ids(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, torch.Tensor):
+        return frozenset(int(v) for v in value.reshape(-1).tolist())
+    if isinstance(value, int):
+        return frozenset((value,))
+    return frozenset(int(v) for v in value)

@@ -1,0 +1,161 @@
+"""What the generation tracker counts and records: exact counts per name, queue records, and the events
+the resolver hands the sinks.
+
+    request thread   GenerationCounts (itertools.count objects: exact at any moment, read at scrape time)
+                     queue records: tuples, cheapest to build (one per token, or one per request: a timeline)
+    resolver thread  events_of(record) -> TokenTiming / RequestDone events for the sinks
+
+A *timeline* record carries a whole request's token arrivals at once: a tracked ``generate()`` call learns
+which tokens each returned sequence received only when the call ends (a row stops at its own EOS), so it
+records each request once, with the host times (``perf_counter_ns``) at which its chunks of tokens became
+available to the caller, instead of one record per token as they go.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from ..exceptions import ConfigError
+from ..faults import count_value
+from .streams import OUTCOMES
+
+__all__ = [
+    "DONE",
+    "DROP_REASONS",
+    "FIRST",
+    "NEXT",
+    "TIMELINE",
+    "GenerationCounts",
+    "GenerationEvent",
+    "GenerationSink",
+    "RequestDone",
+    "TokenTiming",
+    "advance",
+    "check_name",
+    "check_prompt",
+    "events_of",
+]
+
+#: Why a timing record never reached the histograms (the ``reason`` label; all always exported).
+DROP_REASONS = (
+    "queue_full",  # the resolver fell behind: a token or request record found the queue full
+    "live_limit",  # a request started while max_live_generations were being timed: counted, not timed
+    "after_finish",  # token() on a request that had already ended: ignored
+)
+
+#: Record kinds on the queue: (counts, FIRST, ttft_ns, n, end_ns), (counts, NEXT, gap_ns, n, end_ns),
+#: (counts, DONE, duration_ns, tokens, end_ns, outcome, prompt), (counts, TIMELINE, start_ns, times, sizes, upto).
+FIRST, NEXT, DONE, TIMELINE = 0, 1, 2, 3
+
+
+class TokenTiming(NamedTuple):
+    """One TTFT or inter-token observation, as the resolver hands it to the sinks."""
+
+    model: str
+    kind: str  # "ttft" or "itl"
+    seconds: float
+    tokens: int  # how many tokens this observation stands for (its histogram weight; 1 for TTFT)
+    end_ns: int  # perf_counter_ns() when the token(s) were handed over
+
+
+class RequestDone(NamedTuple):
+    """A request that ended."""
+
+    model: str
+    outcome: str  # one of OUTCOMES
+    duration_seconds: float  # from the request's start to its end
+    prompt_tokens: int | None
+    output_tokens: int
+    end_ns: int
+
+
+GenerationEvent = TokenTiming | RequestDone
+#: A stage that consumes a batch of generation events (resolver thread).
+GenerationSink = Callable[[list[GenerationEvent]], None]
+
+
+class GenerationCounts:
+    """Exact counts for one name, written on the request path and read at scrape time."""
+
+    __slots__ = ("dropped", "generated", "name", "padding", "prompt", "requests", "started", "verify")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests = {o: itertools.count() for o in OUTCOMES}
+        self.started = itertools.count()
+        self.generated = itertools.count()
+        # ints, not counts: a prompt adds up to 128 Ki at once (under the tracker's lock)
+        self.prompt = 0  # real prompt tokens (the attention mask's ones)
+        self.padding = 0  # prompt positions that were padding (the attention mask's zeros)
+        self.verify = itertools.count()  # tokens produced by speculative verify steps (accepted drafts + 1 each)
+        self.dropped = {r: itertools.count() for r in DROP_REASONS}
+
+    def request_counts(self) -> dict[str, int]:
+        return {o: count_value(c) for o, c in self.requests.items()}
+
+
+def events_of(rec: tuple[Any, ...]) -> Iterator[GenerationEvent]:
+    """The events one queue record stands for (resolver thread)."""
+    counts, kind = rec[0], rec[1]
+    name = counts.name
+    if kind == FIRST:
+        yield TokenTiming(name, "ttft", rec[2] / 1e9, 1, rec[4])
+    elif kind == NEXT:
+        n = rec[3]
+        yield TokenTiming(name, "itl", rec[2] / 1e9 / n, n, rec[4])
+    elif kind == TIMELINE:
+        # The first chunk is the TTFT (one observation, whatever its size); each later chunk of n tokens
+        # arriving `gap` after the previous one is n inter-token observations of gap / n.
+        _, _, start, times, sizes, upto = rec
+        if upto <= 0:
+            return
+        yield TokenTiming(name, "ttft", (times[0] - start) / 1e9, 1, times[0])
+        prev = times[0]
+        for i in range(1, upto):
+            t = times[i]
+            n = 1 if sizes is None else sizes[i]
+            if n > 0:
+                yield TokenTiming(name, "itl", (t - prev) / 1e9 / n, n, t)
+                prev = t
+    else:
+        _, _, duration_ns, output, end, outcome, prompt = rec
+        yield RequestDone(name, outcome, duration_ns / 1e9, prompt, output, end)
+
+
+def advance(counter: itertools.count[int], n: int) -> None:
+    """Advance an itertools.count by n in C (each step atomic; other threads' steps may interleave)."""
+    collections.deque(itertools.islice(counter, n), maxlen=0)
+
+
+def check_name(name: Any) -> None:
+    """A generation name: the ``model`` label on every render (ConfigError otherwise)."""
+    # The same rule as Monitor._new_state: the name is the ``model`` label on every render.
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise ConfigError(f"generation name {name!r}: expected a non-empty string of at most 128 characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        ok = False
+    else:
+        ok = name.isprintable()
+    if not ok:
+        raise ConfigError(f"generation name {name!r}: expected printable characters that encode as UTF-8 "
+                          "(no control characters, no lone surrogates)")
+
+
+def check_prompt(prompt_tokens: Any) -> int:
+    """A prompt token count: an integer >= 0 (ConfigError otherwise)."""
+    try:
+        if isinstance(prompt_tokens, bool):
+            raise TypeError
+        v = operator.index(prompt_tokens)
+    except TypeError:
+        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None") from None
+    if v < 0:
+        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None")
+    return v
+
