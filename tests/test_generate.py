@@ -258,3 +258,34 @@ def test_a_timed_request_gets_device_time_for_every_step_from_events(make_monito
     gpu.finish()
     mon.flush()
     assert steps("decode")[0] == NEW - 1  # its decode steps were not timed (past warm-up, 1-in-1000 sampling)
+
+
+def test_a_pipeline_counts_each_internal_batch_and_the_caller_side_block_times_the_call(make_monitor) -> None:
+    """pipeline("text-generation") with batch_size=2 over 4 prompts: the model's generate() per internal batch is
+    4 requests with their real prompt tokens and padding apart; the documented caller-side block around the
+    pipe() call gives one request whose TTFT is the call's own duration (the client's view)."""
+    import time
+
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {str(i): i for i in range(100)} | {"<eos>": 100}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="0"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<eos>")
+    mon = make_monitor(sample_rate=0.01)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    pipe = transformers.pipeline("text-generation", model=model, tokenizer=tok)
+    prompts = ["1 2 3", "4 5 6 7 8", "9 10", "11 12 13 14"]  # batches (3, 5) and (2, 4) tokens: 2 + 2 padding
+    pipe(prompts[:1], max_new_tokens=2)  # warm-up, its own request
+    t0 = time.perf_counter()
+    with mon.generation("pipe") as g:
+        out = pipe(prompts, batch_size=2, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        g.token(len(out) * NEW)
+    took = time.perf_counter() - t0
+    assert mon.flush()
+    stats = mon.stats()["generation"]
+    assert stats["gpt2"]["requests"]["ok"] == 1 + 4
+    assert stats["gpt2"]["generated_tokens"] == 2 + 4 * NEW
+    assert stats["gpt2"]["prompt_tokens"] == 3 + 14 and stats["gpt2"]["prompt_padding_tokens"] == 4
+    caller = stats["pipe"]
+    assert caller["requests"]["ok"] == 1 and caller["generated_tokens"] == 4 * NEW
+    assert caller["time_to_first_token"]["max_seconds"] == pytest.approx(took, rel=0.05, abs=0.005)
