@@ -40,6 +40,7 @@ from .http.ports import Ports
 from .logs import make_logger
 from .metrics.collectors import (
     AgentCollector,
+    BatchCollector,
     CaptureCollector,
     GenerationCollector,
     TelemetryCollector,
@@ -365,6 +366,7 @@ def _register_collectors(monitor: Monitor) -> None:
     """The collectors that read the stages at scrape time (the histograms register themselves)."""
     reg, oom = monitor.registry, monitor.oom
     reg.register(monitor._generation_metrics)
+    reg.register(BatchCollector(monitor.models.batch_tokens))
     reg.register(CaptureCollector(detector=monitor.detector, controller=monitor.captures))
     if monitor.uploads is not None:
         reg.register(UploadCollector(monitor.uploads))

@@ -65,6 +65,7 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     except RuntimeError:
         pass
     mon.internal.report("test", RuntimeError("a fault, so the family has a sample"))
+    mon.models.batch_tokens.add("m", 3, 1)  # a continuous-batching step (real ones: tests/test_continuous_batching.py)
     mon.nvml_poller.nvml.failing.add((1, "nvmlDeviceGetPowerUsage"))  # so the NVML error family has a sample
     mon.nvml_poller.poll()
     mon.flush()

@@ -250,11 +250,11 @@ class GenerateCall:
 
 
 def tracked_generate(generate: Callable[..., Any],
-                     start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall],
+                     start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall | None],
                      internal: InternalErrors) -> Callable[..., Any]:
     """A model's own ``generate()``, tracked as the requests the caller receives (``GenerateCall``).
 
-    ``start(model, args, kwargs, streamable)`` opens the call's requests and may replace
+    ``start(model, args, kwargs, streamable)`` opens the call's requests (None: tracked elsewhere) and may replace
     ``kwargs["streamer"]`` with its tap (when ``generate`` takes a ``streamer``, as Hugging Face's does).
     The caller's result and exceptions pass through unchanged; the outcome is ``ok``, ``error``
     (an Exception) or ``cancelled`` (KeyboardInterrupt and the like). A failure inside perfmon runs the

@@ -29,16 +29,19 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any
 
-from ..config import log_buckets
 from ..exceptions import ConfigError
 from ..faults import InternalErrors, count_value
 from ..stats.windows import summarize
 from .gen_events import (
     DONE,
     DROP_REASONS,
+    DURATION_BUCKETS,
     FIRST,
+    ITL_BUCKETS,
     NEXT,
     TIMELINE,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
     GenerationCounts,
     GenerationEvent,
     GenerationSink,
@@ -77,24 +80,6 @@ __all__ = [
     "RequestDone",
     "TokenTiming",
 ]
-
-#: TTFT buckets (s): 12 per decade (adjacent bounds 21% apart, histogram_quantile within ~10%; the same
-#: bounds as the forward latency's DEFAULT_BUCKETS where they overlap) from 1 ms to 60 s: a prefill on a
-#: warm GPU is milliseconds, a long prompt queued behind others is seconds. 58 bounds, within the per-model
-#: series budget (docs/metrics.md); a Prometheus that scrapes native histograms gets 9% resolution instead.
-TTFT_BUCKETS: tuple[float, ...] = log_buckets(0.001, 60.0, 12)
-#: Inter-token latency buckets (s): 12 per decade from 0.46 ms to 1 s (a modern GPU's decode step is
-#: 3-5 ms, which vLLM's and OpenTelemetry's 10 ms first bucket cannot resolve), coarse tails below for
-#: chunks divided into tokens and above for stalls. 47 bounds; native histograms as for TTFT.
-ITL_BUCKETS: tuple[float, ...] = (0.0001, 0.0002, 0.0003) + log_buckets(0.0005, 1.0, 12) + (2.0, 5.0, 10.0)
-#: Request duration buckets (s): 1-2-5 from 10 ms to 10 min. Coarse on purpose: a request's duration is
-#: mostly its output length times the ITL, so its distribution follows the traffic mix, not the model's
-#: speed (TTFT and ITL are the latency signals); it answers "how long does a request hold a slot".
-DURATION_BUCKETS: tuple[float, ...] = tuple(
-    float(f"{m * 10.0**e:.4g}") for e in range(-2, 3) for m in (1, 2, 5)
-) + (600.0,)
-#: Tokens per request: powers of two from 1 to 128 Ki (131072).
-TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(18))
 
 _BATCH = 4096  # records turned into events at a time: bounds the resolver's transient memory
 

@@ -15,6 +15,7 @@ import torch
 
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
+from .batching import BatchTokens, ContinuousBatching
 from .decoding import GenerateCall
 from .generation import GenerationTracker
 from .span import UNTRACKED, Span, Untracked
@@ -38,10 +39,13 @@ class Models:
         #: ``track`` names refused (invalid, or past max_models) -> why; bounded, so a request path that
         #: makes up names cannot grow it. A refused name is not retried: the limit does not shrink.
         self._refused: dict[str, ConfigError] = {}
+        #: Tokens of continuous-batching steps, per model (batching.py; exported by BatchCollector).
+        self.batch_tokens = BatchTokens()
 
     def reset_after_fork(self) -> None:
         """In a forked child: a lock a parent thread held at fork() is replaced, and each state's counters."""
         self._lock = threading.Lock()
+        self.batch_tokens.reset_after_fork()
         for st in self.states():
             st.reset_after_fork()
 
@@ -120,7 +124,10 @@ class Models:
         generations = self._generations
         internal = self._hub.internal
 
-        def requests(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], streamable: bool) -> GenerateCall:
+        def requests(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], streamable: bool
+                     ) -> GenerateCall | None:
+            if kwargs.get("cache_implementation") == "paged":  # generate() hands over to continuous batching:
+                return None  # its requests are tracked there, by id (batching.py), not counted twice
             # The first generate() call, then one in 1/sample_rate, has every step timed.
             timed = next(calls_of_generate) % every == 0
             return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable)
@@ -131,7 +138,10 @@ class Models:
             built.append(Stages(stage, make, fn, first=state, internal=internal))
             return built[-1]
 
-        MonitoredModule.create(model, state, build, requests=requests)
+        # Continuous batching (generate_batch, init_continuous_batching): a request per request id.
+        batching = ContinuousBatching(label, start=lambda prompt: generations.start(label, prompt),
+                                      tokens=self.batch_tokens, internal=internal)
+        MonitoredModule.create(model, state, build, requests=requests, batching=batching)
         encoder = _encoder_of(model)
         if encoder is not None and built:
             # generate() runs an encoder-decoder's encoder once, through the encoder module itself: its own hot

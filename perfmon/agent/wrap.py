@@ -18,7 +18,7 @@ import torch
 from .decoding import GenerateCall, tracked_generate
 from .dynamo import mark_for_dynamo
 from .hotpath import hot_path
-from .stages import Stages, staged_path
+from .stages import StageFn, Stages, staged_path
 from .state import ModelState
 
 __all__ = ["MonitoredFunction", "MonitoredModule", "Probe", "unwrap_module"]
@@ -91,18 +91,21 @@ class MonitoredModule:
 
     @classmethod
     def create(cls, module: torch.nn.Module, state: ModelState, stages: Callable[..., Stages] | None = None,
-               requests: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall] | None = None
-               ) -> Any:
+               requests: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall | None] | None = None,
+               batching: Callable[[type, Callable[..., None]], dict[str, Any]] | None = None) -> Any:
         """Swap ``module``'s class for a monitored subclass (in place); returns ``module``.
 
         ``stages``, for a model with stages, builds its ``Stages`` from the call target; ``state`` is
         then its first stage's. ``requests`` opens a ``generate()`` call's requests (models with stages
-        only: see ``decoding.tracked_generate``).
+        only: see ``decoding.tracked_generate``). ``batching`` (a ``batching.ContinuousBatching``, models
+        with stages only) gives the methods that track continuous batching.
         """
         base = type(module)
         mark_for_dynamo()
+        staged = None
         if stages is not None:
-            call = staged_path(stages(base.__call__))
+            staged = stages(base.__call__)
+            call = staged_path(staged)
         elif base.__call__ is _MODULE_CALL:
             # nn.Module.__call__ only checks for module.compile()'s _compiled_call_impl, then runs
             # _call_impl: calling _call_impl directly saves that frame (~190 ns). module.compile()
@@ -118,6 +121,8 @@ class MonitoredModule:
             ns["forward"] = _compilable_forward(base.forward)
         if stages is not None and requests is not None and callable(getattr(base, "generate", None)):
             ns["generate"] = tracked_generate(base.generate, requests, state.hub.internal)  # type: ignore[attr-defined]
+        if staged is not None and batching is not None:  # continuous batching (batching.py)
+            ns.update(batching(base, functools.partial(_restage, staged)))
         if stages is None and base.__call__ is _MODULE_CALL:
             ns["compile"] = _compile_then_call_fully(base, state)
         sub = type(base.__name__, (base, cls), ns)
@@ -130,6 +135,16 @@ class MonitoredModule:
     def perfmon_name(self) -> str:
         """The ``model`` label of this module's metrics."""
         return type(self)._perfmon_state.name
+
+
+def _restage(stages: Stages, cls: type, wrap_stage: Callable[[StageFn], StageFn]) -> None:
+    """Give a model with stages the stage function ``wrap_stage(current)`` and a ``__call__`` that uses it.
+
+    staged_path reads the stage function once, when it builds ``__call__``; batching.py calls this the
+    first time the model runs continuous batching, so a model that never does pays nothing per forward.
+    """
+    stages.stage_fn = wrap_stage(stages.stage_fn)
+    cls.__call__ = staged_path(stages)  # type: ignore[method-assign]
 
 
 def unwrap_module(module: Any) -> Any:

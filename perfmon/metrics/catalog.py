@@ -81,6 +81,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_generation_dropped_total": (
         "counter", "records", ("model", "reason"),
         "Generation timings never recorded: queue_full, live_limit (request counted, not timed), after_finish."),
+    # -- continuous batching (agent/batching.py): transformers' ContinuousBatchingManager steps --------
+    "perfmon_batch_tokens_total": (
+        "counter", "tokens", ("model", "kind"),
+        "Tokens in the model's continuous-batching steps, by kind (prefill: prompt positions, decode: generated "
+        "ones; padding excluded), counted as each step is scheduled, exact."),
     # -- torch allocator (memory.py), per CUDA device this process used ------------------------
     "perfmon_torch_memory_allocated_bytes": (
         "gauge", "bytes", ("device", "gpu", "UUID"), "Bytes in live tensors (torch caching allocator)."),

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.core import Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from ..agent.batching import BatchTokens
 from ..agent.generation import DROP_REASONS as GENERATION_DROP_REASONS
 from ..agent.generation import GenerationEvent, GenerationTracker, TokenTiming
 from ..agent.records import split_key
@@ -28,7 +29,8 @@ from .catalog import GENERATION_HISTOGRAMS, METRICS, NATIVE_GENERATION, _family
 from .family import HistogramRows
 from .store import _Histogram, _le
 
-__all__ = ["AgentCollector", "CaptureCollector", "GenerationCollector", "TelemetryCollector", "UploadCollector"]
+__all__ = ["AgentCollector", "BatchCollector", "CaptureCollector", "GenerationCollector", "TelemetryCollector",
+           "UploadCollector"]
 
 
 #: GpuReading.values key -> metric name.
@@ -313,3 +315,20 @@ class GenerationCollector(Collector):
                 if row_name == name:
                     fam.add_row(row)
             yield fam
+
+
+class BatchCollector(Collector):
+    """Continuous-batching step tokens by model and kind (agent/batching.py), exact, read at scrape time."""
+
+    def __init__(self, tokens: BatchTokens) -> None:
+        self._tokens = tokens
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        fam = _family("perfmon_batch_tokens_total")
+        for model, prefill, decode in self._tokens.rows():  # only models that ran a step: no zeros for the rest
+            fam.add_metric([model, "prefill"], prefill)
+            fam.add_metric([model, "decode"], decode)
+        yield fam
