@@ -56,7 +56,11 @@ def _part_leaf(value: Any) -> Hashable:
 #: column every step (and positions move) while the step's work, one token per sequence against the
 #: cache, stays the same. Counted in a signature, every decode step would be a "new" input: half the
 #: calls cold and the table churning. The work's shape is in the inputs (``input_ids``: B x 1).
-BOOKKEEPING_KWARGS = frozenset({"attention_mask", "cache_position", "position_ids"})
+#: Continuous batching (transformers' paged path) passes the same kind of bookkeeping for its packed step:
+#: sequence offsets, which logits to keep, the paged cache's read/write indices and block table; the step's
+#: work is its ``input_ids`` (1 x tokens in the step).
+BOOKKEEPING_KWARGS = frozenset({"attention_mask", "cache_position", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                "logits_indices", "read_index", "write_index", "block_table"})
 
 
 def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
