@@ -133,7 +133,6 @@ class GenerateCall:
         consumer = consumer_of(streamer) if streamer is not None else None
         if consumer is not None and self.rows * self.k == 1 and not consumer.fed:
             consumer.fed = True  # a stream over this streamer opened the request first: feed it
-            consumer.g.feeder = self
             self.consumer = consumer
             self.requests = [consumer.g]
         else:
@@ -170,6 +169,9 @@ class GenerateCall:
             self._count(now, sequences, mask)
         except Exception as exc:  # never the caller's problem: the requests still end, with what was known
             self.internal.report("generation", exc)
+        if self.tap is not None:  # let the caller's streamer (and the step tensors) go with the call
+            self.tap.inner = None
+            self.tap.steps = []
         for g in self.requests:
             try:
                 if self.consumer is not None and self.consumer.g is g:

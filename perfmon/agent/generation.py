@@ -94,7 +94,7 @@ class Generation:
     as ``cancelled``.
     """
 
-    __slots__ = ("__weakref__", "_counts", "_key", "_tracker", "feeder", "first_ns", "last_ns", "outcome",
+    __slots__ = ("__weakref__", "_counts", "_key", "_tracker", "first_ns", "last_ns", "outcome",
                  "prompt_tokens", "start_ns", "tokens")
 
     def __init__(self, tracker: GenerationTracker, counts: GenerationCounts, key: int, start_ns: int,
@@ -108,9 +108,6 @@ class Generation:
         self.tokens = 0  # tokens handed over so far
         self.prompt_tokens = prompt_tokens
         self.outcome: str | None = None  # set once, by finish()
-        #: A tracked generate() call that delivers this request's tokens (a stream opened over its streamer
-        #: first): the stream then only decides the outcome, and does not count its items as tokens.
-        self.feeder: Any = None
 
     @property
     def name(self) -> str:
