@@ -42,7 +42,7 @@ import torch
 from ..faults import InternalErrors
 from .gen_events import advance
 from .generation import Generation, GenerationTracker
-from .streams import CANCELLED, ERROR, OK, Consumer, consumer_of, is_streamer, watch_consumer
+from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
 __all__ = ["Active", "GenerateCall", "generating", "tracked_generate"]
 
@@ -130,18 +130,16 @@ class GenerateCall:
         self.tap: _Tap | None = None
         self.consumer: Consumer | None = None
         self.requests: list[Generation] = []
-        consumer = consumer_of(streamer) if streamer is not None else None
-        if consumer is not None and self.rows * self.k == 1 and not consumer.fed:
-            consumer.fed = True  # a stream over this streamer opened the request first: feed it
-            self.consumer = consumer
-            self.requests = [consumer.g]
-        else:
-            self.requests = [tracker.start(name) for _ in range(self.rows * self.k)]
-            if streamer is not None and len(self.requests) == 1 and is_streamer(streamer):
-                consumer = Consumer(self.requests[0])
-                consumer.fed = True
-                if watch_consumer(streamer, consumer):
-                    self.consumer = consumer
+        rows = self.rows * self.k
+        if streamer is not None and rows == 1 and is_streamer(streamer):
+            # Tie the request to the streamer its caller iterates (or join the one a Monitor.stream over it
+            # opened first): the consumer decides the outcome; this call delivers the tokens.
+            self.consumer = watch_consumer(streamer, lambda: Consumer(tracker.start(name), fed=True))
+            if self.consumer is not None:
+                self.consumer.fed = True
+                self.requests = [self.consumer.g]
+        if not self.requests:
+            self.requests = [tracker.start(name) for _ in range(rows)]
         if not streamable:
             self.active.stamps = []
         elif not self.beam:

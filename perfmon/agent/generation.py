@@ -58,7 +58,6 @@ from .streams import (
     OUTCOMES,
     Consumer,
     async_stream,
-    consumer_of,
     is_streamer,
     measuring,
     outcome_of,
@@ -361,14 +360,13 @@ class GenerationTracker:
         sync = hasattr(iterable, "__iter__")
         if not sync and not hasattr(iterable, "__aiter__"):
             raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
-        request: Any = consumer_of(iterable)  # a tracked generate() feeds this streamer already: its request
+        request: Any = None
+        if is_streamer(iterable):
+            # The request a tracked generate() over this streamer opened, or a new one it will feed if it
+            # starts after this (in its thread): counted once either way.
+            request = watch_consumer(iterable, lambda: Consumer(self.start(name, prompt_tokens)))
         if request is None:
             request = self.start(name, prompt_tokens)
-            if is_streamer(iterable):
-                # generate() may start after this (in its thread): it then feeds this request (counted once).
-                consumer = Consumer(request)
-                if watch_consumer(iterable, consumer):
-                    request = consumer
         measure = measuring(tokens, self._internal)
         if sync:
             return sync_stream(iter(iterable), request, measure)

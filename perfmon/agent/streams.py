@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from ..faults import InternalErrors
 
-__all__ = ["CANCELLED", "ERROR", "OK", "OUTCOMES", "Consumer", "Request", "async_stream", "consumer_of", "is_streamer",
+__all__ = ["CANCELLED", "ERROR", "OK", "OUTCOMES", "Consumer", "Request", "async_stream", "is_streamer",
            "measuring", "outcome_of", "sync_stream", "token_count", "watch_consumer"]
 
 T = TypeVar("T")
@@ -122,9 +122,9 @@ class Consumer:
 
     __slots__ = ("_lock", "consumed", "consumed_ns", "fed", "g", "produced_outcome")
 
-    def __init__(self, g: Any) -> None:
+    def __init__(self, g: Any, *, fed: bool = False) -> None:
         self.g = g
-        self.fed = False  # a producer delivers the tokens
+        self.fed = fed  # a producer delivers the tokens
         self.produced_outcome: str | None = None
         self.consumed: str | None = None
         self.consumed_ns = 0
@@ -162,40 +162,42 @@ def is_streamer(obj: Any) -> bool:
             and (hasattr(obj, "__next__") or hasattr(obj, "__anext__")))
 
 
-def consumer_of(streamer: Any) -> Consumer | None:
-    """The request a streamer is tied to, if one is."""
-    try:
-        return vars(streamer).get("_perfmon_consumer")  # type: ignore[no-any-return]
-    except TypeError:
-        return None
-
-
 _watched: dict[type, type] = {}
 _watched_lock = threading.Lock()
 
 
-def watch_consumer(streamer: Any, consumer: Consumer) -> bool:
-    """Tie ``consumer`` to an iterator streamer: its consumer's end (``StopIteration``) ends the request
-    ``ok``; the streamer collected before that ends it ``cancelled``. False if it cannot be watched.
+def watch_consumer(streamer: Any, make: Callable[[], Consumer]) -> Consumer | None:
+    """The request tied to an iterator streamer: the one already tied (a tracked ``generate()`` and a
+    ``Monitor.stream`` over the same streamer meet here, whichever comes first, atomically), else
+    ``make()``'s, tied now. None if the streamer cannot be watched.
 
-    The streamer's class is swapped, in place, for a subclass made once per class whose ``__next__`` (or
-    ``__anext__``) notes the end: the caller keeps iterating the object it made, nothing is proxied.
+    Tied, its consumer's end (``StopIteration``) ends the request ``ok``; the streamer collected before that
+    ends it ``cancelled``. The streamer's class is swapped, in place, for a subclass made once per class
+    whose ``__next__`` (or ``__anext__``) notes the end: the caller keeps iterating the object it made,
+    nothing is proxied.
     """
     cls = type(streamer)
     try:
         attrs = vars(streamer)
     except TypeError:
-        return False
-    sub = cls if getattr(cls, "_perfmon_watched", False) else _watched_class(cls)
-    if sub is None:
-        return False
-    try:
-        streamer.__class__ = sub
-    except TypeError:
-        return False
-    attrs["_perfmon_consumer"] = consumer
+        return None
+    with _attach_lock:
+        found = attrs.get("_perfmon_consumer")
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+        sub = cls if getattr(cls, "_perfmon_watched", False) else _watched_class(cls)
+        if sub is None:
+            return None
+        try:
+            streamer.__class__ = sub
+        except TypeError:
+            return None
+        consumer = attrs["_perfmon_consumer"] = make()
     weakref.finalize(streamer, consumer.finish, CANCELLED)
-    return True
+    return consumer
+
+
+_attach_lock = threading.Lock()
 
 
 def _watched_class(cls: type) -> type | None:
