@@ -46,10 +46,6 @@ from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
 __all__ = ["Active", "GenerateCall", "generating", "tracked_generate"]
 
-#: At most this many steps are stamped per call (a bound on the tap's memory: max_length is far below).
-_MAX_STEPS = 1 << 20
-
-
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs on this thread."""
 
@@ -69,20 +65,23 @@ generating = threading.local()
 
 
 class _Tap:
-    """The streamer ``generate()`` is given: stamps each step's tokens, then hands them to the caller's."""
+    """The streamer ``generate()`` is given: stamps each step's tokens, then hands them to the caller's.
 
-    __slots__ = ("inner", "prompt_seen", "steps")
+    Bounded by the call itself: ``generate()`` puts at most ``max_length`` steps.
+    """
+
+    __slots__ = ("inner", "prompt_seen", "times", "values")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.prompt_seen = False
-        self.steps: list[tuple[int, torch.Tensor]] = []
+        self.times: list[int] = []  # perf_counter_ns() of each step's put
+        self.values: list[torch.Tensor] = []  # its tokens (host tensors: HF copies them for any streamer)
 
     def put(self, value: Any) -> None:
-        now = perf_counter_ns()
         if self.prompt_seen:
-            if len(self.steps) < _MAX_STEPS:
-                self.steps.append((now, value))
+            self.times.append(perf_counter_ns())
+            self.values.append(value)
         else:
             self.prompt_seen = True  # generate() puts the prompt first
         if self.inner is not None:
@@ -169,7 +168,7 @@ class GenerateCall:
             self.internal.report("generation", exc)
         if self.tap is not None:  # let the caller's streamer (and the step tensors) go with the call
             self.tap.inner = None
-            self.tap.steps = []
+            self.tap.values = []
         for g in self.requests:
             try:
                 if self.consumer is not None and self.consumer.g is g:
@@ -203,13 +202,12 @@ class GenerateCall:
                 self.tracker.settle(g, stamps, None, len(stamps), len(stamps), prompts[i])
             return
         tap = self.tap
-        steps = tap.steps if tap is not None else []
-        if not steps:
+        times = tap.times if tap is not None else []
+        values = tap.values if tap is not None else []
+        if not times:
             for i, g in enumerate(requests):
                 self.tracker.settle(g, [], None, 0, 0, prompts[i])
             return
-        times = [t for t, _ in steps]
-        values = [v for _, v in steps]
         if len(requests) == 1:
             # One sequence: generate() stops right after its EOS or its own stop (assisted generation crops a
             # verify step's tokens there too), so every token it put is one the caller receives: no token value
