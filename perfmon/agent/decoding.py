@@ -133,10 +133,18 @@ class GenerateCall:
         if streamer is not None and rows == 1 and is_streamer(streamer):
             # Tie the request to the streamer its caller iterates (or join the one a Monitor.stream over it
             # opened first): the consumer decides the outcome; this call delivers the tokens.
-            self.consumer = watch_consumer(streamer, lambda: Consumer(tracker.start(name), fed=True))
-            if self.consumer is not None:
-                self.consumer.fed = True
-                self.requests = [self.consumer.g]
+            made: list[Consumer] = []
+
+            def make() -> Consumer:
+                made.append(Consumer(tracker.start(name), fed=True))
+                return made[0]
+
+            consumer = watch_consumer(streamer, make)
+            # One already fed is an earlier call's (a streamer used twice): this call is a request of its own.
+            if consumer is not None and (made or not consumer.fed):
+                consumer.fed = True
+                self.consumer = consumer
+                self.requests = [consumer.g]
         if not self.requests:
             self.requests = [tracker.start(name) for _ in range(rows)]
         if not streamable:
