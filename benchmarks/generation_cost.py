@@ -1,4 +1,4 @@
-"""What tracking one ``generate()`` call costs its thread, apart from the model: ``python benchmarks/generation_cost.py``.
+"""What tracking one ``generate()`` call costs its thread, apart from the model (``make bench`` runs it).
 
 A tracked ``generate()`` (perfmon/agent/decoding.py) opens the call's requests, stamps each step's tokens as
 ``generate()`` puts them to perfmon's streamer tap, and settles each request when the call ends (one
@@ -35,7 +35,7 @@ def main() -> None:
             mask = torch.ones_like(ids)
             steps = [torch.randint(1, 256, (batch,)) for _ in range(new)]
 
-            def one() -> None:
+            def one(ids: torch.Tensor = ids, mask: torch.Tensor = mask, steps: list[torch.Tensor] = steps) -> None:
                 call = GenerateCall(model, (ids,), {"attention_mask": mask, "eos_token_id": 0}, tracker, "g", False,
                                     mon.internal)
                 tap = call.tap
