@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import value
+from .conftest import value, wait_until
 
 transformers = pytest.importorskip("transformers")
 cb_api = pytest.importorskip("transformers.generation.continuous_batching")
@@ -151,10 +151,8 @@ def test_generate_batch_counts_each_request_and_labels_mixed_steps(make_monitor)
 
 def _published(manager: Any, n: int, timeout: float = 10.0) -> None:
     """Wait until the manager has published ``n`` outputs (none consumed yet)."""
-    deadline = time.monotonic() + timeout
-    while manager.output_router.output_queue.qsize() < n:
-        assert time.monotonic() < deadline, f"{manager.output_router.output_queue.qsize()} of {n} outputs"
-        time.sleep(0.002)
+    wait_until(lambda: manager.output_router.output_queue.qsize() >= n, timeout=timeout,
+               what=f"{n} published outputs")
 
 
 def _get(manager: Any) -> Any:

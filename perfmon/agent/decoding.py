@@ -99,7 +99,6 @@ class GenerateCall:
                  name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True) -> None:
         self.tracker = tracker
         self.internal = internal
-        self.start_ns = perf_counter_ns()
         cfg = _config(model, args, kwargs)
         beams = int(_option(kwargs, cfg, "num_beams", 1) or 1)
         self.k = max(1, int(_option(kwargs, cfg, "num_return_sequences", 1) or 1))
@@ -223,24 +222,26 @@ class GenerateCall:
             if not self.verify:
                 self.tracker.settle(requests[0], times, None, len(times), len(times), prompts[0])
                 return
-            sizes = [int(v.shape[-1]) if v.dim() else 1 for v in values]
-            n = sum(sizes)
-            self.tracker.settle(requests[0], times, sizes, len(sizes), n, prompts[0])
-            if len(sizes) > 1:
-                advance(requests[0]._counts.verify, n - sizes[0])
+            chunks = [int(v.shape[-1]) if v.dim() else 1 for v in values]
+            n = sum(chunks)
+            self.tracker.settle(requests[0], times, chunks, len(chunks), n, prompts[0])
+            if len(chunks) > 1:
+                advance(requests[0]._counts.verify, n - chunks[0])
             return
-        if not self.verify:  # one token per row per step
+        # Several rows: each is cut at its own EOS, which needs the token values (host tensors, one a step:
+        # B ids, or B x n for steps that accept several tokens).
+        sizes: list[int] | None = None
+        if not self.verify:  # one token a row a step: one stack (a reshape a step would cost ~1 µs each)
             table = torch.stack(values, 1).tolist()
-            for i, g in enumerate(requests):
-                n = self._cut(table[i]) if i < len(table) else 0
-                self.tracker.settle(g, times, None, n, n, prompts[i])
-            return
-        # Several tokens a step (assisted generation: one verify step accepts drafts + 1), batch 1.
-        flat = [v.reshape(v.shape[0], -1) for v in values]
-        sizes = [int(v.shape[1]) for v in flat]
-        table = torch.cat(flat, 1).tolist()
+        else:
+            flat = [v.reshape(v.shape[0], -1) for v in values]
+            sizes = [int(v.shape[1]) for v in flat]
+            table = torch.cat(flat, 1).tolist()
         for i, g in enumerate(requests):
             n = self._cut(table[i]) if i < len(table) else 0
+            if sizes is None:
+                self.tracker.settle(g, times, None, n, n, prompts[i])
+                continue
             upto, left, kept = 0, n, []
             for size in sizes:
                 if left <= 0:

@@ -161,7 +161,7 @@ class Generation:
             return
         if outcome not in OUTCOMES:
             raise ConfigError(f"outcome={outcome!r}: expected one of {', '.join(OUTCOMES)}")
-        self._tracker._finish(self, outcome, perf_counter_ns())
+        self._tracker.finish_at(self, outcome, perf_counter_ns())
 
     def __enter__(self) -> Generation:
         return self
@@ -278,11 +278,8 @@ class GenerationTracker:
         return counts
 
     def finish_at(self, g: Generation, outcome: str, now: int) -> None:
-        """End ``g`` with ``outcome`` at host time ``now`` (``perf_counter_ns``): a generate() call's requests
-        end when the call returns, or when the consumer of their streamer does. Idempotent."""
-        self._finish(g, outcome, now)
-
-    def _finish(self, g: Generation, outcome: str, now: int) -> None:
+        """End ``g`` with ``outcome`` at host time ``now`` (``perf_counter_ns``): ``Generation.finish``, and a
+        generate() call's requests when the call returns or their streamer's consumer ends. Idempotent."""
         with self._lock:  # check-and-set under the lock: finish() racing __del__ or another thread counts once
             if g.outcome is not None:
                 return
@@ -353,7 +350,9 @@ class GenerationTracker:
         exception from the iterable ``error`` (re-raised unchanged), ``close()``, a consumer that breaks out,
         or garbage collection before the end ``cancelled``. An async iterable gives an async generator
         (``async for``; task cancellation counts as ``cancelled``). Times are seconds of host time at which
-        each item is handed to the consumer.
+        each item is handed to the consumer. Over a streamer its caller iterates (``TextIteratorStreamer``),
+        the stream and a tracked ``generate()`` feeding that streamer are one request, whichever starts
+        first (``streams.watch_consumer``): the generate() call counts its tokens, the stream its outcome.
         """
         if tokens is not None and not callable(tokens):
             raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
