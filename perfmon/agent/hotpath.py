@@ -84,7 +84,9 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
         if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
             try:
-                return token.call(st, fn, (self, *args), kwargs)  # type: ignore[union-attr]
+                # The call's work goes with it: a comparison lines captures up by size (compare_basis).
+                work = items if items_fn is not None else entry.work if entry is not None else _work(args, kwargs)
+                return token.call(st, fn, (self, *args), kwargs, work)  # type: ignore[union-attr]
             except BaseException as exc:
                 st.error(exc)
                 raise
@@ -114,3 +116,10 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return __call__
+
+
+def _work(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    try:
+        return work_of(args, kwargs)
+    except Exception:
+        return None

@@ -48,13 +48,15 @@ Pure functions on metadata dicts; no torch, no I/O.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from .detector import class_label, size_class
 from .trace_summary import OTHER  # the op table's bucket of the names past its cap
 
-__all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "headline", "noise_bound",
-           "uniform_ratio"]
+__all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "compare_basis", "headline",
+           "noise_bound", "step_work", "uniform_ratio"]
 
 #: Standard errors of the difference of two means beyond which a change is not run-to-run spread.
 SIGMAS = 3.0
@@ -65,6 +67,7 @@ SHARE_FLOOR = 0.02
 #: Seconds per model call under which a change (or an op appearing, disappearing) is never reported.
 ABS_FLOOR = 2e-6
 STATUSES = ("slower", "faster", "new", "gone", "same")
+NO_CHANGE = "no op changed beyond run-to-run spread"
 TIMES = "\N{MULTIPLICATION SIGN}"  # as in "2.1x slower", with the typographic sign
 
 
@@ -86,12 +89,21 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
             abs_floor: float = ABS_FLOOR) -> dict[str, Any]:
     """The op-by-op change from ``before_meta`` (the baseline capture) to ``after_meta``.
 
-    Both are capture metadata as ``/profiles/{id}`` returns them (``id``, ``device``, ``ops``, ``steps``).
-    Returns ``{"baseline": before id, "capture": after id, "ops": [rows], "summary": sentence,
-    "seconds_per_call_before", "seconds_per_call_after"}`` (the totals: all ops' self seconds per call),
-    or the same keys with ``"error"`` set and no rows when the captures cannot be compared (different
-    device kinds, no op table). Each row: ``op``; ``seconds_per_call_before`` / ``_after`` (the op's
-    self seconds per model call); ``calls_per_call_before`` / ``_after`` (its calls per model call);
+    Both are capture metadata as ``/profiles/{id}`` returns them (``id``, ``device``, ``ops``, ``steps``,
+    and where recorded ``top_ops`` and ``step_sizes``). Returns ``{"baseline": before id, "capture":
+    after id, "ops": [rows], "leaf_ops": [rows], "basis": {...}, "summary": sentence,
+    "seconds_per_call_before", "seconds_per_call_after"}`` (the totals: the ranked ops' seconds per
+    call), or the same keys with ``"error"`` set and no rows when the captures cannot be compared
+    (different device kinds, no op table).
+
+    ``ops`` ranks the ops the model's own code called (``top_ops``: each with the time of the ops inside
+    it folded in, and a ``breakdown`` of rows for those inside ops, compared alike); ``leaf_ops`` is
+    the same diff by self time per op name. Captures without a top-level table (taken before it
+    existed) are ranked by self time (``ops`` = ``leaf_ops``). ``basis`` says how (``compare_basis``):
+    like for like when both captures ran the same size class, else normalised per unit of work.
+
+    Each row: ``op``; ``seconds_per_call_before`` / ``_after`` (the op's seconds per model call; the
+    baseline's scaled by ``basis["scale"]``); ``calls_per_call_before`` / ``_after``;
     ``added_seconds_per_call`` (after - before); ``ratio`` (after / before, None when before is 0);
     ``noise_seconds_per_call`` (the bound the change was judged against); ``status``. ``uniform_ratio``
     is the factor by which all large ops moved together (``uniform_ratio()``), or None; when set, the
@@ -114,18 +126,92 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
         out["summary"] = out["error"]
         return out
     assert table_b is not None and table_a is not None
-    call_before = sum(_stats(e)[0] for e in table_b.values())
+    basis = compare_basis(before_meta, after_meta)
+    scale = basis["scale"]
+    floors = {"sigmas": sigmas, "rel_floor": rel_floor, "share_floor": share_floor, "abs_floor": abs_floor}
+    # The noise floors relative to the call: the baseline call's op time, on the same basis.
+    call_before = scale * sum(_stats(e)[0] for e in table_b.values())
+    leaf = _rows(table_b, n_b, table_a, n_a, scale, call_before, floors)
+    top_b, top_a = _top(before_meta), _top(after_meta)
+    if top_b is not None and top_a is not None:
+        basis["level"] = "top"
+        rows = _rows(top_b, n_b, top_a, n_a, scale, call_before, floors)
+        for row in rows:
+            row["breakdown"] = _rows(_breakdown(top_b, row["op"]), n_b, _breakdown(top_a, row["op"]), n_a, scale,
+                                     call_before, floors)
+    else:
+        basis["level"] = "op"
+        rows = leaf
+    out["ops"], out["leaf_ops"], out["basis"] = rows, leaf, basis
+    out["seconds_per_call_before"] = sum(r["seconds_per_call_before"] for r in rows)
+    out["seconds_per_call_after"] = sum(r["seconds_per_call_after"] for r in rows)
+    out["summary"] = _sentence(rows, out["seconds_per_call_before"], out["seconds_per_call_after"])
+    uniform = uniform_ratio(rows)
+    out["uniform_ratio"] = uniform
+    if uniform is not None and out["summary"] != NO_CHANGE:
+        factor, way = (uniform, "slower") if uniform > 1 else (1 / uniform, "faster")  # uniform > 0: no 1/0
+        out["summary"] = (f"every large op ~{_factor(factor)}{TIMES} {way} alike: the machine or runtime more likely "
+                          f"than one op (CPU contention, clocks, threads, a library); {out['summary']}")
+    if basis["sizes"] == "normalised":
+        out["summary"] = (f"per unit of work (baseline at size {basis['size_class_before']}, this capture at "
+                          f"{basis['size_class_after']}; no baseline of this size yet): {out['summary']}")
+    return out
+
+
+def compare_basis(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """How two captures' tables are lined up, from the work of the steps each table averages.
+
+    ``sizes``: ``"same_size_class"`` when most steps of both fell in one size class
+    (``perfmon.captures.detector.size_class``): compared per call, as they are; ``"normalised"`` when they
+    did not: the baseline's seconds are scaled by ``scale`` = the capture's mean work per step over the
+    baseline's, so a call is compared with what the baseline would have spent on the same work at its cost
+    per unit (exact for ops whose time grows with the work, as the large ones do; an overstatement for the
+    fixed cost of small ops, which read as ``faster``); ``"unknown"`` when a capture has no recorded step
+    work (``scale`` 1). ``size_class_before`` / ``_after`` are the majority classes' labels,
+    ``work_per_call_before`` / ``_after`` the mean work of the steps used (None when unknown)."""
+    work_b, class_b = step_work(before_meta)
+    work_a, class_a = step_work(after_meta)
+    out: dict[str, Any] = {"size_class_before": class_b, "size_class_after": class_a,
+                           "work_per_call_before": work_b, "work_per_call_after": work_a, "scale": 1.0}
+    if work_b is None or work_a is None or class_b is None or class_a is None:
+        out["sizes"] = "unknown"
+    elif class_b == class_a:
+        out["sizes"] = "same_size_class"
+    else:
+        out["sizes"] = "normalised"
+        out["scale"] = work_a / work_b
+    return out
+
+
+def step_work(meta: Mapping[str, Any]) -> tuple[float | None, str | None]:
+    """(mean work per step, the majority size class's label) over the steps a capture's table averages
+    (the last ``steps`` of its ``step_sizes``), or (None, None) when any of them is unknown."""
+    sizes, steps = meta.get("step_sizes"), meta.get("steps")
+    if not isinstance(sizes, list) or not isinstance(steps, int) or isinstance(steps, bool) or steps < 1 \
+            or len(sizes) < steps:
+        return None, None
+    used = sizes[len(sizes) - steps:]
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in used):
+        return None, None
+    counts = Counter(size_class(s) for s in used)
+    majority = max(counts, key=lambda c: (counts[c], c))
+    return sum(used) / len(used), class_label(majority)
+
+
+def _rows(table_b: Mapping[str, Any], n_b: int, table_a: Mapping[str, Any], n_a: int, scale: float,
+          call_before: float, floors: Mapping[str, float]) -> list[dict[str, Any]]:
+    """One row per op name of either table, judged against the noise bound, ranked."""
     rows: list[dict[str, Any]] = []
     for name in sorted(table_b.keys() | table_a.keys()):
         b, a = table_b.get(name), table_a.get(name)
         sec_b, sd_b, calls_b = _stats(b)
+        sec_b, sd_b = sec_b * scale, sd_b * scale
         sec_a, sd_a, calls_a = _stats(a)
-        noise = noise_bound(sec_b, sd_b, n_b, sd_a, n_a, call_before=call_before, sigmas=sigmas,
-                            rel_floor=rel_floor, share_floor=share_floor, abs_floor=abs_floor)
+        noise = noise_bound(sec_b, sd_b, n_b, sd_a, n_a, call_before=call_before, **floors)
         delta = sec_a - sec_b
         if bool(calls_b) != bool(calls_a):  # on one side only
             if _systematic(name, a if calls_a else b, table_b if calls_a else table_a):
-                noise = max(share_floor * call_before, abs_floor)
+                noise = max(floors["share_floor"] * call_before, floors["abs_floor"])
             present, side = (sec_a, "new") if calls_a else (sec_b, "gone")
             status = side if present > noise else "same"
         elif abs(delta) > noise:
@@ -137,17 +223,7 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
                      "added_seconds_per_call": delta, "ratio": sec_a / sec_b if sec_b > 0 else None,
                      "noise_seconds_per_call": noise, "status": status})
     rows.sort(key=lambda r: (r["status"] == "same", -r["added_seconds_per_call"], r["op"]))
-    out["ops"] = rows
-    out["seconds_per_call_before"] = sum(r["seconds_per_call_before"] for r in rows)
-    out["seconds_per_call_after"] = sum(r["seconds_per_call_after"] for r in rows)
-    out["summary"] = _sentence(rows, out["seconds_per_call_before"], out["seconds_per_call_after"])
-    uniform = uniform_ratio(rows)
-    out["uniform_ratio"] = uniform
-    if uniform is not None and out["summary"] != "no op changed beyond run-to-run spread":
-        factor, way = (uniform, "slower") if uniform > 1 else (1 / uniform, "faster")  # uniform > 0: no 1/0
-        out["summary"] = (f"every large op ~{_factor(factor)}{TIMES} {way} alike: the machine or runtime more likely "
-                          f"than one op (CPU contention, clocks, threads, a library); {out['summary']}")
-    return out
+    return rows
 
 
 #: uniform_ratio(): the whole call moved by at least this factor (either way) ...
@@ -196,9 +272,18 @@ def uniform_ratio(rows: list[dict[str, Any]]) -> float | None:
 
 
 def headline(comparison: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The row that moved a call's time the most (largest ``|added_seconds_per_call|`` not ``same``), or None."""
-    changed = [r for r in comparison.get("ops") or () if r.get("status") != "same"]
-    return max(changed, key=lambda r: abs(r["added_seconds_per_call"]), default=None)
+    """The change that explains the most added time (``_ranked``: the ``slower``/``new`` row adding the most,
+    else the ``faster``/``gone`` row saving the most), or None when no row changed."""
+    changed = _ranked(comparison.get("ops") or ())
+    return changed[0] if changed else None
+
+
+def _ranked(rows: Any) -> list[dict[str, Any]]:
+    """Changed rows, those that add time first (most added first), then those that save it (most saved first):
+    a regression is explained by what got slower, and a capture normalised across sizes makes small fixed-cost
+    ops read faster."""
+    changed = [r for r in rows if r.get("status") != "same"]
+    return sorted(changed, key=lambda r: (r["added_seconds_per_call"] <= 0, -abs(r["added_seconds_per_call"])))
 
 
 def _device_kind(device: Any) -> str | None:
@@ -213,6 +298,18 @@ def _table(meta: Mapping[str, Any]) -> tuple[dict[str, Any] | None, int]:
     if not isinstance(ops, Mapping) or not isinstance(steps, int) or isinstance(steps, bool):
         return None, 0
     return dict(ops), steps
+
+
+def _top(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The capture's top-level op table, or None when it has none (taken before there was one)."""
+    top = meta.get("top_ops")
+    return dict(top) if isinstance(top, Mapping) and top else None
+
+
+def _breakdown(top: Mapping[str, Any], name: str) -> dict[str, Any]:
+    entry = top.get(name)
+    inner = entry.get("breakdown") if isinstance(entry, Mapping) else None
+    return dict(inner) if isinstance(inner, Mapping) else {}
 
 
 def _systematic(name: str, present: Any, other_table: Mapping[str, Any]) -> bool:
@@ -269,9 +366,9 @@ def _phrase(row: Mapping[str, Any]) -> str:
 
 def _sentence(rows: list[dict[str, Any]], total_before: float, total_after: float, top: int = 3) -> str:
     """One sentence: the (up to ``top``) changes that moved a call's time the most, then the totals."""
-    changed = sorted((r for r in rows if r["status"] != "same"), key=lambda r: -abs(r["added_seconds_per_call"]))
+    changed = _ranked(rows)
     if not changed:
-        return "no op changed beyond run-to-run spread"
+        return NO_CHANGE
     text = "; ".join(_phrase(r) for r in changed[:top])
     if len(changed) > top:
         text += f"; {len(changed) - top} more changed"

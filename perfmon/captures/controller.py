@@ -204,14 +204,17 @@ class CaptureController:
             pass  # counted as a failed capture and an internal error by arm()
         return None
 
-    def latest_baseline(self, model: str) -> dict[str, Any] | None:
-        """``model``'s newest baseline capture that finished ok with an op table (``export.latest_baseline``)."""
-        return latest_baseline(self.store, model)
+    def latest_baseline(self, model: str, size_class: str | None = None) -> dict[str, Any] | None:
+        """``model``'s newest baseline capture that finished ok with an op table, of ``size_class`` when given
+        (``export.latest_baseline``)."""
+        return latest_baseline(self.store, model, size_class=size_class)
 
     # -- the request thread ---------------------------------------------------------------
 
-    def call(self, st: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run one call of a model with a capture pending; starts/steps/stops the profiler as due."""
+    def call(self, st: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             work: int | None = None) -> Any:
+        """Run one call of a model with a capture pending; starts/steps/stops the profiler as due. ``work`` is
+        the call's size (``Sample.size``), kept per recorded step (``Capture.step_sizes``)."""
         if self.state == ARMED and self._owns(st):
             self._try_start(st)
         rec = self._recording
@@ -223,7 +226,7 @@ class CaptureController:
             with rec.scope(STEP_ANNOTATION):
                 return fn(*args, **kwargs)
         finally:
-            self._step(st)
+            self._step(st, work)
 
     def _try_start(self, st: Any) -> None:
         with self._lock:
@@ -249,10 +252,11 @@ class CaptureController:
             cap.thread = threading.current_thread().name
             self._move("start")
 
-    def _step(self, st: Any) -> None:
+    def _step(self, st: Any, work: int | None = None) -> None:
         cap, rec = self.current, self._recording
         if cap is None or rec is None:
             return
+        cap.step_sizes.append(work)
         elapsed = rec.step(cap, self._clock(), abort=self._abort, max_bytes=self.max_bytes)
         if elapsed is not None:
             self._end_recording(st, cap, rec, elapsed)

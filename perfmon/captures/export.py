@@ -12,11 +12,12 @@ that has a baseline is compared with it (``perfmon.captures.compare``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..faults import InternalErrors
 from ..selfcost import AgentCpu
 from ..store.files import worker_name
 from ..store.traces import TraceStore
-from .compare import compare
+from .compare import compare, step_work
 from .profiler import Profiler
 from .records import COMPARED_TRIGGERS, TOP_OPS, Capture
 from .roofline import Peaks, summarise
@@ -39,15 +40,28 @@ EXPORT_MAX_MEMORY_BYTES = 512 * 2**20
 _SUMMARY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_summary.py")
 
 
-def latest_baseline(store: TraceStore, model: str) -> dict[str, Any] | None:
+def latest_baseline(store: TraceStore, model: str, *, like: Mapping[str, Any] | None = None,
+                    size_class: str | None = None) -> dict[str, Any] | None:
     """The stored metadata of ``model``'s newest baseline capture that finished ok with an op table,
     or None. Read from the trace store (retention keeps it), so it outlives this process; its
-    ``ended_at`` (UTC ISO 8601) says when it was taken."""
-    for meta in store.list():  # newest first
-        if (meta.get("model") == model and meta.get("trigger") == "baseline" and meta.get("outcome") == "ok"
-                and meta.get("ops")):
+    ``ended_at`` (UTC ISO 8601) says when it was taken.
+
+    ``size_class`` (a label): only a baseline whose steps mostly ran that size class. ``like`` (a capture's
+    metadata): the newest baseline of its size class when there is one, else the one nearest in work
+    per step (compared per unit of work; ``compare.compare_basis``), else the newest."""
+    baselines = [meta for meta in store.list()  # newest first
+                 if meta.get("model") == model and meta.get("trigger") == "baseline" and meta.get("outcome") == "ok"
+                 and meta.get("ops")]
+    if size_class is not None:
+        return next((meta for meta in baselines if step_work(meta)[1] == size_class), None)
+    work, label = step_work(like) if like is not None else (None, None)
+    if work is None or not baselines:
+        return baselines[0] if baselines else None
+    for meta in baselines:
+        if step_work(meta)[1] == label:
             return meta
-    return None
+    sized = [(abs(math.log(w / work)), i) for i, meta in enumerate(baselines) if (w := step_work(meta)[0])]
+    return baselines[min(sized)[1]] if sized else baselines[0]
 
 
 @dataclass
@@ -99,6 +113,7 @@ class Exporter:
         summary: list[dict[str, Any]] = []
         compute: dict[str, Any] = {}
         ops: dict[str, dict[str, float]] = {}
+        top_ops: dict[str, dict[str, Any]] = {}
         steps = 0
         comparison: dict[str, Any] | None = None
         try:
@@ -121,6 +136,7 @@ class Exporter:
             summary, compute = summarise(result["rows"], cuda=cap.device.startswith("cuda"),
                                          peaks=self._peaks(cap.device), window_seconds=window, limit=TOP_OPS)
             ops, steps = result.get("ops") or {}, int(result.get("steps") or 0)
+            top_ops = result.get("top_ops") or {}
             cap.export = {"trace_events": result.get("events"), "child_cpu_seconds": result.get("cpu_seconds"),
                           "child_max_rss_bytes": result.get("max_rss_bytes")}
         except Exception as exc:
@@ -133,17 +149,17 @@ class Exporter:
                 if tmp is not None:
                     self.store.remove_temp(tmp)
         if outcome == "ok" and cap.trigger in COMPARED_TRIGGERS:
-            comparison = self._compare(cap, ops, steps)
+            comparison = self._compare(cap, ops, top_ops, steps)
         cap.export["seconds"] = round(time.monotonic() - t0, 3)
         final = {**cap.public(), "status": "done", "outcome": outcome, "error": error, "summary": summary,
-                 "compute": compute, "ops": ops, "steps": steps, "comparison": comparison}
+                 "compute": compute, "ops": ops, "top_ops": top_ops, "steps": steps, "comparison": comparison}
         try:
             stored = self.store.save(final, None, name, trace_temp=gz_tmp if name is not None else None)
         except Exception as exc:  # disk full, unwritable directory: nothing partial is listed
             self._internal.report("trace_store", exc)
             outcome, error = "failed", f"store failed: {type(exc).__name__}: {exc}"
             stored = {**final, "outcome": outcome, "error": error, "summary": [], "compute": {}, "ops": {},
-                      "steps": 0, "comparison": None}
+                      "top_ops": {}, "steps": 0, "comparison": None}
             summary, compute, ops, steps, comparison = [], {}, {}, 0, None
             if gz_tmp is not None:
                 self.store.remove_temp(gz_tmp)
@@ -154,14 +170,17 @@ class Exporter:
         release_memory(collect=False)  # the summary rows: trim only (a full collection costs ~0.2 s of GIL)
         return Exported(outcome, error, summary, compute, ops, steps, comparison, stored)
 
-    def _compare(self, cap: Capture, ops: dict[str, dict[str, float]], steps: int) -> dict[str, Any] | None:
-        """``compare(latest baseline, this capture)``, or None without a baseline; never raises (a
-        comparison that fails is reported as a ``capture_compare`` internal error, the capture stands)."""
+    def _compare(self, cap: Capture, ops: dict[str, dict[str, float]], top_ops: dict[str, dict[str, Any]],
+                 steps: int) -> dict[str, Any] | None:
+        """``compare(baseline, this capture)`` with the baseline of this capture's size class (``latest_baseline``),
+        or None without a baseline; never raises (a comparison that fails is reported as a ``capture_compare``
+        internal error, the capture stands)."""
         try:
-            base = latest_baseline(self.store, cap.model)
+            meta = {**cap.public(), "ops": ops, "top_ops": top_ops, "steps": steps}
+            base = latest_baseline(self.store, cap.model, like=meta)
             if base is None:
                 return None
-            return self.compare(base, {**cap.public(), "ops": ops, "steps": steps})
+            return self.compare(base, meta)
         except Exception as exc:
             self._internal.report("capture_compare", exc)
             return None

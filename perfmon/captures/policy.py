@@ -17,7 +17,7 @@ from ..agent.records import STEADY, Sample, series_key, split_key
 from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from .controller import CaptureController
-from .detector import Detector, Regression, RegressionPolicy
+from .detector import Detector, Regression, RegressionPolicy, WindowStats, class_label
 from .records import CaptureOptions
 
 __all__ = ["BASELINE_CHECK_SECONDS", "DEFERRED_SECONDS", "FROM_ENV", "CapturePolicy", "resolve_policy"]
@@ -123,11 +123,13 @@ class CapturePolicy:
             return
         learned: dict[str, bool] = {}  # model -> every learned series healthy
         baselines: dict[str, dict[str, Any]] = {}
-        for key, _, base, active, _ in det.views():
+        mixes: dict[str, list[str | None]] = {}  # model -> each series' dominant size class
+        for key, window, base, active, _ in det.views():
             model, stage = split_key(key)
             if base is not None or active:
                 learned[model] = learned.get(model, True) and not active
                 baselines.setdefault(model, {})[stage or "all"] = base
+                mixes.setdefault(model, []).append(_dominant(window))
         for model, healthy in learned.items():
             last = self._baseline_checked.get(model)
             if not healthy or (last is not None and now_ns - last < self.baseline_check_seconds * 1e9):
@@ -136,19 +138,33 @@ class CapturePolicy:
             st = self._models.get(model)
             if st is None or not st.capturable:
                 continue
+            # A baseline per size class that traffic has: the one most of a single-series model's last window
+            # ran (a regression at batch 256 is compared with a baseline at batch 256, not 4). A generative
+            # model's capture mixes its stages' sizes: one baseline, whatever the size.
+            classes = mixes.get(model, [])
+            size = classes[0] if len(classes) == 1 else None
             try:
-                meta = self._captures.latest_baseline(model)
+                meta = self._captures.latest_baseline(model, size)
                 age = _age_seconds(meta.get("ended_at")) if meta is not None else None
                 if age is not None and age < policy.baseline_capture_max_age_seconds:
                     continue
                 options = CaptureOptions(steps=policy.capture_steps, max_seconds=policy.capture_max_seconds,
                                          record_shapes=policy.capture_record_shapes)
-                reason = {"baseline_seconds": baselines.get(model),
+                reason = {"baseline_seconds": baselines.get(model), "size_class": size,
                           "previous": None if meta is None else meta.get("id")}
                 self._captures.baseline(st, options, reason)
             except Exception as exc:
                 self._internal.report("baseline_capture", exc)
             return  # one at a time: the controller holds one capture
+
+
+def _dominant(window: WindowStats | None) -> str | None:
+    """The label of the size class that held most (over half) of a window's samples, else None."""
+    if window is None or not window.count:
+        return None
+    label = class_label(window.dominant)
+    held = window.classes.get(label, {}).get("samples", 0)
+    return label if held * 2 > window.count and label != class_label(0) else None
 
 
 def _age_seconds(iso: Any) -> float | None:

@@ -86,6 +86,12 @@ class Capture:
     #: device seconds on CUDA, self CPU seconds on CPU) and ``seconds_per_step_stdev`` over the steps;
     #: at most 200 names, the rest as ``[other]`` (``perfmon.captures.trace_summary.step_table``).
     ops: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Per top-level op (one the model's code called, with the ops inside it folded in), the same statistics of
+    #: its total seconds, and its ``breakdown``: the self seconds of the ops inside it (``trace_summary``).
+    top_ops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Each recorded step's work (``Sample.size``: items, or the elements of its first input; None when unknown),
+    #: in order: a comparison lines captures up by it (``compare.compare_basis``).
+    step_sizes: list[int | None] = field(default_factory=list)
     #: Steps the ``ops`` table averages over (the first recorded step is left out when there are two or more).
     steps: int = 0
     #: ``perfmon.captures.compare.compare(latest baseline, this capture)`` for a regression or manual capture of a

@@ -60,6 +60,9 @@ CHUNK_BYTES = 1 << 20
 STEP_ANNOTATION = "perfmon.step"
 #: The per-step op table keeps this many op names (by total self time); the rest is summed as ``[other]``.
 STEP_TABLE_OPS = 200
+#: The top-level table keeps this many names, and each of its entries this many ops of its breakdown.
+TOP_TABLE_OPS = 50
+BREAKDOWN_OPS = 8
 OTHER = "[other]"
 
 Row = dict[str, Any]
@@ -241,9 +244,10 @@ def iter_events(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] 
 class _Thread:
     """One thread's host events, a few numbers each (arrays, not objects: a trace can hold millions)."""
 
-    __slots__ = ("bytes", "ends", "exts", "flops", "keys", "starts")
+    __slots__ = ("bytes", "ends", "exts", "flops", "keys", "py", "starts")
 
     def __init__(self) -> None:
+        self.py = bytearray()  # 1 for a Python frame (``python_function``, with_stack): not an op the user called
         self.starts = array.array("d")
         self.ends = array.array("d")
         self.keys = array.array("q")
@@ -253,13 +257,33 @@ class _Thread:
 
 
 class _Steps:
-    """Per op name, its self seconds (host and device) and calls in each step: arrays indexed by step."""
+    """What each recorded step (one model call) spent: per op name its self seconds (``leaf``), per
+    top-level op its total seconds (``top``: the ops the model's own code called, their children's time
+    folded in) and, per top-level op, the self seconds of each op inside it (``under``)."""
 
     def __init__(self, starts: dict[Any, list[float]]) -> None:
         # Steps are numbered in start order over all threads (a capture records one thread).
         ordered = sorted(((ts, tkey) for tkey, tss in starts.items() for ts in tss), key=lambda p: p[0])
         self.number = {(tkey, ts): i for i, (ts, tkey) in enumerate(ordered)}
         self.count = len(ordered)
+        self.leaf = _PerStep(self.count)
+        self.top = _PerStep(self.count)
+        self.under: dict[str, _PerStep] = {}
+
+    def add_under(self, top: str, name: str, step: int, cpu_us: float, device_us: float) -> None:
+        per = self.under.get(top)
+        if per is None:
+            per = self.under[top] = _PerStep(self.count)
+        per.add(name, step, cpu_us, device_us)
+
+
+class _PerStep:
+    """Seconds (host and device) and calls per name and step."""
+
+    __slots__ = ("calls", "count", "cpu", "device")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
         self.cpu: dict[str, array.array[float]] = {}
         self.device: dict[str, array.array[float]] = {}
         self.calls: dict[str, array.array[int]] = {}
@@ -329,6 +353,7 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
         t.starts.append(ts)
         t.ends.append(ts + float(e.get("dur") or 0.0))
         t.keys.append(row["_i"])
+        t.py.append(cat == "python_function")
         t.exts.append(ext if isinstance(ext, int) else -1)
         t.flops.append(flops(name, dims, types, args.get("Concrete Inputs") or []))
         t.bytes.append(input_bytes(dims, types))
@@ -344,8 +369,17 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
         if row["calls"] and row["name"] != STEP_ANNOTATION:
             out.append(row)
     span = (last_us - first_us) / 1e6 if last_us > first_us else None
-    ops, used = step_table(steps.device if device_time else steps.cpu, steps.calls, steps.count)
-    return {"rows": out, "events": events, "device_span_seconds": span, "ops": ops, "steps": used}
+    ops, used = _table_of(steps.leaf, device_time)
+    top, _ = _table_of(steps.top, device_time, limit=TOP_TABLE_OPS)
+    for name, entry in top.items():
+        under = steps.under.get(name)
+        if under is not None:
+            entry["breakdown"] = _table_of(under, device_time, limit=BREAKDOWN_OPS)[0]
+    return {"rows": out, "events": events, "device_span_seconds": span, "ops": ops, "top_ops": top, "steps": used}
+
+
+def _table_of(per: _PerStep, device_time: bool, *, limit: int = STEP_TABLE_OPS) -> tuple[dict[str, Any], int]:
+    return step_table(per.device if device_time else per.cpu, per.calls, per.count, limit=limit)
 
 
 def step_table(seconds: dict[str, array.array[float]], calls: dict[str, array.array[int]], count: int, *,
@@ -440,6 +474,18 @@ def _attribute(t: _Thread, order: list[Row], device_us: dict[int, float], steps:
         if p >= 0 and nchild[p] == 1 and order[t.keys[p]]["name"] == order[t.keys[i]]["name"]:
             dropped[i] = 1
             nchild[p], child_us[p], direct[p] = nchild[i], child_us[i], direct[i]
+    # The top-level op of each event in a step: the outermost op under the step annotation, looking
+    # through Python frames (with_stack), which are the user's code rather than ops it called.
+    # -1: none (outside every step, the annotation itself, a Python frame above every op).
+    top_of = array.array("q", [-1]) * n
+    for i in idx:
+        if dropped[i] or step_of[i] < 0 or order[t.keys[i]]["name"] == STEP_ANNOTATION:
+            continue
+        p = up(i)
+        if p >= 0 and top_of[p] >= 0:
+            top_of[i] = top_of[p]
+        elif not t.py[i]:
+            top_of[i] = i
     dev = array.array("d", direct)
     for i in reversed(idx):  # children after parents in idx: a reverse walk finishes each subtree first
         if dropped[i]:
@@ -453,7 +499,14 @@ def _attribute(t: _Thread, order: list[Row], device_us: dict[int, float], steps:
         row["flops"] += t.flops[i]
         row["input_bytes_estimate"] += t.bytes[i]
         if step_of[i] >= 0 and row["name"] != STEP_ANNOTATION:
-            steps.add(row["name"], step_of[i], ends[i] - starts[i] - child_us[i], direct[i])
+            self_us = ends[i] - starts[i] - child_us[i]
+            steps.leaf.add(row["name"], step_of[i], self_us, direct[i])
+            top = top_of[i]
+            if top >= 0:
+                top_name = order[t.keys[top]]["name"]
+                steps.add_under(top_name, row["name"], step_of[i], self_us, direct[i])
+                if top == i:  # children come first in this walk: dev[i] holds its whole subtree by now
+                    steps.top.add(top_name, step_of[i], ends[i] - starts[i], dev[i])
         p = up(i)
         if p >= 0:
             dev[p] += dev[i]

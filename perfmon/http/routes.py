@@ -228,7 +228,7 @@ def _unknown_capture(capture_id: str) -> Response:
 def _brief(meta: dict[str, Any]) -> dict[str, Any]:
     """A capture without its op summary and per-step op table, its comparison reduced to the sentence,
     for listings (``/profiles/{id}`` has them all)."""
-    out = {k: v for k, v in meta.items() if k not in ("summary", "ops")}
+    out = {k: v for k, v in meta.items() if k not in ("summary", "ops", "top_ops", "step_sizes")}
     comparison = meta.get("comparison")
     if isinstance(comparison, dict):
         out["comparison"] = {k: comparison.get(k) for k in ("baseline", "summary", "error") if k in comparison}
