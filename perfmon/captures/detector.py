@@ -14,7 +14,8 @@ learning (every window counts as healthy); after that the baseline is the median
 active (one ``Regression`` is returned); the first healthy window ends it. Regressed windows never
 enter the baseline, so a slow period cannot teach the detector that slow is normal. A window with
 too few samples breaks a streak (consecutive means consecutive) without ending an active regression,
-and a percentile is judged only in windows that can resolve it (p99 from 100 samples, p95 from 20).
+and a percentile is judged only in windows that can resolve it (p99 from 100 samples, p95 from 20); a
+tail percentile regresses only when at least ``TAIL_SAMPLES`` (5) samples lie beyond its limit.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ MAX_SIZE_CLASS = 30
 MAX_CLASSES = 16
 #: Healthy latencies kept per size class; its reference is their median (s).
 REF_SAMPLES = 512
+#: A tail percentile (p90, p95, p99) regresses only when at least this many of the window's samples lie beyond
+#: its limit: from a few hundred samples a p99 is the second or third slowest call, and two calls stalled from
+#: outside the model (a preempted thread) are not a tail that moved.
+TAIL_SAMPLES = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,7 +303,8 @@ class Detector:
         assert stats.ratios is not None
         tails = self._tail_baseline(track, stats.dominant)
         judged = [q for q in judged if q == "p50" or q in tails]
-        exceeded = tuple(q for q in judged if stats.ratios[q] > (baseline if q == "p50" else tails)[q] * p.ratio)
+        exceeded = tuple(q for q in judged if stats.ratios[q] > (baseline if q == "p50" else tails)[q] * p.ratio
+                         and (q == "p50" or self._beyond(track, values, sizes, tails[q] * p.ratio) >= TAIL_SAMPLES))
         limit = baseline["p50"] * p.ratio
         slow = sorted(((c["ratio_p50"], label) for label, c in stats.classes.items()
                        if c["ratio_p50"] is not None and c["samples"] >= self.class_ready and c["ratio_p50"] > limit),
@@ -319,6 +325,16 @@ class Detector:
             return Regression(model, tuple(track.streak[-p.consecutive:]), stats.expected or {}, p.ratio,
                               exceeded or ("p50",), named)
         return None
+
+    @staticmethod
+    def _beyond(track: _Track, values: list[float], sizes: list[int], limit: float) -> int:
+        """How many of a window's samples have a ratio to their class's reference above ``limit``."""
+        n = 0
+        for v, c in zip(values, sizes, strict=True):
+            k = track.classes.get(c)
+            if k is not None and k.median is not None and k.median > 0 and v > limit * k.median:
+                n += 1
+        return n
 
     def _stats(self, track: _Track, values: list[float], sizes: list[int], end_ns: int, seen: int) -> WindowStats:
         """Raw percentiles; ratio percentiles over the samples whose class has a reference; per class counts."""
