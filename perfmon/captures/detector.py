@@ -20,6 +20,7 @@ tail percentile regresses only when at least ``TAIL_SAMPLES`` (5) samples lie be
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import statistics
@@ -52,6 +53,8 @@ REF_SAMPLES = 512
 #: its limit: from a few hundred samples a p99 is the second or third slowest call, and two calls stalled from
 #: outside the model (a preempted thread) are not a tail that moved.
 TAIL_SAMPLES = 5
+#: Ratios of healthy windows pooled per dominant size class: its tail percentiles' baseline is theirs.
+TAIL_POOL = 2048
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +194,14 @@ class _Class:
 
 
 @dataclass
+class _Tail:
+    """Healthy windows of one dominant size class: how many, and their latest ratios (pooled)."""
+
+    windows: int = 0
+    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TAIL_POOL))
+
+
+@dataclass
 class _Track:
     start_ns: int
     values: list[float] = field(default_factory=list)
@@ -200,8 +211,10 @@ class _Track:
     #: The learning windows' samples (values, classes, end_ns, seen), until the baseline is learned.
     learning: list[tuple[list[float], list[int], int, int]] = field(default_factory=list)
     healthy: deque[WindowStats] = field(default_factory=deque)
-    #: Healthy windows by dominant size class: the baselines of the tail percentiles, mix by mix.
-    tails: dict[int, deque[WindowStats]] = field(default_factory=dict)
+    #: By dominant size class, its healthy windows' ratios (the tail percentiles' baseline, mix by mix).
+    tails: dict[int, _Tail] = field(default_factory=dict)
+    #: The ratios of the window ``_stats`` judged last (what ``_learn`` pools when that window is healthy).
+    last_ratios: list[float] = field(default_factory=list)
     streak: list[WindowStats] = field(default_factory=list)
     active: bool = False
     active_classes: tuple[str, ...] = ()
@@ -301,10 +314,10 @@ class Detector:
             track.streak.clear()
             return None
         assert stats.ratios is not None
-        tails = self._tail_baseline(track, stats.dominant)
+        tails, pooled = self._tail_baseline(track, stats.dominant)
         judged = [q for q in judged if q == "p50" or q in tails]
         exceeded = tuple(q for q in judged if stats.ratios[q] > (baseline if q == "p50" else tails)[q] * p.ratio
-                         and (q == "p50" or self._beyond(track, values, sizes, tails[q] * p.ratio) >= TAIL_SAMPLES))
+                         and (q == "p50" or self._tail_moved(track, values, sizes, tails[q] * p.ratio, pooled)))
         limit = baseline["p50"] * p.ratio
         slow = sorted(((c["ratio_p50"], label) for label, c in stats.classes.items()
                        if c["ratio_p50"] is not None and c["samples"] >= self.class_ready and c["ratio_p50"] > limit),
@@ -327,14 +340,21 @@ class Detector:
         return None
 
     @staticmethod
-    def _beyond(track: _Track, values: list[float], sizes: list[int], limit: float) -> int:
-        """How many of a window's samples have a ratio to their class's reference above ``limit``."""
-        n = 0
+    def _tail_moved(track: _Track, values: list[float], sizes: list[int], limit: float, pooled: list[float]) -> bool:
+        """Whether the calls beyond a tail percentile's ``limit`` (a ratio) are more than its healthy windows
+        had: at least ``TAIL_SAMPLES``, and at least twice, plus three standard deviations, the count the
+        pooled healthy ratios predict for this many calls. A p99 is set by the two or three slowest calls of
+        a few hundred; when stalls from outside the model hit about 1% of calls, a window with five of them
+        is chance (measured: p99 fired once a minute on such traffic without this rule)."""
+        judged = beyond = 0
         for v, c in zip(values, sizes, strict=True):
             k = track.classes.get(c)
-            if k is not None and k.median is not None and k.median > 0 and v > limit * k.median:
-                n += 1
-        return n
+            if k is not None and k.median is not None and k.median > 0:
+                judged += 1
+                beyond += v > limit * k.median
+        share = (len(pooled) - bisect.bisect_right(pooled, limit)) / len(pooled) if pooled else 0.0
+        expected = share * judged
+        return beyond >= max(TAIL_SAMPLES, 2 * expected + 3 * math.sqrt(expected))
 
     def _stats(self, track: _Track, values: list[float], sizes: list[int], end_ns: int, seen: int) -> WindowStats:
         """Raw percentiles; ratio percentiles over the samples whose class has a reference; per class counts."""
@@ -361,6 +381,7 @@ class Detector:
         if not ratios:
             return WindowStats(end_ns, seen, seconds, None, None, classes, dominant)
         ratios.sort()
+        track.last_ratios = ratios
         rq = {q: quantile(ratios, QUANTILE_LEVELS[q]) for q in names}
         track.last_mix = {c: len(rs) for c, rs in per.items()}
         return WindowStats(end_ns, seen, seconds, rq, self._expected(track), classes, dominant)
@@ -422,20 +443,22 @@ class Detector:
         track.healthy.append(stats)
         while len(track.healthy) > n:
             track.healthy.popleft()
-        tails = track.tails.pop(stats.dominant, None) or deque(maxlen=n)
-        tails.append(stats)
-        track.tails[stats.dominant] = tails  # re-inserted: the dict's order is least recently healthy first
+        tail = track.tails.pop(stats.dominant, None) or _Tail()
+        tail.windows += 1
+        tail.ratios.extend(track.last_ratios)
+        track.tails[stats.dominant] = tail  # re-inserted: the dict's order is least recently healthy first
         while len(track.tails) > MAX_CLASSES:
             del track.tails[next(iter(track.tails))]
 
-    def _tail_baseline(self, track: _Track, dominant: int) -> dict[str, float]:
-        """The tail percentiles' baseline for windows of this dominant class: the median of its last
-        ``baseline_windows`` healthy windows; empty until it has that many."""
-        tails = track.tails.get(dominant)
-        if tails is None or len(tails) < self.policy.baseline_windows:
-            return {}
-        return {q: statistics.median(w.ratios[q] for w in tails if w.ratios is not None)
-                for q in _names(self.policy) if q != "p50"}
+    def _tail_baseline(self, track: _Track, dominant: int) -> tuple[dict[str, float], list[float]]:
+        """The tail percentiles' baseline for windows of this dominant class: the percentiles of the ratios
+        pooled from its recent healthy windows (a p99 over 600 calls, not the median of three p99s each set
+        by two calls), and those ratios sorted; empty until it has ``baseline_windows`` of them."""
+        tail = track.tails.get(dominant)
+        if tail is None or tail.windows < self.policy.baseline_windows:
+            return {}, []
+        pooled = sorted(tail.ratios)
+        return {q: quantile(pooled, QUANTILE_LEVELS[q]) for q in _names(self.policy) if q != "p50"}, pooled
 
     def _ratio_baseline(self, track: _Track) -> dict[str, float] | None:
         """The learned baseline of the ratio percentiles, or None while still learning."""

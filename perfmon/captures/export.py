@@ -46,14 +46,15 @@ def latest_baseline(store: TraceStore, model: str, *, like: Mapping[str, Any] | 
     or None. Read from the trace store (retention keeps it), so it outlives this process; its
     ``ended_at`` (UTC ISO 8601) says when it was taken.
 
-    ``size_class`` (a label): only a baseline whose steps mostly ran that size class. ``like`` (a capture's
+    ``size_class`` (a label): only a baseline taken for that size class or whose steps mostly ran it. ``like`` (a capture's
     metadata): the newest baseline of its size class when there is one, else the one nearest in work
     per step (compared per unit of work; ``compare.compare_basis``), else the newest."""
     baselines = [meta for meta in store.list()  # newest first
                  if meta.get("model") == model and meta.get("trigger") == "baseline" and meta.get("outcome") == "ok"
                  and meta.get("ops")]
-    if size_class is not None:
-        return next((meta for meta in baselines if step_work(meta)[1] == size_class), None)
+    if size_class is not None:  # one taken for that class counts, whatever its few steps happened to run
+        return next((meta for meta in baselines if size_class in (step_work(meta)[1], _reason(meta).get("size_class"))),
+                    None)
     work, label = step_work(like) if like is not None else (None, None)
     if work is None or not baselines:
         return baselines[0] if baselines else None
@@ -62,6 +63,11 @@ def latest_baseline(store: TraceStore, model: str, *, like: Mapping[str, Any] | 
             return meta
     sized = [(abs(math.log(w / work)), i) for i, meta in enumerate(baselines) if (w := step_work(meta)[0])]
     return baselines[min(sized)[1]] if sized else baselines[0]
+
+
+def _reason(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    reason = meta.get("reason")
+    return reason if isinstance(reason, Mapping) else {}
 
 
 @dataclass
