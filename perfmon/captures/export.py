@@ -46,9 +46,9 @@ def latest_baseline(store: TraceStore, model: str, *, like: Mapping[str, Any] | 
     or None. Read from the trace store (retention keeps it), so it outlives this process; its
     ``ended_at`` (UTC ISO 8601) says when it was taken.
 
-    ``size_class`` (a label): only a baseline taken for that size class or whose steps mostly ran it. ``like`` (a capture's
-    metadata): the newest baseline of its size class when there is one, else the one nearest in work
-    per step (compared per unit of work; ``compare.compare_basis``), else the newest."""
+    ``size_class`` (a label): only a baseline taken for that size class or whose steps mostly ran it.
+    ``like`` (a capture's metadata): the newest baseline of its size class when there is one, else the one
+    nearest in work per step (compared per unit of work; ``compare.compare_basis``), else the newest."""
     baselines = [meta for meta in store.list()  # newest first
                  if meta.get("model") == model and meta.get("trigger") == "baseline" and meta.get("outcome") == "ok"
                  and meta.get("ops")]
