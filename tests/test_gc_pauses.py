@@ -163,6 +163,26 @@ def test_regression_reason_gets_a_gc_entry_for_the_regressed_windows() -> None:
     assert dict(internal.counts()) == {}
 
 
+def test_a_regression_spans_its_windows_from_the_first_ones_start() -> None:
+    """The detector's Regression says when its regressed windows began and ended (what the gc entry is read over):
+    two consecutive 1 s windows of a 2x step, the first starting where the healthy one before it ended."""
+    import random
+
+    from perfmon.captures.detector import Detector
+
+    det = Detector(RegressionPolicy(window_seconds=1, ratio=1.5, min_samples=20, consecutive=2, baseline_windows=4),
+                   seed=1)
+    rng = random.Random(1)
+    fired: list[Regression] = []
+    for i in range(2000):  # 10 s at 0.01 s, then 10 s twice as slow
+        fired += det.add("m", (0.010 if i < 1000 else 0.020) * rng.lognormvariate(0.0, 0.2), i * 10 * MS)
+    assert len(fired) == 1
+    start, end = fired[0].span_ns
+    first, last = fired[0].windows
+    assert start == first.start_ns and first.end_ns == last.start_ns and end == last.end_ns
+    assert 9_900 * MS <= start < end <= 13_000 * MS and end - start >= 2_000 * MS
+
+
 # -- the hook ---------------------------------------------------------------------------------------------
 
 
