@@ -199,6 +199,29 @@ def generation(b: Board) -> None:
              "properties": [{"id": "unit", "value": "reqps"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
 
 
+def gc_pauses(b: Board) -> None:
+    """The GC pauses row: collections per second and their p99 by generation, and the timed calls they overlapped."""
+    b.row("GC pauses")
+    b.panel("GC pauses per second", [
+        (f"sum by (generation) (rate(perfmon_gc_pause_seconds_count{{{BASE}}}[{RATE}]))", "gen-{{generation}}"),
+    ], "ops", width=8, description="Garbage collections of the serving process per second, by generation. Gen-0 "
+        "runs often and costs microseconds; gen-2 traverses every tracked object and can stall every thread for "
+        "tens to hundreds of ms on a large heap.")
+    b.panel("GC pause p99", [
+        (f"histogram_quantile(0.99, sum by (generation, le) (rate(perfmon_gc_pause_seconds_bucket{{{BASE}}}[{RATE}])))",
+         "gen-{{generation}} p99"),
+    ], "s", width=8, description="99th percentile of GC pause time by generation (buckets 1-2.5-5 a decade from "
+        "10 µs to 1 s). Every Python thread waits for the GIL meanwhile: a gen-2 p99 near the model's latency p99 "
+        "is the first suspect for a tail spike.")
+    b.panel("Timed calls that overlapped a GC pause", [
+        (f"sum by (model) (rate(perfmon_samples_gc_overlap_total{{{MODEL}}}[{RATE}])) / "
+         f"sum by (model) (rate(perfmon_forward_sampled_total{{{MODEL}}}[{RATE}]))", "{{model}}"),
+        (f"sum(rate(perfmon_gc_pause_seconds_sum{{{BASE}}}[{RATE}]))", "wall time in GC"),
+    ], "percentunit", width=8, description="Share of timed calls whose interval overlapped a GC pause of any "
+        "generation (the status page and /stats say which generation, and whether the slowest calls did), and "
+        "the share of wall time the process spent collecting.")
+
+
 def overview() -> dict[str, Any]:
     b = Board()
     steady = f'{MODEL}, phase="steady"'
@@ -260,6 +283,7 @@ def overview() -> dict[str, Any]:
         (f"sum by (model) (perfmon_regressions_total{{{MODEL}}})", "{{model}} detected"),
     ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
     generation(b)
+    gc_pauses(b)
     b.row("Agent")
     b.panel("Samples dropped and internal errors", [
         (f"sum by (model, reason) (rate(perfmon_samples_dropped_total{{{MODEL}}}[{RATE}]))", "{{model}} {{reason}}"),
@@ -311,7 +335,7 @@ def overview() -> dict[str, Any]:
     ], "short", description="CPU seconds per second and resident memory (GiB) of the serving process.")
     return dashboard("perfmon-overview", "perfmon: serving", "Calls, errors, sampled latency (cold vs steady, "
                      "host vs device, prefill vs decode), regressions, profiler captures and generation (time to "
-                     "first token, inter-token latency, tokens) per model.", b,
+                     "first token, inter-token latency, tokens) per model, and the process's GC pauses.", b,
                      [{"title": "perfmon: GPU and memory", "type": "link", "url": "/d/perfmon-gpu",
                        "keepTime": True, "includeVars": True}])
 

@@ -147,6 +147,9 @@ class Config:
     nvml: bool = True
     #: Seconds between NVML polls (each poll is ~15 NVML calls per GPU).
     nvml_interval_seconds: float = 1.0
+    #: Time the process's garbage-collection pauses (a ``gc.callbacks`` hook, ~1 µs a collection) and mark the
+    #: timed calls and generation requests they overlapped (telemetry/gcpauses.py).
+    gc_pauses: bool = True
     #: Where captures and allocator snapshots go (created 0700).
     trace_dir: str = "./perfmon-traces"
     #: On a CUDA out-of-memory error in a monitored call, write one allocator snapshot to trace_dir.

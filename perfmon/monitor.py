@@ -42,16 +42,19 @@ from .metrics.collectors import (
     AgentCollector,
     BatchCollector,
     CaptureCollector,
+    GcCollector,
     GenerationCollector,
     TelemetryCollector,
     UploadCollector,
 )
 from .metrics.store import Metrics
+from .stats.gc import GcView
 from .stats.history import History
 from .stats.views import Views
 from .stats.windows import Windows
 from .store.traces import TraceStore
 from .store.uploader import TraceUploader
+from .telemetry.gcpauses import GcPauses
 from .telemetry.memory import MemorySource, OomSnapshotter, TorchMemory
 from .telemetry.nvml import NvmlPoller
 
@@ -106,7 +109,7 @@ class Monitor:
             self.traces, internal=hub.internal, log=logger(component="capture"),
             cooldown_seconds=limits.cooldown_seconds, max_auto_per_hour=limits.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
-            profiler_factory=profiler_factory or torch_profiler, cpu=hub.cpu, peaks=self._peaks,
+            profiler_factory=profiler_factory or torch_profiler, cpu=hub.cpu, peaks=functools.partial(_peaks, cfg),
             max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds,
             max_baseline_per_hour=limits.baseline_captures_per_hour)
         self.policy = CapturePolicy(regression, models=self.models, captures=self.captures, internal=hub.internal,
@@ -114,6 +117,7 @@ class Monitor:
         self.detector = self.policy.detector
         self.resolver = Resolver(hub, [self.metrics.observe, self.windows.add, self.policy.sink],
                                   states=self.models.states, on_tick=self._tick, log=logger(component="resolver"))
+        self.gc_pauses, self._gc = _gc_stage(self)
         #: Captures copied to object storage (trace_store), or None: they stay in trace_dir only.
         self.uploads: TraceUploader | None = None if cfg.trace_store is None else TraceUploader(
             self.traces, cfg.trace_store, internal=hub.internal, timeout_seconds=cfg.trace_upload_timeout_seconds,
@@ -126,7 +130,7 @@ class Monitor:
         self._views = Views(config=cfg, hub=hub, models=self.models, metrics=self.metrics, windows=self.windows,
                             history=self.history, generations=self.generations, captures=self.captures,
                             traces=self.traces, detector=self.detector, resolver=self.resolver, http=self.ports.detail,
-                            memory=memory, nvml=self.nvml_poller)
+                            memory=memory, nvml=self.nvml_poller, gc=self._gc[0] if self._gc else None)
         _register_collectors(self)
         self._lifecycle = threading.Lock()
         self._running = False
@@ -148,7 +152,7 @@ class Monitor:
                 process.prepare_profiler(self.log, self.internal)
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
             self.resolver.start(cfg.resolve_interval_seconds)
-            for part in (self.uploads, self.nvml_poller):
+            for part in (self.uploads, self.nvml_poller, self.gc_pauses):
                 if part is not None:
                     part.start()
             self._running = True
@@ -189,8 +193,9 @@ class Monitor:
         self._hub.timing = False
         self.ports.stop(timeout)
         self.captures.stop(timeout)
-        if self.uploads is not None:  # after the captures: a last export is spooled (uploaded by the next start)
-            self.uploads.stop(timeout)
+        for part in (self.uploads, self.gc_pauses):  # after the captures (a last export spools), before the resolver
+            if part is not None:
+                part.stop(timeout)
         self.resolver.stop(timeout)
         if self.nvml_poller is not None:
             self.nvml_poller.stop(timeout)
@@ -210,7 +215,8 @@ class Monitor:
         self.ports.abandon()
         self._hub.reset_after_fork()
         for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver,
-                     self.generations, self._generation_metrics, self.policy, self.uploads, self.nvml_poller):
+                     self.generations, self._generation_metrics, self.policy, self.uploads, self.nvml_poller,
+                     self.gc_pauses, *self._gc):
             if part is not None:
                 part.reset_after_fork()
         self.metrics.set_port(None)
@@ -316,9 +322,6 @@ class Monitor:
                                  with_stack=with_stack, profile_memory=profile_memory)
         return self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]}).public()
 
-    def _peaks(self, device: str) -> Any:
-        return device_peaks(device, peak_flops=self.config.peak_flops, peak_bandwidth=self.config.peak_bandwidth)
-
     def profiles(self) -> list[dict[str, Any]]:
         """Captures, newest first: the one in flight (if any) and the stored ones."""
         return self._views.profiles()
@@ -372,8 +375,33 @@ def _register_collectors(monitor: Monitor) -> None:
         reg.register(UploadCollector(monitor.uploads))
     reg.register(AgentCollector(cpu=monitor.cpu, resolver=monitor.resolver, http=monitor._hub.http,
                                 listening=lambda: monitor.ports.listening(monitor._running)))
+    if monitor._gc:
+        reg.register(monitor._gc[1])
     reg.register(TelemetryCollector(memory=monitor._memory, nvml=monitor.nvml_poller, internal=monitor.internal,
                                     oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
+
+
+def _peaks(cfg: Config, device: str) -> Any:
+    """The device peaks for a capture's roofline (the configured ones win)."""
+    return device_peaks(device, peak_flops=cfg.peak_flops, peak_bandwidth=cfg.peak_bandwidth)
+
+
+def _gc_stage(monitor: Monitor) -> tuple[GcPauses | None, tuple[GcView, GcCollector] | tuple[()]]:
+    """GC pauses (``gc_pauses``): the resolver marks samples, the generation tick marks requests, a regression's
+    reason gets a ``gc`` entry, the collector exports pauses and overlaps. Installed by start(), removed by stop()."""
+    cfg = monitor.config
+    if not cfg.gc_pauses:
+        return None, ()
+    keep = max(cfg.stats_window_seconds, 120.0)  # the /stats window, and a regression's windows (2 x 10 s, or longer)
+    pauses = GcPauses(internal=monitor.internal, keep_seconds=keep)
+    view = GcView(pauses, monitor.windows, window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples)
+    collector = GcCollector(lambda: list(monitor.models.by_name))
+    pauses.sinks.append(collector.observe)
+    monitor.resolver.annotate = pauses.mark
+    monitor.resolver.sinks.append(collector.sample)
+    monitor.generations.sinks.append(view.generation_sink)
+    monitor.policy.explain = lambda model, stage, since, until: ("gc", view.regression(model, stage, since, until))
+    return pauses, (view, collector)
 
 
 def _telemetry(cfg: Config, hub: Hub, memory: MemorySource | None, nvml: Any,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -117,7 +118,8 @@ def test_every_metric_a_dashboard_or_rule_names_is_registered() -> None:
                      "perfmon_latency_baseline_seconds", "perfmon_regression_active",
                      "perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds",
                      "perfmon_generated_tokens_total", "perfmon_prompt_tokens_total",
-                     "perfmon_generation_requests_total"):
+                     "perfmon_generation_requests_total", "perfmon_gc_pause_seconds",
+                     "perfmon_samples_gc_overlap_total"):
         assert required in used, required
 
 
@@ -233,8 +235,16 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
                     pass
             stop.wait(0.001)
 
+    def collect() -> None:  # GC pauses of each generation, from another thread than the serving one
+        for i in range(600):  # at most 2 minutes, like the driver
+            if stop.wait(0.2):
+                return
+            gc.collect(i % 3)
+
     t = threading.Thread(target=drive)
     t.start()
+    collecting = threading.Thread(target=collect)
+    collecting.start()
     try:
         wait_until(lambda: mon.stats()["models"]["encoder"]["calls"] > 10, what="the driver to start")
         cap = mon.capture("encoder", steps=2)
@@ -269,3 +279,4 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     finally:
         stop.set()
         t.join(10)
+        collecting.join(10)

@@ -256,3 +256,37 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
     table = _wait(lambda: browser.find_element(By.CSS_SELECTOR, "tr.comparison-ops").text, what="comparison rows")
     assert hostile_op in table and "new" in table and "op (vs baseline)" in table
     assert not browser.find_elements(By.ID, "xss") and browser.title == "perfmon"
+
+
+def test_page_shows_gc_pauses_and_marks_a_model_whose_slowest_calls_overlapped_a_gen2_pause(browser,
+                                                                                             make_monitor) -> None:
+    """The GC table lists pauses per generation; a model whose slowest call overlapped a gen-2 collection gets the
+    badge that says so, and its card counts the calls that overlapped a pause."""
+    from selenium.webdriver.common.by import By
+
+    class CollectsOnce(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 150:
+                import gc
+
+                gc.collect(2)  # inside this call: its interval holds the whole pause
+            return x + 1
+
+    mon = make_monitor(port=0, sample_rate=1.0).start()
+    model = mon.wrap(CollectsOnce(), name="collected")
+    for _ in range(300):
+        model(torch.ones(2))
+    assert mon.flush()
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
+    gen2 = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '#gc-pauses tr[data-generation="2"]').text,
+                 what="the gen-2 row")
+    assert re.match(r"gen-2 [1-9]\d* [\d.]+ (ms|s) [\d.]+ (ms|s)", gen2), gen2
+    card = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '[data-model="collected"]').text, what="card")
+    assert "slowest calls overlapped gen-2 GC" in card
+    assert re.search(r"[1-9]\d* of \d+ · [1-9]\d* of \d+\s+steady calls that overlapped GC", card), card

@@ -59,6 +59,10 @@ class Sample(NamedTuple):
     size: int | None = None
     #: (trace_id, span_id) of the OpenTelemetry span the call ran in (sampled spans only; exemplars.py).
     trace: tuple[int, int] | None = None
+    #: Seconds of garbage-collection pauses inside the call's host interval, and the highest generation among
+    #: them (-1: none); set by the resolver from telemetry/gcpauses.py before the sinks see the sample.
+    gc_seconds: float = 0.0
+    gc_generation: int = -1
 
 
 def series_key(model: str, stage: str) -> str:

@@ -21,10 +21,13 @@ from .clocks import elapsed_seconds
 from .records import COLD, STEADY, Pending, Sample
 from .state import Hub, ModelState
 
-__all__ = ["Resolver", "Sink"]
+__all__ = ["Annotate", "Resolver", "Sink"]
 
 #: A stage that consumes resolved samples (structlog-style: a plain callable).
 Sink = Callable[[Sample], None]
+#: Runs on each pass's samples before the sinks, every pass (even with none), and returns them (replaced
+#: items allowed): telemetry/gcpauses.py marks the calls that overlapped a GC pause.
+Annotate = Callable[[list[Sample]], list[Sample]]
 
 
 class Resolver:
@@ -45,6 +48,8 @@ class Resolver:
         self.idle_seconds = idle_seconds
         #: Housekeeping called once per resolver pass with perf_counter_ns (faults are counted, never raised).
         self.on_tick = on_tick
+        #: Called on each pass's samples after they are resolved, before the sinks (None: nothing).
+        self.annotate: Annotate | None = None
         self.hub = hub
         self.sinks = list(sinks)
         self._states = states
@@ -73,6 +78,11 @@ class Resolver:
         """Resolve what can be resolved now; returns the number of samples delivered."""
         with self._lock:
             done = self._collect()
+            if self.annotate is not None:
+                try:
+                    done = self.annotate(done)
+                except Exception as exc:  # the samples go on unmarked
+                    self.hub.internal.report("resolver", exc)
             delivered = self._deliver(done)
             now = perf_counter_ns() if now_ns is None else now_ns
             self._housekeeping(now)

@@ -27,7 +27,7 @@ import statistics
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..exceptions import ConfigError
@@ -152,6 +152,8 @@ class WindowStats:
     expected: dict[str, float] | None = None
     classes: dict[str, dict[str, Any]] = field(default_factory=dict)
     dominant: int = 0
+    #: When the window began (ns on the detector's clock; 0: not recorded, a learning window replayed).
+    start_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,11 @@ class Regression:
     #: Size class labels that regressed (their median ratio over the threshold), worst first; when only the
     #: pooled percentiles did, the class with the largest median ratio.
     size_classes: tuple[str, ...] = ()
+
+    @property
+    def span_ns(self) -> tuple[int, int]:
+        """(start, end) of the regressed windows, ns on the detector's clock (perf_counter_ns)."""
+        return self.windows[0].start_ns, self.windows[-1].end_ns
 
     def as_dict(self) -> dict[str, Any]:
         last = self.windows[-1]
@@ -302,7 +309,7 @@ class Detector:
         if baseline is None:
             self._learn_window(track, values, sizes, end_ns, seen)
             return None
-        stats = self._stats(track, values, sizes, end_ns, seen)
+        stats = replace(self._stats(track, values, sizes, end_ns, seen), start_ns=track.start_ns)
         track.last = stats
         judged_n = sum(c["samples"] for c in stats.classes.values() if c["ratio_p50"] is not None)
         # A percentile is only judged when the window can resolve it: p99 needs 100 samples (below that

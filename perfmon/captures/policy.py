@@ -7,7 +7,7 @@ regression capture that found the profiler busy and keeps each model's baseline 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from time import perf_counter_ns
 from typing import Any
@@ -61,6 +61,9 @@ class CapturePolicy:
         #: model -> perf_counter_ns of the last look for its baseline capture (the store is read at most
         #: every baseline_check_seconds per model).
         self._baseline_checked: dict[str, int] = {}
+        #: Extra entries for a regression's reason: ``(model, stage, since_ns, until_ns) -> (key, value)`` over the
+        #: regressed windows (stats/gc.py's ``gc``), or None.
+        self.explain: Callable[[str, str, int, int], tuple[str, Any]] | None = None
         #: series key -> (state, options, reason, expiry ns): a regression capture that found the slot busy.
         self.deferred: dict[str, tuple[Any, CaptureOptions, dict[str, Any], int]] = {}
 
@@ -90,6 +93,12 @@ class CapturePolicy:
         for r in regressions:
             model, stage = split_key(r.model)
             details = {**r.as_dict(), "model": model, **({"stage": stage} if stage else {})}
+            if self.explain is not None:
+                try:
+                    key, value = self.explain(model, stage, *r.span_ns)
+                    details[key] = value
+                except Exception as exc:  # the regression and its capture go on without it
+                    self._internal.report("regression_reason", exc)
             self._log.warning("latency_regression", **details)
             st = self._models.get(model)
             if st is None or policy is None or not st.capturable:

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..agent.generation import DURATION_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
 
-__all__ = ["BATCH_BUCKETS", "GENERATION_HISTOGRAMS", "METRICS", "NATIVE_GENERATION"]
+__all__ = ["BATCH_BUCKETS", "GC_PAUSE_BUCKETS", "GENERATION_HISTOGRAMS", "METRICS", "NATIVE_GENERATION"]
 
 #: name (as exposed, without histogram suffixes) -> (type, unit, labels, help). docs/metrics.md
 #: lists the same; a test keeps the two and the registry in step.
@@ -86,6 +86,16 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "counter", "tokens", ("model", "kind"),
         "Tokens in the model's continuous-batching steps, by kind (prefill: prompt positions, decode: generated "
         "ones; padding excluded), counted as each step is scheduled, exact."),
+    # -- garbage collection (telemetry/gcpauses.py): the serving process's collector pauses -----------
+    "perfmon_gc_pause_seconds": (
+        "histogram", "seconds", ("generation",),
+        "Garbage-collection pauses of the process (gc.callbacks, start to stop, any thread), by generation "
+        "(0, 1, 2): every thread waits for the GIL meanwhile."),
+    "perfmon_gc_collected_objects_total": (
+        "counter", "objects", ("generation",), "Unreachable objects the collector found, by generation."),
+    "perfmon_samples_gc_overlap_total": (
+        "counter", "samples", ("model",),
+        "Timed calls (resolved samples, cold and steady) whose host interval overlapped a GC pause of any generation."),
     # -- torch allocator (memory.py), per CUDA device this process used ------------------------
     "perfmon_torch_memory_allocated_bytes": (
         "gauge", "bytes", ("device", "gpu", "UUID"), "Bytes in live tensors (torch caching allocator)."),
@@ -200,6 +210,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
 
 #: Batch-size buckets: powers of two up to 4096.
 BATCH_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(13))
+
+#: GC pause buckets (s): 1-2.5-5 per decade from 10 µs to 1 s, then 2.5 s. A gen-0 pause is tens of µs, a
+#: gen-2 one over a large heap tens to hundreds of ms. 17 bounds, 20 series per generation.
+GC_PAUSE_BUCKETS: tuple[float, ...] = tuple(
+    float(f"{m * 10.0**e:.3g}") for e in range(-5, 0) for m in (1, 2.5, 5)
+) + (1.0, 2.5)
 
 #: Generation histogram -> its bounds (fixed: dashboards and alert rules rely on them, docs/metrics.md).
 GENERATION_HISTOGRAMS: dict[str, tuple[float, ...]] = {

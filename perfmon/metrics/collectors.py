@@ -17,20 +17,21 @@ from prometheus_client.registry import Collector
 from ..agent.batching import BatchTokens
 from ..agent.generation import DROP_REASONS as GENERATION_DROP_REASONS
 from ..agent.generation import GenerationEvent, GenerationTracker, TokenTiming
-from ..agent.records import split_key
+from ..agent.records import Sample, split_key
 from ..agent.streams import OUTCOMES
 from ..captures.controller import CaptureController
 from ..captures.detector import Detector
 from ..faults import InternalErrors, count_value
 from ..selfcost import AgentCpu, HttpShedding
+from ..telemetry.gcpauses import GENERATIONS, Pause
 from ..telemetry.memory import MemorySource, read_memory
 from ..telemetry.nvml import NvmlPoller, normalize_uuid
-from .catalog import GENERATION_HISTOGRAMS, METRICS, NATIVE_GENERATION, _family
+from .catalog import GC_PAUSE_BUCKETS, GENERATION_HISTOGRAMS, METRICS, NATIVE_GENERATION, _family
 from .family import HistogramRows
 from .store import _Histogram, _le
 
-__all__ = ["AgentCollector", "BatchCollector", "CaptureCollector", "GenerationCollector", "TelemetryCollector",
-           "UploadCollector"]
+__all__ = ["AgentCollector", "BatchCollector", "CaptureCollector", "GcCollector", "GenerationCollector",
+           "TelemetryCollector", "UploadCollector"]
 
 
 #: GpuReading.values key -> metric name.
@@ -332,3 +333,53 @@ class BatchCollector(Collector):
             fam.add_metric([model, "prefill"], prefill)
             fam.add_metric([model, "decode"], decode)
         yield fam
+
+
+class GcCollector(Collector):
+    """GC pauses by generation (``observe``: GcPauses' sink) and timed calls that overlapped one (``sample``: a
+    resolver sink), both fed on the resolver thread; every generation and every model exported, zeros included."""
+
+    def __init__(self, models: Callable[[], Iterator[str] | list[str]]) -> None:
+        self._models = models
+        self._les = tuple(_le(b) for b in (*GC_PAUSE_BUCKETS, math.inf))
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        """Empty (also the initial state): the parent's pauses are the parent's."""
+        self._pauses = {g: _Histogram(GC_PAUSE_BUCKETS, self._les) for g in GENERATIONS}
+        self._collected = dict.fromkeys(GENERATIONS, 0)
+        self._overlaps: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, pauses: list[Pause]) -> None:
+        """Sink: a drained batch of pauses into the histogram and the collected-objects counts."""
+        with self._lock:
+            for start, end, gen, collected in pauses:
+                g = min(max(gen, 0), 2)
+                self._pauses[g].observe((end - start) / 1e9)
+                self._collected[g] += collected
+
+    def sample(self, sample: Sample) -> None:
+        """Resolver sink: count a timed call that overlapped a pause."""
+        if sample.gc_generation >= 0:
+            self._overlaps[sample.model] = self._overlaps.get(sample.model, 0) + 1
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            rows = [h.row((str(g),)) for g, h in self._pauses.items()]
+            collected = dict(self._collected)
+        fam = HistogramRows("perfmon_gc_pause_seconds", METRICS["perfmon_gc_pause_seconds"][3], labels=["generation"])
+        for row in rows:
+            fam.add_row(row)
+        yield fam
+        objects = _family("perfmon_gc_collected_objects_total")
+        for g, n in collected.items():
+            objects.add_metric([str(g)], n)
+        yield objects
+        overlaps = _family("perfmon_samples_gc_overlap_total")
+        for model in self._models():
+            overlaps.add_metric([model], self._overlaps.get(model, 0))
+        yield overlaps

@@ -25,6 +25,7 @@ from ..metrics.store import Metrics
 from ..store.traces import TraceStore
 from ..telemetry.memory import MemorySource, read_memory
 from ..telemetry.nvml import NvmlPoller
+from .gc import GcView
 from .history import History
 from .windows import Windows
 
@@ -38,7 +39,7 @@ class Views:
                  history: History, generations: GenerationTracker, captures: CaptureController, traces: TraceStore,
                  detector: Detector | None, resolver: Resolver,
                  http: Callable[[], dict[str, Any]], memory: MemorySource | None,
-                 nvml: NvmlPoller | None) -> None:
+                 nvml: NvmlPoller | None, gc: GcView | None = None) -> None:
         self.config = config
         self._hub = hub
         self._models = models
@@ -53,6 +54,7 @@ class Views:
         self._http = http
         self._memory = memory
         self._nvml = nvml
+        self._gc = gc
 
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
@@ -68,6 +70,8 @@ class Views:
                                       "ratios": last.ratios, "size_classes": last.classes},
                                      "size_classes": detector.classes(model)}
 
+        gc = self._gc
+
         def counts(st: ModelState) -> dict[str, Any]:
             return {
                 "calls": count_value(st.calls),
@@ -78,6 +82,7 @@ class Views:
                 "signature_tracking": st.sigs is not None,
                 "latency": self._windows.summary(st.name, now, stage=st.stage),
                 "regression": regression.get(series_key(st.name, st.stage)),
+                "gc": None if gc is None else gc.model(st.name, st.stage, now),
             }
 
         started_ns = self._hub.started_ns
@@ -100,8 +105,12 @@ class Views:
                              errors=_sum_dicts(s["errors"] for s in stages.values()),
                              dropped=_sum_dicts(s["dropped"] for s in stages.values()),
                              input_signatures=sum(s["input_signatures"] for s in stages.values()),
-                             latency={}, regression=None, stages=stages)
+                             latency={}, regression=None, gc=None, stages=stages)
         captures = self._captures
+        generation = self._generations.stats(now, started_ns)
+        if gc is not None:
+            for name, g in generation.items():
+                g["gc"] = gc.generation(name, now)
         return {
             "version": __version__,
             "pid": os.getpid(),  # which worker of a multi-process server answered
@@ -110,7 +119,8 @@ class Views:
             "pending_samples": self._resolver.pending,
             "internal_errors": dict(self._hub.internal.counts()),
             "models": models,
-            "generation": self._generations.stats(now, started_ns),
+            "generation": generation,
+            "gc": None if gc is None else gc.stats(now),
             "capture": {"state": captures.state, "current": captures.current.id
                         if captures.current else None, "suppressed": dict(captures.counts.suppressed)},
             "devices": self.devices(),

@@ -43,12 +43,12 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
 
 
 class Windows:
-    """Per (model, stage, phase): a ring of (end_ns, duration_seconds, host_seconds)."""
+    """Per (model, stage, phase): a ring of (end_ns, duration_seconds, host_seconds, gc_generation)."""
 
     def __init__(self, window_seconds: float, max_samples: int) -> None:
         self.window_ns = int(window_seconds * 1e9)
         self.max_samples = max_samples
-        self._rings: dict[tuple[str, str, str], collections.deque[tuple[int, float, float]]] = {}
+        self._rings: dict[tuple[str, str, str], collections.deque[tuple[int, float, float, int]]] = {}
         self._lock = threading.Lock()
 
     def reset_after_fork(self) -> None:
@@ -62,14 +62,21 @@ class Windows:
             ring = self._rings.get(key)
             if ring is None:
                 ring = self._rings[key] = collections.deque(maxlen=self.max_samples)
-            ring.append((sample.end_ns, sample.duration_seconds, sample.host_seconds))
+            ring.append((sample.end_ns, sample.duration_seconds, sample.host_seconds, sample.gc_generation))
 
     def since(self, model: str, phase: str, since_ns: int, stage: str = "") -> list[float]:
         """Durations (s) of ``model``'s ``phase`` samples (of one ``stage``) that ended after ``since_ns``."""
         with self._lock:
             ring = self._rings.get((model, stage, phase))
             items = list(ring) if ring is not None else []
-        return [d for end, d, _ in items if end > since_ns]
+        return [d for end, d, _, _ in items if end > since_ns]
+
+    def marks(self, model: str, phase: str, since_ns: int, until_ns: int, stage: str = "") -> list[tuple[float, int]]:
+        """(duration seconds, gc_generation) of the samples that ended in ``(since_ns, until_ns]``."""
+        with self._lock:
+            ring = self._rings.get((model, stage, phase))
+            items = list(ring) if ring is not None else []
+        return [(d, g) for end, d, _, g in items if since_ns < end <= until_ns]
 
     def summary(self, model: str, now_ns: int | None = None, stage: str = "") -> dict[str, dict[str, Any]]:
         """Per phase: device (or wall) and host duration summaries over the window (one ``stage``)."""
@@ -78,7 +85,7 @@ class Windows:
         with self._lock:
             rings = {phase: list(ring) for (m, s, phase), ring in self._rings.items() if m == model and s == stage}
         for phase, items in sorted(rings.items()):
-            recent = [(d, h) for end, d, h in items if end >= cutoff]
+            recent = [(d, h) for end, d, h, _ in items if end >= cutoff]
             durations = [d for d, _ in recent]
             hosts = [h for _, h in recent]
             duration = summarize(durations)
