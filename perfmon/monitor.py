@@ -23,11 +23,13 @@ from .agent.dynamo import mark_for_dynamo
 from .agent.exemplars import OTEL, TraceReader
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
+from .agent.records import STEADY
 from .agent.resolver import Resolver
 from .agent.span import Span, Untracked
 from .agent.state import Hub
 from .captures.controller import CaptureController
 from .captures.detector import RegressionPolicy
+from .captures.moved import host_device
 from .captures.policy import FROM_ENV, CapturePolicy, resolve_policy
 from .captures.profiler import ProfilerFactory, torch_profiler
 from .captures.records import CaptureOptions
@@ -113,7 +115,7 @@ class Monitor:
             max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds,
             max_baseline_per_hour=limits.baseline_captures_per_hour)
         self.policy = CapturePolicy(regression, models=self.models, captures=self.captures, internal=hub.internal,
-                                    log=self.log)
+                                    log=self.log, explainers=[functools.partial(_host_device, self)])
         self.detector = self.policy.detector
         self.resolver = Resolver(hub, [self.metrics.observe, self.windows.add, self.policy.sink],
                                   states=self.models.states, on_tick=self._tick, log=logger(component="resolver"))
@@ -386,6 +388,13 @@ def _peaks(cfg: Config, device: str) -> Any:
     return device_peaks(device, peak_flops=cfg.peak_flops, peak_bandwidth=cfg.peak_bandwidth)
 
 
+def _host_device(monitor: Monitor, model: str, stage: str, since_ns: int, until_ns: int) -> tuple[str, Any]:
+    """A regression's ``host_device`` entry: host and device time before vs during its windows (/stats windows)."""
+    st = monitor.models.get(model)
+    before, during = monitor.windows.split(model, STEADY, since_ns, until_ns, stage)
+    return "host_device", host_device(before, during, device_clock=st is not None and st.cuda_index >= 0)
+
+
 def _gc_stage(monitor: Monitor) -> tuple[GcPauses | None, tuple[GcView, GcCollector] | tuple[()]]:
     """GC pauses (``gc_pauses``): the resolver marks samples, the generation tick marks requests, a regression's
     reason gets a ``gc`` entry, the collector exports pauses and overlaps. Installed by start(), removed by stop()."""
@@ -400,7 +409,8 @@ def _gc_stage(monitor: Monitor) -> tuple[GcPauses | None, tuple[GcView, GcCollec
     monitor.resolver.annotate = pauses.mark
     monitor.resolver.sinks.append(collector.sample)
     monitor.generations.sinks.append(view.generation_sink)
-    monitor.policy.explain = lambda model, stage, since, until: ("gc", view.regression(model, stage, since, until))
+    monitor.policy.explainers.append(lambda model, stage, since, until: ("gc",
+                                                                         view.regression(model, stage, since, until)))
     return pauses, (view, collector)
 
 

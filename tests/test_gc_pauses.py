@@ -152,7 +152,7 @@ def test_regression_reason_gets_a_gc_entry_for_the_regressed_windows() -> None:
 
     policy = CapturePolicy(RegressionPolicy(), models=NoModels(), captures=None, internal=internal,  # type: ignore[arg-type]
                            log=Log())
-    policy.explain = lambda model, stage, since, until: ("gc", view.regression(model, stage, since, until))
+    policy.explainers.append(lambda model, stage, since, until: ("gc", view.regression(model, stage, since, until)))
     windows_stats = (WindowStats(t + 1_000 * MS, 450, {"p99": 0.04}, start_ns=t - MS),
                      WindowStats(t + 3_000 * MS, 450, {"p99": 0.04}, start_ns=t + 1_000 * MS))
     policy.fire([Regression("m", windows_stats, {"p50": 0.001, "p99": 0.002}, 1.5, ("p99",))])

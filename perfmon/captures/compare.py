@@ -52,7 +52,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from .detector import class_label, size_class
+from .sizes import class_label, size_class
 from .trace_summary import OTHER  # the op table's bucket of the names past its cap
 
 __all__ = ["ABS_FLOOR", "REL_FLOOR", "SHARE_FLOOR", "SIGMAS", "STATUSES", "compare", "compare_basis", "headline",

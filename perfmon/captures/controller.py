@@ -205,16 +205,14 @@ class CaptureController:
         return None
 
     def latest_baseline(self, model: str, size_class: str | None = None) -> dict[str, Any] | None:
-        """``model``'s newest baseline capture that finished ok with an op table, of ``size_class`` when given
-        (``export.latest_baseline``)."""
+        """``model``'s newest ok baseline capture (of ``size_class`` when given; ``export.latest_baseline``)."""
         return latest_baseline(self.store, model, size_class=size_class)
 
     # -- the request thread ---------------------------------------------------------------
 
     def call(self, st: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              work: int | None = None) -> Any:
-        """Run one call of a model with a capture pending; starts/steps/stops the profiler as due. ``work`` is
-        the call's size (``Sample.size``), kept per recorded step (``Capture.step_sizes``)."""
+        """Run one call with a capture pending (starts/steps/stops the profiler); ``work``: its ``step_sizes`` entry."""
         if self.state == ARMED and self._owns(st):
             self._try_start(st)
         rec = self._recording
@@ -254,12 +252,10 @@ class CaptureController:
 
     def _step(self, st: Any, work: int | None = None) -> None:
         cap, rec = self.current, self._recording
-        if cap is None or rec is None:
-            return
-        cap.step_sizes.append(work)
-        elapsed = rec.step(cap, self._clock(), abort=self._abort, max_bytes=self.max_bytes)
-        if elapsed is not None:
-            self._end_recording(st, cap, rec, elapsed)
+        if cap is not None and rec is not None:
+            elapsed = rec.step(cap, self._clock(), abort=self._abort, max_bytes=self.max_bytes, work=work)
+            if elapsed is not None:
+                self._end_recording(st, cap, rec, elapsed)
 
     def _thread_ended(self, st: Any) -> None:
         """The owner thread is exiting with the recording on (its locals' finaliser, on that thread)."""

@@ -33,9 +33,10 @@ from typing import Any
 from ..exceptions import ConfigError
 from ..stats.windows import quantile
 from .records import MAX_SECONDS, MAX_STEPS
+from .sizes import MAX_SIZE_CLASS, class_label, size_class
 
-__all__ = ["QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats", "class_label",
-           "size_class"]
+__all__ = ["MAX_SIZE_CLASS", "QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats",
+           "class_label", "size_class"]
 
 #: Percentile names a policy may trigger on -> quantile level.
 QUANTILE_LEVELS = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
@@ -43,8 +44,6 @@ QUANTILE_LEVELS = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 _RESERVOIR = 20_000  # samples kept per window; beyond it, uniform reservoir sampling
 #: A window waiting for min_samples closes anyway after this many window_seconds (as too small).
 MAX_WINDOW_FACTOR = 6
-#: Size classes are log2 buckets of a call's work; the last one holds everything from 2^MAX_SIZE_CLASS up.
-MAX_SIZE_CLASS = 30
 #: Size classes kept per series (the least recently seen goes beyond it): bounded memory and labels.
 MAX_CLASSES = 16
 #: Healthy latencies kept per size class; its reference is their median (s).
@@ -115,23 +114,6 @@ class RegressionPolicy:
         if self.capture_with_stack or self.capture_profile_memory:
             warnings.warn("RegressionPolicy enables with_stack/profile_memory for automatic captures: they make "
                           "each capture several times heavier on the serving thread", stacklevel=3)
-
-
-def size_class(size: int | None) -> int:
-    """A call's size class: 0 when its work is unknown or at most 1, else ``floor(log2(size))``+1
-    (1: 2-3, 2: 4-7, ... items or elements), capped at ``MAX_SIZE_CLASS``."""
-    if size is None or size <= 1:
-        return 0
-    return min(int(size).bit_length() - 1, MAX_SIZE_CLASS)
-
-
-def class_label(cls: int) -> str:
-    """The ``size_class`` label of a class: "1" for class 0, else "lo-hi" (``2^c``..``2^(c+1)-1``)."""
-    if cls <= 0:
-        return "1"
-    if cls >= MAX_SIZE_CLASS:
-        return f"{1 << MAX_SIZE_CLASS}+"
-    return f"{1 << cls}-{(1 << (cls + 1)) - 1}"
 
 
 @dataclass(frozen=True)
@@ -478,6 +460,12 @@ class Detector:
         """The baseline percentiles (s) for the last judged window's traffic mix, or None while learning."""
         track = self._tracks.get(model)
         return None if track is None else self._expected(track)
+
+    def healthy_classes(self, model: str) -> dict[str, dict[str, Any]] | None:
+        """The size classes of ``model``'s (a series key) last healthy window, or None (what a regression's mix is
+        compared with)."""
+        track = self._tracks.get(model)
+        return track.healthy[-1].classes if track is not None and track.healthy else None
 
     def views(self) -> Iterator[tuple[str, WindowStats | None, dict[str, float] | None, bool, int]]:
         """(model, last window, baseline, active, regressions) for every series seen."""

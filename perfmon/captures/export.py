@@ -25,7 +25,8 @@ from ..faults import InternalErrors
 from ..selfcost import AgentCpu
 from ..store.files import worker_name
 from ..store.traces import TraceStore
-from .compare import compare, step_work
+from .compare import compare, headline, step_work
+from .moved import add_ops
 from .profiler import Profiler
 from .records import COMPARED_TRIGGERS, TOP_OPS, Capture
 from .roofline import Peaks, summarise
@@ -156,6 +157,8 @@ class Exporter:
                     self.store.remove_temp(tmp)
         if outcome == "ok" and cap.trigger in COMPARED_TRIGGERS:
             comparison = self._compare(cap, ops, top_ops, steps)
+        if isinstance(cap.reason.get("moved"), dict):  # a regression's "what moved": the ops part, now known
+            add_ops(cap.reason["moved"], comparison, headline(comparison) if comparison else None)
         cap.export["seconds"] = round(time.monotonic() - t0, 3)
         final = {**cap.public(), "status": "done", "outcome": outcome, "error": error, "summary": summary,
                  "compute": compute, "ops": ops, "top_ops": top_ops, "steps": steps, "comparison": comparison}

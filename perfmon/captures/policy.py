@@ -18,6 +18,7 @@ from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from .controller import CaptureController
 from .detector import Detector, Regression, RegressionPolicy, WindowStats, class_label
+from .moved import summarise
 from .records import CaptureOptions
 
 __all__ = ["BASELINE_CHECK_SECONDS", "DEFERRED_SECONDS", "FROM_ENV", "CapturePolicy", "resolve_policy"]
@@ -49,7 +50,8 @@ class CapturePolicy:
     """
 
     def __init__(self, policy: RegressionPolicy | None, *, models: Models, captures: CaptureController,
-                 internal: InternalErrors, log: Any) -> None:
+                 internal: InternalErrors, log: Any,
+                 explainers: list[Callable[[str, str, int, int], tuple[str, Any]]] | None = None) -> None:
         self.policy = policy
         self.detector = Detector(policy) if policy is not None else None
         self._models = models
@@ -61,9 +63,10 @@ class CapturePolicy:
         #: model -> perf_counter_ns of the last look for its baseline capture (the store is read at most
         #: every baseline_check_seconds per model).
         self._baseline_checked: dict[str, int] = {}
-        #: Extra entries for a regression's reason: ``(model, stage, since_ns, until_ns) -> (key, value)`` over the
-        #: regressed windows (stats/gc.py's ``gc``), or None.
-        self.explain: Callable[[str, str, int, int], tuple[str, Any]] | None = None
+        #: Extra entries for a regression's reason, each ``(model, stage, since_ns, until_ns) -> (key, value)``
+        #: over the regressed windows (stats/gc.py's ``gc``, the /stats windows' ``host_device``, the request
+        #: spans' ``queue``); ``moved`` sums them up (captures/moved.py).
+        self.explainers: list[Callable[[str, str, int, int], tuple[str, Any]]] = list(explainers or ())
         #: series key -> (state, options, reason, expiry ns): a regression capture that found the slot busy.
         self.deferred: dict[str, tuple[Any, CaptureOptions, dict[str, Any], int]] = {}
 
@@ -93,12 +96,18 @@ class CapturePolicy:
         for r in regressions:
             model, stage = split_key(r.model)
             details = {**r.as_dict(), "model": model, **({"stage": stage} if stage else {})}
-            if self.explain is not None:
+            for explain in self.explainers:
                 try:
-                    key, value = self.explain(model, stage, *r.span_ns)
-                    details[key] = value
+                    key, value = explain(model, stage, *r.span_ns)
+                    if value is not None:
+                        details[key] = value
                 except Exception as exc:  # the regression and its capture go on without it
                     self._internal.report("regression_reason", exc)
+            try:
+                assert self.detector is not None
+                details["moved"] = summarise(details, before_classes=self.detector.healthy_classes(r.model))
+            except Exception as exc:
+                self._internal.report("regression_reason", exc)
             self._log.warning("latency_regression", **details)
             st = self._models.get(model)
             if st is None or policy is None or not st.capturable:

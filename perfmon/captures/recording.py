@@ -94,10 +94,12 @@ class Recording:
             raise
         return cls(prof, scope=scope, rss=rss, rss0=rss0, started=clock())
 
-    def step(self, cap: Capture, now: float, *, abort: bool, max_bytes: int) -> float | None:
-        """Count one recorded call of ``cap``; returns the seconds recorded when the recording is due to end
-        (``cap.ended_by`` says why), else None."""
+    def step(self, cap: Capture, now: float, *, abort: bool, max_bytes: int, work: int | None = None) -> float | None:
+        """Count one recorded call of ``cap`` that did ``work`` (its size, for ``cap.step_sizes``: comparisons line
+        captures up by it); returns the seconds recorded when the recording is due to end (``cap.ended_by`` says
+        why), else None."""
         cap.steps_recorded += 1
+        cap.step_sizes.append(work)
         elapsed = now - self.started
         rss = self._rss.read() if self._rss is not None else None
         if rss is not None and self._rss0 is not None:

@@ -78,6 +78,16 @@ class Windows:
             items = list(ring) if ring is not None else []
         return [(d, g) for end, d, _, g in items if since_ns < end <= until_ns]
 
+    def split(self, model: str, phase: str, since_ns: int, until_ns: int,
+              stage: str = "") -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(duration, host) seconds of the samples that ended before ``since_ns`` and of those in
+        ``(since_ns, until_ns]``: a regression's windows and what the ring kept from before them."""
+        with self._lock:
+            ring = self._rings.get((model, stage, phase))
+            items = list(ring) if ring is not None else []
+        before = [(d, h) for end, d, h, _ in items if end <= since_ns]
+        return before, [(d, h) for end, d, h, _ in items if since_ns < end <= until_ns]
+
     def summary(self, model: str, now_ns: int | None = None, stage: str = "") -> dict[str, dict[str, Any]]:
         """Per phase: device (or wall) and host duration summaries over the window (one ``stage``)."""
         cutoff = (perf_counter_ns() if now_ns is None else now_ns) - self.window_ns
