@@ -23,6 +23,7 @@ from .agent.dynamo import mark_for_dynamo
 from .agent.exemplars import OTEL, TraceReader
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
+from .agent.requests import RequestApi, RequestTracker
 from .agent.resolver import Resolver
 from .agent.span import Span, Untracked
 from .agent.state import Hub
@@ -46,6 +47,7 @@ from .metrics.collectors import (
     TelemetryCollector,
     UploadCollector,
 )
+from .metrics.requests import RequestCollector
 from .metrics.store import Metrics
 from .stats.history import History
 from .stats.views import Views
@@ -61,7 +63,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
-class Monitor:
+class Monitor(RequestApi):
     """An in-process performance monitor for PyTorch inference.
 
     ``Monitor(**settings)`` takes every ``Config`` setting as a keyword argument (keywords win over
@@ -81,8 +83,7 @@ class Monitor:
             settings["nvml"] = nvml
             nvml = None
         self.config = cfg = Config.from_env(**settings)
-        regression = resolve_policy(regression)
-        self.regression: RegressionPolicy | None = regression
+        self.regression = regression = resolve_policy(regression)  # a RegressionPolicy, or None: detection off
         logger = functools.partial(make_logger, cfg.log_format, cfg.log_level)
         self.log = logger(component="monitor")  # the process hooks log through it (perfmon.process)
         hub = self._hub = Hub(cfg, cuda if cuda is not None else TorchCuda() if torch.cuda.is_available() else NoCuda())
@@ -95,6 +96,7 @@ class Monitor:
             max_live=cfg.max_live_generations, queue_size=cfg.generation_queue_size,
             window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples, wake=lambda: hub.wake.set())
         self.models = Models(cfg, hub, self.generations)
+        self.requests = RequestTracker(hub)  # request spans (monitor.request, middlewares, batch): queue/model/rest
         self.metrics = Metrics(self.registry, cfg, states=self.models.states, internal=hub.internal,
                                started_ns=lambda: hub.started_ns)
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
@@ -124,12 +126,11 @@ class Monitor:
         self.ports = Ports(self, shedding=hub.http, set_port=self.metrics.set_port, log=self.log)
         self.history = History()
         self._views = Views(config=cfg, hub=hub, models=self.models, metrics=self.metrics, windows=self.windows,
-                            history=self.history, generations=self.generations, captures=self.captures,
-                            traces=self.traces, detector=self.detector, resolver=self.resolver, http=self.ports.detail,
-                            memory=memory, nvml=self.nvml_poller)
+                            history=self.history, generations=self.generations, requests=self.requests,
+                            captures=self.captures, traces=self.traces, detector=self.detector, resolver=self.resolver,
+                            http=self.ports.detail, memory=memory, nvml=self.nvml_poller)
         _register_collectors(self)
-        self._lifecycle = threading.Lock()
-        self._running = False
+        self._lifecycle, self._running = threading.Lock(), False  # start/stop/fork; whether started
         process.live.add(self)
 
     def start(self) -> Monitor:
@@ -165,6 +166,7 @@ class Monitor:
         self.policy.tick(now_ns)
         self.captures.tick()
         self.generations.drain(now_ns)
+        self.requests.drain(now_ns)
         # Never wait for the lifecycle lock here: stop() holds it while it joins this thread.
         if self.ports.due(now_ns) and self._lifecycle.acquire(blocking=False):
             try:
@@ -209,8 +211,8 @@ class Monitor:
         self._running = False
         self.ports.abandon()
         self._hub.reset_after_fork()
-        for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver,
-                     self.generations, self._generation_metrics, self.policy, self.uploads, self.nvml_poller):
+        for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver, self.policy,
+                     self.generations, self._generation_metrics, self.requests, self.uploads, self.nvml_poller):
             if part is not None:
                 part.reset_after_fork()
         self.metrics.set_port(None)
@@ -367,6 +369,10 @@ def _register_collectors(monitor: Monitor) -> None:
     reg, oom = monitor.registry, monitor.oom
     reg.register(monitor._generation_metrics)
     reg.register(BatchCollector(monitor.models.batch_tokens))
+    requests = RequestCollector(monitor.requests)
+    monitor.requests.sinks.append(requests.observe)
+    monitor.requests.on_fork.append(requests.reset_after_fork)
+    reg.register(requests)
     reg.register(CaptureCollector(detector=monitor.detector, controller=monitor.captures))
     if monitor.uploads is not None:
         reg.register(UploadCollector(monitor.uploads))
