@@ -393,3 +393,47 @@ def test_wsgi_app_span_ends_when_the_server_closes_the_body(make_monitor) -> Non
     assert value(mon, "perfmon_requests_total", model="wsgi", outcome="cancelled") == 1
     assert value(mon, "perfmon_requests_total", model="wsgi", outcome="error") == 1
     assert mon.requests.open_spans == 0
+
+
+def test_torch_compile_of_a_wrapped_model_inside_a_span_compiles_with_no_graph_break(make_monitor) -> None:
+    """torch.compile(wrap(m)) called in a request span: the span gets the model part, the model is still compiled
+    (one graph per shape, zero graph breaks: in_request is marked like the hot path)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    mon = make_monitor(sample_rate=1.0).start()
+    model = torch.compile(mon.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), name="compiled"),
+                          backend="eager")
+    spans = []
+    with torch.inference_mode():
+        for i in range(6):
+            with mon.request() as span:
+                model(torch.randn(2 + i % 2, 8))
+            spans.append(span)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2
+    assert all(s.label == "compiled" and s.parts() is not None for s in spans)
+    assert mon.flush()
+    assert mon.stats()["models"]["compiled"]["calls"] == 6
+
+
+def test_a_forked_child_starts_with_no_open_span_and_leaves_the_parents_uncounted(make_monitor) -> None:
+    """After fork (Monitor.after_fork_in_child) no span is open and the counts and histograms are empty; a span
+    the parent opened and the child ends is neither counted nor makes the open count negative."""
+    mon = make_monitor().start()
+    lin = _linear(mon, "forked")
+    with mon.request():
+        lin(torch.randn(2, 4))
+    parents = mon.request()
+    assert mon.flush() and mon.requests.open_spans == 1
+    mon.after_fork_in_child()  # what perfmon.process runs in a forked child (no real fork needed here)
+    assert mon.requests.open_spans == 0 and mon.requests.names() == []
+    assert value(mon, "perfmon_request_duration_seconds_count", model="forked") is None
+    parents.finish()
+    assert mon.requests.open_spans == 0 and mon.requests.names() == []
+    with mon.request():
+        lin(torch.randn(2, 4))
+    assert mon.flush()
+    assert value(mon, "perfmon_requests_total", model="forked", outcome="ok") == 1

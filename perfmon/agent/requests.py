@@ -283,7 +283,9 @@ class RequestTracker:
                 return
             span.outcome = outcome
             span.end_ns = end_ns
-            if span._epoch == self._epoch and hub.requests > 0:
+            if span._epoch != self._epoch:  # opened before a fork: the parent's request, not this process's
+                return
+            if hub.requests > 0:
                 hub.requests -= 1
         label = span.label
         counts = self._names.get(label)
