@@ -8,7 +8,8 @@ nn.Linear(64, 64) on a batch of 8, each
   - with no request span open in the process (the hot path reads Hub.requests and moves on),
   - inside an open span (context variable read and set, two clock reads, the span's stamps),
   - with a span open on another context only (the variable read finds none).
-Per request: a span opened and ended with no model work, and with one wrapped call in it.
+Per request: a span opened and ended with no model work, with model work stamped by hand (its record queued
+for the resolver), and with one wrapped call in it; and the resolver's drain per queued record (sinks included).
 
 Not a test: timings on a shared 2-core machine are noisy (read ratios, not absolutes).
 """
@@ -79,8 +80,20 @@ def main() -> int:
                     with mon.request():
                         ident(1)
 
+                def span_with_work() -> None:
+                    with mon.request() as span:
+                        span.enqueued()
+                        t = time.perf_counter_ns()
+                        span.model_call(t, t + 1000, "bench")
+
                 n = max(1, args.calls // 10)
+                mon.requests.drain()
                 extra.setdefault("request span, no model work", []).append(_per_call(empty_span, n))
+                extra.setdefault("request span, enqueue + model stamp", []).append(_per_call(span_with_work, n))
+                t0 = time.perf_counter_ns()
+                drained = mon.requests.drain()
+                took = (time.perf_counter_ns() - t0) / max(1, drained)
+                extra.setdefault("resolver drain per record", []).append(took)
                 extra.setdefault("request span + 1 wrapped call", []).append(_per_call(span_with_call, n))
                 mon.requests.drain()
         finally:
