@@ -263,7 +263,10 @@ class RequestTracker:
 
     def _register(self, name: str, *, named: bool = False) -> RequestCounts:
         if named:
-            check_name(name)
+            try:
+                check_name(name)  # the generation names' rule: the model label on every render
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("generation name", "request span name")) from None
         with self._lock:
             counts = self._names.get(name)
             if counts is None:
