@@ -222,6 +222,31 @@ def gc_pauses(b: Board) -> None:
         "the share of wall time the process spent collecting.")
 
 
+def requests(b: Board) -> None:
+    """The Requests row: each served request split into queue, model and rest (request spans: the middlewares,
+    monitor.request, monitor.batch), per model."""
+    b.row("Requests")
+    for q, label in (("0.5", "p50"), ("0.99", "p99")):
+        b.panel(f"Request latency split ({label})", [
+            (quantile(q, "perfmon_request_seconds", MODEL, "model, part"), f"{{{{model}}}} {{{{part}}}} {label}"),
+            (quantile(q, "perfmon_request_duration_seconds", MODEL, "model"), f"{{{{model}}}} total {label}"),
+        ], "s", description=f"The {label} of each part of a served request, and of the whole: queue (from the "
+            "server's enqueue mark to the model's start: dynamic batching, a busy worker), model (first model "
+            "work's start to the last one's end: forward, generate, the batch's forward), rest (pre- and "
+            "post-processing, serialisation, sending). Each part's own percentile: they do not add up to the "
+            "total's. Requests that ended ok after model work; buckets 58% apart.")
+    b.panel("Where request time goes", [
+        (f"sum by (model, part) (rate(perfmon_request_seconds_sum{{{MODEL}}}[{RATE}])) / ignoring(part) group_left "
+         f"sum by (model) (rate(perfmon_request_duration_seconds_sum{{{MODEL}}}[{RATE}]))", "{{model}} {{part}}"),
+    ], "percentunit", stack=True, description="Share of all request time spent in each part: a growing queue "
+        "share with a steady model share is a server that needs more capacity (or a larger batch), not a slower "
+        "model.")
+    b.panel("Requests by outcome (spans)", [
+        (f"sum by (model, outcome) (rate(perfmon_requests_total{{{MODEL}}}[{RATE}]))", "{{model}} {{outcome}}"),
+    ], "reqps", stack=True, description="Served requests that ended per second: ok (the whole response sent), "
+        "error (the app raised), cancelled (the client went away first).")
+
+
 def overview() -> dict[str, Any]:
     b = Board()
     steady = f'{MODEL}, phase="steady"'
@@ -284,6 +309,7 @@ def overview() -> dict[str, Any]:
     ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
     generation(b)
     gc_pauses(b)
+    requests(b)
     b.row("Agent")
     b.panel("Samples dropped and internal errors", [
         (f"sum by (model, reason) (rate(perfmon_samples_dropped_total{{{MODEL}}}[{RATE}]))", "{{model}} {{reason}}"),
@@ -334,8 +360,9 @@ def overview() -> dict[str, Any]:
         (f"process_resident_memory_bytes{{{BASE}}} / 2^30", "{{instance}} RSS GiB"),
     ], "short", description="CPU seconds per second and resident memory (GiB) of the serving process.")
     return dashboard("perfmon-overview", "perfmon: serving", "Calls, errors, sampled latency (cold vs steady, "
-                     "host vs device, prefill vs decode), regressions, profiler captures and generation (time to "
-                     "first token, inter-token latency, tokens) per model, and the process's GC pauses.", b,
+                     "host vs device, prefill vs decode), regressions, profiler captures, generation (time to "
+                     "first token, inter-token latency, tokens) and requests (queue / model / rest) per model, and "
+                     "the process's GC pauses.", b,
                      [{"title": "perfmon: GPU and memory", "type": "link", "url": "/d/perfmon-gpu",
                        "keepTime": True, "includeVars": True}])
 

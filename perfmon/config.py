@@ -137,7 +137,8 @@ class Config:
     #: applies separately to generation names (monitor.generation / monitor.stream).
     max_models: int = 64
     #: Generation records (tokens, request ends) waiting for the resolver; when full, they are dropped
-    #: (perfmon_generation_dropped_total{reason="queue_full"}); counts stay exact.
+    #: (perfmon_generation_dropped_total{reason="queue_full"}); counts stay exact. Request spans' records
+    #: (agent/requests.py) have a queue of their own of the same size (/stats requests.models[m].dropped).
     generation_queue_size: int = 65_536
     #: Generation requests timed at once; beyond, a request is counted but not timed (reason="live_limit").
     max_live_generations: int = 10_000

@@ -24,12 +24,13 @@ from .agent.exemplars import OTEL, TraceReader
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
 from .agent.records import STEADY
+from .agent.requests import RequestApi, RequestTracker
 from .agent.resolver import Resolver
 from .agent.span import Span, Untracked
 from .agent.state import Hub
 from .captures.controller import CaptureController
 from .captures.detector import RegressionPolicy
-from .captures.moved import host_device
+from .captures.moved import host_device, queue_moved
 from .captures.policy import FROM_ENV, CapturePolicy, resolve_policy
 from .captures.profiler import ProfilerFactory, torch_profiler
 from .captures.records import CaptureOptions
@@ -49,6 +50,7 @@ from .metrics.collectors import (
     TelemetryCollector,
     UploadCollector,
 )
+from .metrics.requests import RequestCollector
 from .metrics.store import Metrics
 from .stats.gc import GcView
 from .stats.history import History
@@ -66,7 +68,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
-class Monitor:
+class Monitor(RequestApi):
     """An in-process performance monitor for PyTorch inference.
 
     ``Monitor(**settings)`` takes every ``Config`` setting as a keyword argument (keywords win over
@@ -86,8 +88,7 @@ class Monitor:
             settings["nvml"] = nvml
             nvml = None
         self.config = cfg = Config.from_env(**settings)
-        regression = resolve_policy(regression)
-        self.regression: RegressionPolicy | None = regression
+        self.regression = regression = resolve_policy(regression)  # a RegressionPolicy, or None: detection off
         logger = functools.partial(make_logger, cfg.log_format, cfg.log_level)
         self.log = logger(component="monitor")  # the process hooks log through it (perfmon.process)
         hub = self._hub = Hub(cfg, cuda if cuda is not None else TorchCuda() if torch.cuda.is_available() else NoCuda())
@@ -100,6 +101,7 @@ class Monitor:
             max_live=cfg.max_live_generations, queue_size=cfg.generation_queue_size,
             window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples, wake=lambda: hub.wake.set())
         self.models = Models(cfg, hub, self.generations)
+        self.requests = RequestTracker(hub)  # request spans (monitor.request, middlewares, batch): queue/model/rest
         self.metrics = Metrics(self.registry, cfg, states=self.models.states, internal=hub.internal,
                                started_ns=lambda: hub.started_ns)
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
@@ -115,7 +117,7 @@ class Monitor:
             max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds,
             max_baseline_per_hour=limits.baseline_captures_per_hour)
         self.policy = CapturePolicy(regression, models=self.models, captures=self.captures, internal=hub.internal,
-                                    log=self.log, explainers=[functools.partial(_host_device, self)])
+                                    log=self.log, explainers=_explainers(self))
         self.detector = self.policy.detector
         self.resolver = Resolver(hub, [self.metrics.observe, self.windows.add, self.policy.sink],
                                   states=self.models.states, on_tick=self._tick, log=logger(component="resolver"))
@@ -130,12 +132,11 @@ class Monitor:
         self.ports = Ports(self, shedding=hub.http, set_port=self.metrics.set_port, log=self.log)
         self.history = History()
         self._views = Views(config=cfg, hub=hub, models=self.models, metrics=self.metrics, windows=self.windows,
-                            history=self.history, generations=self.generations, captures=self.captures,
-                            traces=self.traces, detector=self.detector, resolver=self.resolver, http=self.ports.detail,
-                            memory=memory, nvml=self.nvml_poller, gc=self._gc[0] if self._gc else None)
+                            history=self.history, generations=self.generations, requests=self.requests,
+                            captures=self.captures, traces=self.traces, detector=self.detector, resolver=self.resolver,
+                            http=self.ports.detail, memory=memory, nvml=self.nvml_poller, gc=(*self._gc, None)[0])
         _register_collectors(self)
-        self._lifecycle = threading.Lock()
-        self._running = False
+        self._lifecycle, self._running = threading.Lock(), False  # start/stop/fork; whether started
         process.live.add(self)
 
     def start(self) -> Monitor:
@@ -171,6 +172,7 @@ class Monitor:
         self.policy.tick(now_ns)
         self.captures.tick()
         self.generations.drain(now_ns)
+        self.requests.drain(now_ns)
         # Never wait for the lifecycle lock here: stop() holds it while it joins this thread.
         if self.ports.due(now_ns) and self._lifecycle.acquire(blocking=False):
             try:
@@ -216,8 +218,8 @@ class Monitor:
         self._running = False
         self.ports.abandon()
         self._hub.reset_after_fork()
-        for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver,
-                     self.generations, self._generation_metrics, self.policy, self.uploads, self.nvml_poller,
+        for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver, self.policy,
+                     self.generations, self._generation_metrics, self.requests, self.uploads, self.nvml_poller,
                      self.gc_pauses, *self._gc):
             if part is not None:
                 part.reset_after_fork()
@@ -372,6 +374,10 @@ def _register_collectors(monitor: Monitor) -> None:
     reg, oom = monitor.registry, monitor.oom
     reg.register(monitor._generation_metrics)
     reg.register(BatchCollector(monitor.models.batch_tokens))
+    requests = RequestCollector(monitor.requests)
+    monitor.requests.sinks.append(requests.observe)
+    monitor.requests.on_fork.append(requests.reset_after_fork)
+    reg.register(requests)
     reg.register(CaptureCollector(detector=monitor.detector, controller=monitor.captures))
     if monitor.uploads is not None:
         reg.register(UploadCollector(monitor.uploads))
@@ -386,6 +392,18 @@ def _register_collectors(monitor: Monitor) -> None:
 def _peaks(cfg: Config, device: str) -> Any:
     """The device peaks for a capture's roofline (the configured ones win)."""
     return device_peaks(device, peak_flops=cfg.peak_flops, peak_bandwidth=cfg.peak_bandwidth)
+
+
+def _explainers(monitor: Monitor) -> list[Callable[[str, str, int, int], tuple[str, Any]]]:
+    """What a regression's reason gets besides the detector's own: host vs device and queue (captures/moved.py)."""
+    return [functools.partial(_host_device, monitor), functools.partial(_queue, monitor)]
+
+
+def _queue(monitor: Monitor, model: str, stage: str, since_ns: int, until_ns: int) -> tuple[str, Any]:
+    """A regression's ``queue`` entry: its request spans during the regressed windows vs as long before them."""
+    during = monitor.requests.recent(model, since_ns, until_ns)
+    before = monitor.requests.recent(model, 2 * since_ns - until_ns, since_ns)
+    return "queue", queue_moved(before, during)
 
 
 def _host_device(monitor: Monitor, model: str, stage: str, since_ns: int, until_ns: int) -> tuple[str, Any]:

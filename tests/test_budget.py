@@ -58,3 +58,33 @@ def test_a_generation_name_costs_at_most_its_budget_and_no_latency_histogram_ove
     for name in ("perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds"):
         buckets = [ln for ln in lines if ln.startswith(name + "_bucket{")]
         assert 0 < len(buckets) <= LATENCY_BUCKET_BUDGET, (name, len(buckets))
+
+
+#: docs/metrics.md, "Request spans": per request model label, three part histograms, the duration, 3 outcomes.
+REQUEST_SERIES_BUDGET = 135
+
+
+def test_a_request_model_costs_at_most_its_budget(make_monitor) -> None:
+    """Request spans of one model (ok, error and cancelled, queued and not): <= 135 series with model="lin" from the
+    request families, each of the four histograms within the 100-series latency budget."""
+    mon = make_monitor().start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    for i in range(5):
+        with mon.request() as span:
+            if i % 2:
+                span.enqueued()
+            model(torch.randn(2, 4))
+    for exc in (ValueError("error"), KeyboardInterrupt()):
+        try:
+            with mon.request():
+                model(torch.randn(2, 4))
+                raise exc
+        except (ValueError, KeyboardInterrupt):
+            pass
+    assert mon.flush()
+    lines = [ln for ln in generate_latest(mon.registry).decode().splitlines()
+             if ln.startswith(("perfmon_request_", "perfmon_requests_")) and 'model="lin"' in ln]
+    assert len(lines) <= REQUEST_SERIES_BUDGET, len(lines)
+    for part in ("queue", "model", "rest"):
+        buckets = [ln for ln in lines if ln.startswith("perfmon_request_seconds_bucket{") and f'part="{part}"' in ln]
+        assert 0 < len(buckets) <= LATENCY_BUCKET_BUDGET, (part, len(buckets))

@@ -119,7 +119,8 @@ def test_every_metric_a_dashboard_or_rule_names_is_registered() -> None:
                      "perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds",
                      "perfmon_generated_tokens_total", "perfmon_prompt_tokens_total",
                      "perfmon_generation_requests_total", "perfmon_gc_pause_seconds",
-                     "perfmon_samples_gc_overlap_total"):
+                     "perfmon_samples_gc_overlap_total", "perfmon_request_seconds",
+                     "perfmon_request_duration_seconds", "perfmon_requests_total"):
         assert required in used, required
 
 
@@ -187,7 +188,8 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 @pytest.mark.parametrize("features", [(), ("native-histograms",)], ids=["classic", "native"])
 def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_monitor, tmp_path: Path,
                                                                        features: tuple[str, ...]) -> None:
-    """A real Prometheus scrapes a live agent (models, a decode stream, fake GPU): every panel and rule has data,
+    """A real Prometheus scrapes a live agent (models, request spans, a decode stream, fake GPU): every panel and
+    rule has data,
     scraping text (classic buckets) or protobuf (native histograms; the forward-latency rules only with text, see
     docs/metrics.md)."""
     if shutil.which("prometheus") is None:
@@ -221,7 +223,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
         while not stop.is_set() and time.monotonic() < deadline:
             i += 1
             batch = 1 + (i // 200) % 64  # a new input shape every 200 calls: cold calls keep coming
-            enc(torch.randn(batch, 32))
+            with mon.request() as request:  # a served request: queued, then the encoder (the Requests row)
+                request.enqueued()
+                enc(torch.randn(batch, 32))
             on_gpu(torch.zeros(1))
             tokenize(1 + i % 16)
             gpu.finish()

@@ -47,6 +47,9 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     with mon.generation("m", prompt_tokens=3) as g:  # a request with a TTFT and an ITL: every generation family
         g.token()
         g.token()
+    with mon.request() as span:  # a request span with a queue and model work: every request family
+        span.enqueued()
+        model(torch.ones(1, 2))
     gpu.finish()
     for _ in range(5):
         model(torch.ones(1, 2))
@@ -89,8 +92,9 @@ def test_public_surface_is_locked() -> None:
     assert set(perfmon.__all__) == {
         "DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "CaptureBusy", "CaptureRateLimited", "Config",
         "ConfigError", "CudaBackend", "FINE_BUCKETS", "RegressionPolicy",
-        "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "PortUnavailable", "Span", "TimingEvent",
-        "WrapError", "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
+        "Monitor", "MonitoredFunction", "MonitoredModule", "PerfmonError", "PortUnavailable", "RequestBatch",
+        "RequestMiddleware", "RequestSpan", "Span", "TimingEvent", "WSGIRequestMiddleware", "WrapError",
+        "__version__", "log_buckets", "make_asgi_app", "make_wsgi_app",
     }
     for name in perfmon.__all__:
         assert hasattr(perfmon, name)

@@ -202,6 +202,45 @@ def test_page_says_no_gpu_on_a_cpu_only_agent(browser, make_monitor) -> None:
     _wait(lambda: browser.find_elements(By.ID, "no-gpu"), what="no-GPU message")
     assert "No GPU" in browser.find_element(By.ID, "no-gpu").text
     assert "No generation request yet" in browser.find_element(By.ID, "no-generation").text
+    assert "No request span yet" in browser.find_element(By.ID, "no-requests").text
+
+
+def test_status_page_shows_a_live_models_request_split(browser, make_monitor) -> None:
+    """The Requests table shows a live model's queue / model / rest p50 / p99 and its outcomes, from request spans
+    (a queue wait, a wrapped forward, post-processing); a hostile span name stays text."""
+    from selenium.webdriver.common.by import By
+
+    mon = make_monitor(port=0, resolve_interval_seconds=0.05).start()
+    enc = mon.wrap(torch.nn.Linear(16, 16), name="encoder")
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    for _ in range(20):
+        with mon.request() as span:
+            span.enqueued()
+            busy(0.002)  # waiting for a batch
+            enc(torch.randn(4, 16))
+            busy(0.001)  # post-processing
+    with mon.request(name=XSS_NAME):
+        enc(torch.randn(4, 16))
+    with pytest.raises(ValueError), mon.request():
+        enc(torch.randn(4, 16))
+        raise ValueError("a failed request")
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
+    row = _wait(lambda: browser.find_element(By.CSS_SELECTOR, 'tr[data-requests="encoder"]').text, what="requests row")
+    assert re.search(r"20 / 1 / 0", row), row
+    for part in ("queue", "model", "rest", "total"):
+        cell = browser.find_element(By.CSS_SELECTOR, f'tr[data-requests="encoder"] td[data-part="{part}"]').text
+        assert re.fullmatch(r"[\d.]+ (ms|µs) / [\d.]+ (ms|µs)", cell), (part, cell)
+    queue = browser.find_element(By.CSS_SELECTOR, 'tr[data-requests="encoder"] td[data-part="queue"]').text
+    assert queue.split(" / ")[0].endswith("ms")  # >= 2 ms of queue wait
+    table = browser.find_element(By.ID, "requests").text
+    assert "queue p50 / p99" in table and XSS_NAME in table
+    assert not browser.find_elements(By.ID, "xss") and browser.title == "perfmon"
 
 
 def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser, make_monitor) -> None:

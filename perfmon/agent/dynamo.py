@@ -72,10 +72,11 @@ def _perfmon_code(modules: Mapping[str, Any]) -> list[types.CodeType]:
     return out
 
 
-def _inner_code(fn: Any) -> types.CodeType:
-    """The code object of the ``__call__`` a closure factory builds."""
-    return next(c for c in fn.__code__.co_consts if getattr(c, "co_name", None) == "__call__")  # type: ignore[no-any-return]
+def _inner_code(fn: Any, name: str = "__call__") -> types.CodeType:
+    """The code object of the function ``name`` (``__call__``) a closure factory builds."""
+    return next(c for c in fn.__code__.co_consts if getattr(c, "co_name", None) == name)  # type: ignore[no-any-return]
 
 
-#: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them.
-_HOT_CODES = (_inner_code(hot_path), _inner_code(staged_path))
+#: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them (a call in a
+#: request span runs the hot path inside ``in_request``).
+_HOT_CODES = (_inner_code(hot_path), _inner_code(hot_path, "in_request"), _inner_code(staged_path))

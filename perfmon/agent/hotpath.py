@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .phases import batch_of, signature, work_of
+from .requests import current
 from .state import ModelState, Token
 
 __all__ = ["hot_path"]
@@ -35,13 +36,44 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     attribute lookup. On an unsampled call it does: one ``next()``, one comparison and, with signature
     tracking, the signature's dict lookup and one ``next()`` on its counter (which is also how items
     are counted). Everything else is on the rare paths.
+
+    Request spans (requests.py): while none is open in the process the call pays one attribute read
+    (``hub.requests``); with one open, the context variable's read and, inside a span, ``in_request``.
     """
     tensor = _Tensor
     general_signature = signature
     clock = perf_counter_ns
     items_fn = st.items_fn
+    hub = st.hub
+    name = st.name
+    span_of = current.get
+    set_span = current.set
+    reset_span = current.reset
+
+    def in_request(span: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call in a request span's context: stamp it as the span's model work around the whole hot path.
+
+        The variable is cleared for the call, so the hot path below (and a monitored model this one calls)
+        does not stamp again: the outer call's interval holds theirs. Like ``__call__``, torch.compile
+        skips this frame but compiles what it calls (dynamo.py).
+        """
+        token = set_span(None)
+        t0 = clock()
+        try:
+            return __call__(self, *args, **kwargs)
+        finally:
+            t1 = clock()
+            reset_span(token)
+            try:
+                span.model_call(t0, t1, name)
+            except Exception as exc:
+                hub.internal.report("requests", exc)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if hub.requests:  # a request span is open somewhere in the process: is this call in one?
+            span = span_of()
+            if span is not None:
+                return in_request(span, self, args, kwargs)
         items = entry = None
         try:
             # st.calls, not a captured counter: after fork() the child gets fresh counters (reset_after_fork).

@@ -9,6 +9,7 @@ from __future__ import annotations
 from time import perf_counter_ns
 from typing import Any
 
+from .requests import current
 from .state import ModelState, Token
 
 __all__ = ["Span", "Untracked"]
@@ -17,11 +18,12 @@ __all__ = ["Span", "Untracked"]
 class Span:
     """``with monitor.track(name):`` — count and sample-time a block of code like a call."""
 
-    __slots__ = ("_index", "_st", "_start_ns", "_token")
+    __slots__ = ("_index", "_request", "_st", "_start_ns", "_token")
 
     def __init__(self, state: ModelState) -> None:
         self._st = state
         self._token: Token | None = None
+        self._request: Any = None
 
     def __enter__(self) -> Span:
         st = self._st
@@ -33,12 +35,21 @@ class Span:
         except Exception as exc:
             st.hub.internal.report("instrument", exc)
             self._token = None
+        # A request span in this context (requests.py): the block is model work of that request.
+        self._request = current.get() if st.hub.requests else None
         self._start_ns = perf_counter_ns()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         end_ns = perf_counter_ns()
         st = self._st
+        request = self._request
+        if request is not None:
+            self._request = None
+            try:
+                request.model_call(self._start_ns, end_ns, st.name)
+            except Exception as inner:
+                st.hub.internal.report("requests", inner)
         if exc is not None:
             st.abort(self._token)
             st.error(exc)

@@ -54,6 +54,8 @@ class Hub:
         self.http = HttpShedding()
         #: False once the monitor stops: calls are still counted but no longer timed.
         self.timing = True
+        #: Request spans open now (requests.py, under its lock). The hot path reads only this while it is 0.
+        self.requests = 0
         #: perf_counter_ns() when the monitor started (origin of time-to-first-forward).
         self.started_ns = perf_counter_ns()
         #: Called on the request thread with a CUDA OutOfMemoryError (the allocator snapshot).

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..stats.windows import quantile
 
-__all__ = ["MOVED_RATIO", "add_ops", "host_device", "summarise"]
+__all__ = ["MOVED_RATIO", "add_ops", "host_device", "queue_moved", "summarise"]
 
 #: A part counts as moved when its median grew by at least this factor between before and during.
 MOVED_RATIO = 1.2
@@ -45,6 +45,26 @@ def host_device(before: Sequence[tuple[float, float]], during: Sequence[tuple[fl
     out.update({"device_p50_seconds_before": med["before"][0], "device_p50_seconds_during": med["during"][0],
                 "device_ratio": device_ratio})
     out["moved"] = "both" if host and device else "device" if device else "host" if host else "neither"
+    return out
+
+
+def queue_moved(before: Mapping[str, Any], during: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The queue part from request spans (``RequestTracker.recent`` before and during the regressed windows):
+    each part's p50 (s) on both sides, and ``moved`` when the queue's p50 grew by ``MOVED_RATIO`` while carrying
+    at least a tenth of the request's time. None without requests during the windows (no spans opened)."""
+    parts = ("queue", "model", "rest")
+    if not (during.get("total") or {}).get("count"):
+        return None
+    p50 = {side: {part: (src.get(part) or {}).get("p50_seconds") for part in (*parts, "total")}
+           for side, src in (("before", before), ("during", during))}
+    q_before, q_during, total = p50["before"]["queue"], p50["during"]["queue"], p50["during"]["total"]
+    moved = bool(q_during and total and q_during >= 0.1 * total
+                 and (not q_before or q_during >= MOVED_RATIO * float(q_before)))
+    out: dict[str, Any] = {"p50_seconds_before": p50["before"], "p50_seconds_during": p50["during"], "moved": moved,
+                           "requests_during": during["total"]["count"]}
+    if moved:
+        out["summary"] = (f"requests queued {float(q_during or 0) * 1e3:.1f} ms (p50) before the model"
+                          + (f", {float(q_before or 0) * 1e3:.1f} ms before the regression" if q_before else ""))
     return out
 
 

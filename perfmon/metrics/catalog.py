@@ -11,8 +11,10 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..agent.generation import DURATION_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
+from ..agent.requests import REQUEST_BUCKETS
 
-__all__ = ["BATCH_BUCKETS", "GC_PAUSE_BUCKETS", "GENERATION_HISTOGRAMS", "METRICS", "NATIVE_GENERATION"]
+__all__ = ["BATCH_BUCKETS", "GC_PAUSE_BUCKETS", "GENERATION_HISTOGRAMS", "METRICS", "NATIVE_GENERATION",
+           "REQUEST_HISTOGRAMS"]
 
 #: name (as exposed, without histogram suffixes) -> (type, unit, labels, help). docs/metrics.md
 #: lists the same; a test keeps the two and the registry in step.
@@ -81,6 +83,20 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_generation_dropped_total": (
         "counter", "records", ("model", "reason"),
         "Generation timings never recorded: queue_full, live_limit (request counted, not timed), after_finish."),
+    # -- request spans (agent/requests.py): monitor.request, the middlewares, monitor.batch -----------
+    "perfmon_request_seconds": (
+        "histogram", "seconds", ("model", "part"),
+        "A served request's latency by part: queue (enqueued to model start), model (first model work's start to "
+        "the last one's end), rest (the remainder: pre/post-processing, sending); requests that ended ok after "
+        "model work."),
+    "perfmon_request_duration_seconds": (
+        "histogram", "seconds", ("model",),
+        "A served request's end-to-end latency, arrival to response sent (queue + model + rest); requests that "
+        "ended ok after model work."),
+    "perfmon_requests_total": (
+        "counter", "requests", ("model", "outcome"),
+        "Request spans that ended, by outcome (ok, error, cancelled); model is the span's name, else its first "
+        "model work's model, else empty (no model work)."),
     # -- continuous batching (agent/batching.py): transformers' ContinuousBatchingManager steps --------
     "perfmon_batch_tokens_total": (
         "counter", "tokens", ("model", "kind"),
@@ -224,6 +240,11 @@ GENERATION_HISTOGRAMS: dict[str, tuple[float, ...]] = {
     "perfmon_generation_duration_seconds": DURATION_BUCKETS,
     "perfmon_generation_prompt_tokens": TOKEN_BUCKETS,
     "perfmon_generation_output_tokens": TOKEN_BUCKETS,
+}
+#: Request histograms -> their bounds (one grid for every part and the duration: parts add up to the total).
+REQUEST_HISTOGRAMS: dict[str, tuple[float, ...]] = {
+    "perfmon_request_seconds": REQUEST_BUCKETS,
+    "perfmon_request_duration_seconds": REQUEST_BUCKETS,
 }
 #: Generation histograms that also carry native buckets in protobuf scrapes: the two latency signals.
 #: (Duration and token counts stay classic: coarse on purpose, see generation.py.)

@@ -15,6 +15,7 @@ from .._version import __version__
 from ..agent.generation import GenerationTracker
 from ..agent.models import Models
 from ..agent.records import STEADY, series_key
+from ..agent.requests import RequestTracker
 from ..agent.resolver import Resolver
 from ..agent.state import Hub, ModelState
 from ..captures.controller import CaptureController
@@ -36,7 +37,8 @@ class Views:
     """Builds the ``/stats``, ``/healthz`` and device views and records the status page's history."""
 
     def __init__(self, *, config: Config, hub: Hub, models: Models, metrics: Metrics, windows: Windows,
-                 history: History, generations: GenerationTracker, captures: CaptureController, traces: TraceStore,
+                 history: History, generations: GenerationTracker, requests: RequestTracker,
+                 captures: CaptureController, traces: TraceStore,
                  detector: Detector | None, resolver: Resolver,
                  http: Callable[[], dict[str, Any]], memory: MemorySource | None,
                  nvml: NvmlPoller | None, gc: GcView | None = None) -> None:
@@ -47,6 +49,7 @@ class Views:
         self._windows = windows
         self.history = history
         self._generations = generations
+        self._requests = requests
         self._captures = captures
         self._traces = traces
         self._detector = detector
@@ -121,6 +124,8 @@ class Views:
             "models": models,
             "generation": generation,
             "gc": None if gc is None else gc.stats(now),
+            # Request spans: open now, and per model label counts and queue / model / rest over the window.
+            "requests": self._requests.stats(now, started_ns),
             "capture": {"state": captures.state, "current": captures.current.id
                         if captures.current else None, "suppressed": dict(captures.counts.suppressed)},
             "devices": self.devices(),
