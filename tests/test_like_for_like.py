@@ -268,3 +268,37 @@ def test_mix_shift_then_a_planted_op_captures_once_and_names_the_op_against_a_sa
     assert comparison["basis"]["sizes"] == "same_size_class" and comparison["basis"]["level"] == "top"
     assert (comparison["ops"][0]["op"], comparison["ops"][0]["status"]) == ("aten::cdist", "new")
     assert "aten::cdist" in comparison["summary"].split(";")[0]
+    moved = meta["reason"]["moved"]  # what moved: the size part and the ops part, from the capture's own reason
+    assert moved["ops"]["op"] == "aten::cdist" and moved["size"]["dominant_during"] == "32768-65535"
+
+
+# -- what moved ------------------------------------------------------------------------------------------------
+
+def test_what_moved_puts_size_gc_queue_host_device_and_ops_side_by_side() -> None:
+    """From a regression's entries: the mix moved, the slowest calls overlapped a gen-2 pause, the queue grew,
+    the device time (not the host's) moved; the ops part is added once compared. Host-timed models say host."""
+    from perfmon.captures.moved import add_ops, host_device, queue_moved, summarise
+
+    hd = host_device([(1e-3, 2e-4)] * 10, [(2e-3, 2.1e-4)] * 10, device_clock=True)
+    assert hd is not None and hd["moved"] == "device" and hd["device_ratio"] == pytest.approx(2.0)
+    cpu = host_device([(1e-3, 1e-3)] * 10, [(2e-3, 2e-3)] * 10, device_clock=False)
+    assert cpu is not None and cpu["moved"] == "host" and "device_ratio" not in cpu
+    assert host_device([], [(1e-3, 1e-3)], device_clock=False) is None
+    part = {"count": 10, "p50_seconds": 0.0}
+    queue = queue_moved({"queue": {**part, "p50_seconds": 0.002}, "total": {**part, "p50_seconds": 0.01}},
+                        {"queue": {**part, "p50_seconds": 0.02}, "total": {**part, "p50_seconds": 0.03}})
+    assert queue is not None and queue["moved"] and "queued 20.0 ms" in queue["summary"]
+    assert queue_moved({}, {"total": {"count": 0}}) is None
+    details = {"classes": {"32768-65535": {"samples": 90}, "1024-2047": {"samples": 3}},
+               "size_classes": ["32768-65535"], "host_device": hd, "queue": queue,
+               "gc": {"p99_overlapped_gc": 1.0, "summary": "gen-2 GC pauses overlapped 2 of the 2 slowest calls"}}
+    moved = summarise(details, before_classes={"1024-2047": {"samples": 80}})
+    assert moved["size"]["mix_moved"] and moved["size"]["dominant_before"] == "1024-2047"
+    for words in ("traffic moved from size 1024-2047 to 32768-65535", "gen-2 GC pauses overlapped",
+                  "requests queued", "device time 2.00x, host time not"):
+        assert words in moved["summary"]
+    add_ops(moved, {"baseline": "b", "basis": {"sizes": "same_size_class"}},
+            {"op": "aten::cdist", "status": "new", "added_seconds_per_call": 1e-3})
+    assert moved["ops"]["op"] == "aten::cdist" and moved["summary"].endswith("ops: new aten::cdist")
+    quiet = summarise({"classes": {"4-7": {"samples": 5}}}, before_classes={"4-7": {"samples": 5}})
+    assert quiet["summary"] == "nothing outside the model's ops moved"
