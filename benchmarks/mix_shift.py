@@ -27,6 +27,8 @@ from perfmon import RegressionPolicy
 
 
 class Net(torch.nn.Module):
+    """Three 256-wide linear layers; ``extra`` adds a distance to 512 centroids per row (torch.cdist)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.layers = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())])

@@ -17,6 +17,43 @@ from typing import Any
 import pytest
 
 
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Terminate a child, then kill it if it has not exited within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@contextmanager
+def module_server(module: str, port: int, *, cwd: Path, env: dict[str, str], log: Path,
+                  timeout: float = 60.0) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m module port`` as a child (stderr to ``log``), up once it answers ``/healthz`` with 200 within
+    ``timeout`` seconds (an exit meanwhile fails with its log's tail); stopped on leaving."""
+    import contextlib
+    import sys
+
+    from .conftest import http, wait_until
+
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", module, str(port)], cwd=cwd, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"{module} exited {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(OSError):
+                return http(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200
+            return False
+
+        wait_until(up, timeout=timeout, what=f"{module} to answer /healthz")
+        yield proc
+    finally:
+        stop_process(proc)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,10 +130,5 @@ def running_prometheus(tmp: Path, targets: list[str], scrape_interval: str = "1s
         wait_until(ready, timeout=30, what="prometheus to become ready")
         yield prom
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

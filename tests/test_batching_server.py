@@ -13,10 +13,7 @@ request on average.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from perfmon.agent.requests import PARTS, REQUEST_BUCKETS
 
 from .conftest import http, wait_until
-from .prom import free_port
+from .prom import free_port, module_server
 from .test_servers import _env
 
 pytest.importorskip("fastapi")
@@ -46,27 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp / "server.log"
     env = _env(tmp, PERFMON_PORT="0", PERFMON_LOG_LEVEL="error", MAX_BATCH="8", MAX_WAIT_MS="5")
-    with log.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "examples.batching_server", str(port)], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(OSError):
-                return http(f"{base}/healthz", timeout=2)[0] == 200
-            return False
-
-        wait_until(up, timeout=90, what="the batching server to answer /healthz")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with module_server("examples.batching_server", port, cwd=ROOT, env=env, log=log, timeout=90):
+        yield f"http://127.0.0.1:{port}"
 
 
 def _drive(base: str) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.mix_shift import Net  # the issue's model: three 256-wide layers, cdist when planted
 from perfmon import RegressionPolicy
 from perfmon.captures.compare import compare, compare_basis, headline
 from perfmon.captures.detector import Detector
@@ -203,22 +204,6 @@ def test_two_stalled_calls_in_a_window_are_not_a_tail_regression() -> None:
 
 
 # -- end to end: the issue's scenario on a real model, profiler and monitor -------------------------------------
-
-class Net(torch.nn.Module):
-    """Three 256-wide linear layers; ``extra`` adds a distance to 512 centroids per row (torch.cdist)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())])
-        self.centroids = torch.nn.Parameter(torch.randn(512, 256))
-        self.extra = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.layers(x)
-        if self.extra:
-            h = h + torch.cdist(h, self.centroids).min(dim=1, keepdim=True).values
-        return h
-
 
 @pytest.mark.parametrize("seed", range(2))
 def test_mix_shift_then_a_planted_op_captures_once_and_names_the_op_against_a_same_size_baseline(

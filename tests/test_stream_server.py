@@ -16,7 +16,6 @@ import http.client
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ import pytest
 
 from .conftest import http as http_get
 from .conftest import wait_until
-from .prom import free_port
+from .prom import free_port, module_server
 from .test_servers import _env
 
 pytest.importorskip("transformers")
@@ -59,26 +58,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("stream_server")
     port = free_port()
     log = tmp / "server.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.apps.stream_server", str(port)], cwd=ROOT,
-                                env=_env(tmp), stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(OSError):
-                return http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200
-            return False
-
-        wait_until(up, timeout=60, what="the stream server to answer /healthz")
+    with module_server("tests.apps.stream_server", port, cwd=ROOT, env=_env(tmp), log=log) as proc:
         yield Server(proc, port, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def request(port: int, mode: str, leave_early: bool) -> int:
