@@ -67,7 +67,9 @@ def run(seed: int, *, learn_s: float, shift_s: float, planted_s: float) -> dict[
 
         serve(learn_s, list(range(4, 9)))
         serve(shift_s, list(range(128, 257)))
-        false_fires = len(regressions())
+        fired = regressions()
+        false_fires = len(fired)
+        why = [_why(p) for p in fired]
         net.extra = True
         serve(planted_s, list(range(128, 257)))
         deadline = time.monotonic() + 30
@@ -85,7 +87,16 @@ def run(seed: int, *, learn_s: float, shift_s: float, planted_s: float) -> dict[
                            if p["trigger"] == "baseline")
         mon.stop()
     return {"seed": seed, "false_fires": false_fires, "captured": bool(caught), "first": first, "basis": basis,
-            "baselines": baselines}
+            "baselines": baselines, "why": why}
+
+
+def _why(profile: dict[str, Any]) -> str:
+    """One false fire in a line: the statistics that exceeded, their ratios, and the size classes."""
+    reason = profile.get("reason") or {}
+    ratios = reason.get("observed_ratio") or {}
+    parts = [f"{q} x{ratios[q]:.2f}" if q in ratios else q for q in reason.get("exceeded") or []]
+    moved = (reason.get("moved") or {}).get("summary") or ""
+    return f"{', '.join(parts)} [classes {', '.join(reason.get('size_classes') or [])}] {moved}".strip()
 
 
 def main() -> None:
@@ -105,6 +116,8 @@ def main() -> None:
         results.append(r)
         print(f"| {seed} | {r['false_fires']} | {'yes' if r['captured'] else 'no'} | {r['first']} | {r['basis']} | "
               f"{', '.join(r['baselines'])} |", flush=True)
+        for line in r["why"]:
+            print(f"|   | false fire: {line} | | | | |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

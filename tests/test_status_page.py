@@ -268,6 +268,7 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
                     end = time.perf_counter() + 0.003
                     while time.perf_counter() < end:
                         pass
+                    torch.cdist(x, x)  # an op inside it: in the row's breakdown
             return self.lin(x)
 
     mon = make_monitor(port=0).start()
@@ -294,7 +295,42 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
     _wait(open_ops, what="top ops button")
     table = _wait(lambda: browser.find_element(By.CSS_SELECTOR, "tr.comparison-ops").text, what="comparison rows")
     assert hostile_op in table and "new" in table and "op (vs baseline)" in table
+    # The top row's breakdown (self time of the ops inside it, largest first): the busy loop, then cdist's kernel.
+    assert re.search(r"inside: .*aten::_cdist_forward \+[\d.]+ (ms|µs|ns) \(new\)", table), table
     assert not browser.find_elements(By.ID, "xss") and browser.title == "perfmon"
+
+
+def test_a_regression_capture_says_what_moved(browser, make_monitor) -> None:
+    """A regression capture's row carries its reason's "what moved" line (the size mix, then the ops once
+    compared), as text."""
+    from selenium.webdriver.common.by import By
+
+    from perfmon import RegressionPolicy
+
+    from .conftest import wait_capture
+
+    policy = RegressionPolicy(window_seconds=1, min_samples=5, baseline_windows=2, consecutive=1,
+                              baseline_capture=False)
+    mon = make_monitor(port=0, regression=policy).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    det, t0, second = mon.detector, time.perf_counter_ns(), 1_000_000_000
+    fired: list = []
+    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):  # three healthy windows, then 4x slower
+        for i in range(10):
+            fired += det.add("m", latency, t0 + w * second + i * 1_000_000)
+    fired += det.tick(t0 + 4 * second)
+    assert len(fired) == 1
+    mon.policy.fire(fired)
+    cap = wait_until(lambda: next((p for p in mon.profiles() if p["trigger"] == "regression"), None),
+                     what="regression capture")
+    meta = wait_capture(mon, cap["id"], drive=lambda: model(torch.randn(2, 4)))
+    summary = meta["reason"]["moved"]["summary"]
+    assert summary
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
+    line = _wait(lambda: browser.find_element(By.CSS_SELECTOR, f'tr.moved[data-id="{cap["id"]}"]').text,
+                 what="what moved line")
+    assert line == f"what moved: {summary}", (line, summary)
 
 
 def test_page_shows_gc_pauses_and_marks_a_model_whose_slowest_calls_overlapped_a_gen2_pause(browser,

@@ -38,7 +38,8 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     are counted). Everything else is on the rare paths.
 
     Request spans (requests.py): while none is open in the process the call pays one attribute read
-    (``hub.requests``); with one open, the context variable's read and, inside a span, ``in_request``.
+    (``hub.requests``); with one open, the context variable's read and, inside a span, ``in_request``'s
+    two clock reads and compares (timed and captured calls stamp from their own clock reads).
     """
     tensor = _Tensor
     general_signature = signature
@@ -47,33 +48,39 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     hub = st.hub
     name = st.name
     span_of = current.get
-    set_span = current.set
-    reset_span = current.reset
 
     def in_request(span: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call in a request span's context: stamp it as the span's model work around the whole hot path.
+        """An unsampled call in a request span's context: the call, with the span's model stamps around it.
 
-        The variable is cleared for the call, so the hot path below (and a monitored model this one calls)
-        does not stamp again: the outer call's interval holds theirs. Like ``__call__``, torch.compile
-        skips this frame but compiles what it calls (dynamo.py).
+        Only the first start and the last end matter to a span, so a call stamps its start only when the span
+        has none, and its end when it is later than the span's. A monitored model called inside this one
+        stamps inside this call's interval, which holds it: nothing to clear or restore.
         """
-        token = set_span(None)
         t0 = clock()
+        if span.model_start_ns is None:
+            span.model_start_ns = t0
+            span.model = name
         try:
-            return __call__(self, *args, **kwargs)
+            return fn(self, *args, **kwargs)
+        except BaseException as exc:
+            st.error(exc)
+            raise
         finally:
             t1 = clock()
-            reset_span(token)
-            try:
-                span.model_call(t0, t1, name)
-            except Exception as exc:
-                hub.internal.report("requests", exc)
+            last = span.model_end_ns
+            if last is None or t1 > last:
+                span.model_end_ns = t1
+
+    def stamp(span: Any, t0: int, t1: int) -> None:
+        """A timed or captured call in a request span: the same stamps, from its own clock reads."""
+        try:
+            span.model_call(t0, t1, name)
+        except Exception as exc:
+            hub.internal.report("requests", exc)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if hub.requests:  # a request span is open somewhere in the process: is this call in one?
-            span = span_of()
-            if span is not None:
-                return in_request(span, self, args, kwargs)
+        # A request span is open somewhere in the process (Hub.requests): is this call in one?
+        span = span_of() if hub.requests else None
         items = entry = None
         try:
             # st.calls, not a captured counter: after fork() the child gets fresh counters (reset_after_fork).
@@ -109,6 +116,8 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             st.hub.internal.report("instrument", exc)
             token = None
         if token is None:
+            if span is not None:
+                return in_request(span, self, args, kwargs)
             try:
                 return fn(self, *args, **kwargs)
             except BaseException as exc:
@@ -117,11 +126,15 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
         if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
             try:
                 # The call's work goes with it: a comparison lines captures up by size (compare_basis).
+                t0 = clock()
                 work = items if items_fn is not None else entry.work if entry is not None else _work(args, kwargs)
                 return token.call(st, fn, (self, *args), kwargs, work)  # type: ignore[union-attr]
             except BaseException as exc:
                 st.error(exc)
                 raise
+            finally:
+                if span is not None:
+                    stamp(span, t0, clock())
         # Sampled calls only: the batch-size histogram, and the work that sets the size class.
         size = items
         if entry is not None:
@@ -143,8 +156,13 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
         except BaseException as exc:
             st.abort(token)
             st.error(exc)
+            if span is not None:
+                stamp(span, t0, clock())
             raise
-        st.finish(token, n, t0, clock(), items, size)
+        t1 = clock()
+        st.finish(token, n, t0, t1, items, size)
+        if span is not None:
+            stamp(span, t0, t1)
         return out
 
     return __call__

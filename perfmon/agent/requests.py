@@ -1,7 +1,8 @@
 """Request spans: a served request's end-to-end latency split into queue, model and rest.
 
     request thread   RequestTracker.open(): one lock (the open-span count), a RequestSpan (__slots__)
-                     wrapped calls / track() blocks / batch() in the span's context: RequestSpan.model_call()
+                     wrapped calls in the span's context stamp its first model start and last end
+                     (hotpath.in_request); track() blocks and batch() call RequestSpan.model_call()
                      RequestSpan.finish(): one lock, one counter, one deque append ─► RequestTracker.queue
     resolver thread  RequestTracker.drain() (Monitor._tick) ─► sinks: RequestCollector.observe (histograms)
                      and the /stats rings kept here (``recent``, ``stats``)
@@ -159,20 +160,22 @@ class RequestBatch:
     A wrapped call inside the block gives the spans its model label (when they have no name of their own).
     """
 
-    __slots__ = ("_first", "_token", "model", "name", "spans", "start_ns")
+    # model_start_ns/model_end_ns: the hot path stamps a batch as it stamps a span (hotpath.in_request).
+    __slots__ = ("_token", "model", "model_end_ns", "model_start_ns", "name", "spans", "start_ns")
 
     def __init__(self, spans: Iterable[RequestSpan | None], name: str | None = None) -> None:
         self.spans = [s for s in spans if s is not None]
         self.name = name
         self.model: str | None = None
-        self._first: int | None = None
+        self.model_start_ns: int | None = None
+        self.model_end_ns: int | None = None
         self._token: Any = None
         self.start_ns = 0
 
     def model_call(self, start_ns: int, end_ns: int, model: str | None) -> None:
         """A wrapped call in the block: remember the model of the earliest one."""
-        if self._first is None or start_ns < self._first:
-            self._first = start_ns
+        if self.model_start_ns is None or start_ns < self.model_start_ns:
+            self.model_start_ns = start_ns
             self.model = model
 
     def __enter__(self) -> RequestBatch:
