@@ -175,15 +175,27 @@ def test_the_users_exception_passes_through_unchanged_and_counts_as_error(make_m
     assert mon.requests.open_spans == 0
 
 
-def test_a_model_calling_a_monitored_model_and_a_track_block_stamp_once(make_monitor) -> None:
-    """Nested monitored calls and a track() block in a span: the model part is the outermost work, labelled by
-    the earliest-starting one."""
+def test_a_model_calling_a_monitored_model_and_a_track_block_give_the_outermost_interval(make_monitor) -> None:
+    """Nested monitored calls and a track() block in a span: the model part is the outermost work (the inner
+    call's stamps fall inside it), labelled by the earliest-starting one."""
     mon = make_monitor().start()
     inner = _linear(mon, "inner")
-    outer = mon.wrap(torch.nn.Sequential(inner, torch.nn.ReLU()), name="outer")
+
+    class Outer(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.inner_start = time.perf_counter_ns()  # before the inner call: the outer's start is earlier
+            y = inner(x)
+            self.inner_done = time.perf_counter_ns()  # after it: the outer's end is later
+            return y
+
+    outer = mon.wrap(Outer(), name="outer")
     with mon.request() as span:
+        before = time.perf_counter_ns()
         outer(torch.randn(2, 4))
+        after = time.perf_counter_ns()
     assert span.label == "outer"
+    assert span.model_start_ns is not None and span.model_end_ns is not None
+    assert before <= span.model_start_ns <= outer.inner_start and outer.inner_done <= span.model_end_ns <= after
     with mon.request() as tracked, mon.track("pipeline"):
         inner(torch.randn(2, 4))
     assert tracked.label == "pipeline"
