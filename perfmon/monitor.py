@@ -28,12 +28,12 @@ from .agent.requests import RequestApi, RequestTracker
 from .agent.resolver import Resolver
 from .agent.span import Span, Untracked
 from .agent.state import Hub
+from .captures.api import CaptureApi
 from .captures.controller import CaptureController
 from .captures.detector import RegressionPolicy
 from .captures.moved import host_device, queue_moved
 from .captures.policy import FROM_ENV, CapturePolicy, resolve_policy
 from .captures.profiler import ProfilerFactory, torch_profiler
-from .captures.records import CaptureOptions
 from .captures.roofline import device_peaks
 from .config import Config
 from .exceptions import PortUnavailable
@@ -68,7 +68,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
-class Monitor(RequestApi):
+class Monitor(RequestApi, CaptureApi):
     """An in-process performance monitor for PyTorch inference.
 
     ``Monitor(**settings)`` takes every ``Config`` setting as a keyword argument (keywords win over
@@ -312,31 +312,6 @@ class Monitor(RequestApi):
         ``model=name``; each item is one token, or ``tokens(item)`` (outcomes: ``GenerationTracker.stream``).
         """
         return self.generations.stream(iterable, name=name, prompt_tokens=prompt_tokens, tokens=tokens)
-
-    def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
-                record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
-                requested_by: str = "api") -> dict[str, Any]:
-        """Arm a manual capture of ``model`` (the only model when None); returns its metadata.
-
-        Raises ``LookupError`` for an unknown model, ``ConfigError`` for bad options, ``CaptureBusy``
-        while a capture runs and ``CaptureRateLimited`` past ``manual_captures_per_hour``.
-        """
-        st = self.models.pick(model)
-        options = CaptureOptions(steps=steps, max_seconds=max_seconds, record_shapes=record_shapes,
-                                 with_stack=with_stack, profile_memory=profile_memory)
-        return self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]}).public()
-
-    def profiles(self) -> list[dict[str, Any]]:
-        """Captures, newest first: the one in flight (if any) and the stored ones."""
-        return self._views.profiles()
-
-    def profile(self, capture_id: str) -> dict[str, Any] | None:
-        """One capture's metadata and op summary, or None."""
-        return self._views.profile(capture_id)
-
-    def read_trace(self, capture_id: str) -> Any:
-        """One stored capture's trace file (see ``TraceStore.read_trace``), or None."""
-        return self.traces.read_trace(capture_id)
 
     def flush(self, timeout: float = 2.0) -> bool:
         """Resolve every sample taken so far, waiting up to ``timeout`` seconds for the device (for tests,
