@@ -49,12 +49,14 @@ __all__ = ["Active", "GenerateCall", "generating", "tracked_generate"]
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs on this thread."""
 
-    __slots__ = ("model", "stamps", "timed", "verify")
+    __slots__ = ("model", "prefilled", "stamps", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool) -> None:
         self.model = model
         self.timed = timed  # every step of this call is timed (the first call, then one in 1/sample_rate)
         self.verify = verify  # assisted/speculative: decode-stage forwards verify drafts
+        #: The first forward of this generate() has run (staged_path: later ones against its cache are decode).
+        self.prefilled = False
         #: A generate() that takes no streamer (a custom loop): host time as each forward returns, one token
         #: per row each (what such a loop is assumed to do). None when a tap stamps the tokens.
         self.stamps: list[int] | None = None

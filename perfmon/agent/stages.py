@@ -154,6 +154,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     and the cache's ``get_seq_length()``), on models whose forwards take milliseconds.
     """
     pick = stages.stage_fn
+    generative = pick is generative_stage  # a stage= callable of the user's is always asked
     calls = stages.calls
     add = stages.add
     internal = stages.internal
@@ -161,14 +162,22 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         label = None
+        active: Any = local.__dict__.get("active")
+        mine = active is not None and active.model is self
         try:
-            label = pick(args, kwargs)
+            if mine and generative and active.prefilled and kwargs.get("past_key_values") is not None:
+                # A step after the first of this model's own generate(), against the cache it made: that cache
+                # holds the prompt, so pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
+                label = DECODE
+            else:
+                label = pick(args, kwargs)
+                if mine:
+                    active.prefilled = True
             call = calls.get(label) or add(label)
         except Exception as exc:  # the stage function failed: count it, time the call under the fallback
             internal.report("stage", exc)
             call = stages.fallback
-        active = local.__dict__.get("active")
-        if active is None or active.model is not self:
+        if not mine:
             return call(self, *args, **kwargs)
         # Inside this model's own generate() (decoding.py: its tokens are counted there, not here).
         if active.verify and label == DECODE:  # assisted/speculative: a step against the cache verifies drafts
