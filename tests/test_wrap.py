@@ -258,3 +258,14 @@ def test_a_calls_signature_is_its_work_not_its_bookkeeping() -> None:
     assert step(ids, 9, Pair(torch.ones(2), 1)) != step(ids, 9, Pair(torch.ones(3), 1))  # one level into a tuple
     assert signature((torch.nn.Parameter(torch.ones(2)),), {}) == signature((torch.ones(2),), {})
     assert signature((torch.ones(2), 3), {}) == signature((torch.ones(2), 4), {})  # an int: its type only
+    # Keyword values are looked into by their type (remembered per type): a tensor subclass and a list are,
+    # every time, and so is a namedtuple first seen after many other types.
+    p1, p2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    for _ in range(2):
+        assert signature((), {"w": p1}) != signature((), {"w": p2})
+        assert signature((), {"xs": [torch.ones(2)]}) != signature((), {"xs": [torch.ones(3)]})
+    for i in range(300):  # more types than the kind cache keeps
+        signature((), {"v": type(f"T{i}", (), {})()})
+    Late = namedtuple("Late", "t")
+    assert signature((), {"x": Late(torch.ones(2))}) != signature((), {"x": Late(torch.ones(3))})
+    assert signature((), {"c": Cache()}) == (("c", "Cache"),)
