@@ -72,6 +72,11 @@ def test_generate_counts_every_forward_split_prefill_decode(make_monitor) -> Non
     steady = decode["latency"]["steady"]["duration"]["count"]
     assert cold <= 3 and cold + steady == 3 * (NEW - 1)  # warm-up + the signature's first call, no churn
     assert stats["stages"]["prefill"]["latency"]["cold"]["duration"]["count"] >= 1
+    # Without a cache every forward runs the whole sequence again: each is a prefill, none a decode step.
+    before = value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill")
+    _generate(model, use_cache=False)
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == before + NEW
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == 3 * (NEW - 1)
 
 
 def test_generate_is_tracked_as_requests_with_ttft_and_itl(make_monitor) -> None:
