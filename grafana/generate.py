@@ -248,11 +248,13 @@ def requests(b: Board) -> None:
 
 
 FLEET = "instance_model:perfmon_forward_duration_seconds_steady"
-FLEET_LINKS = [
-    {"title": "status page of ${__data.fields.instance}", "url": "http://${__data.fields.instance}/", "targetBlank": True},
-    {"title": "captures of ${__data.fields.instance}", "url": "http://${__data.fields.instance}/profiles",
-     "targetBlank": True},
-]
+
+
+def fleet_links(instance: str) -> list[dict[str, Any]]:
+    """Data links to a replica's status page and captures; ``instance`` is how the panel names its address (a
+    table's column, ``${__data.fields.instance}``, or a series' label, ``${__field.labels.instance}``)."""
+    return [{"title": f"status page of {instance}", "url": f"http://{instance}/", "targetBlank": True},
+            {"title": f"captures of {instance}", "url": f"http://{instance}/profiles", "targetBlank": True}]
 
 
 def fleet(b: Board) -> None:
@@ -283,7 +285,7 @@ def fleet(b: Board) -> None:
               for name in ("p99 / fleet median", "p50 / fleet median")),
             *({"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": "s"}]}
               for name in ("p99", "p50")),
-            {"matcher": {"id": "byName", "options": "instance"}, "properties": [{"id": "links", "value": FLEET_LINKS}]},
+            {"matcher": {"id": "byName", "options": "instance"}, "properties": [{"id": "links", "value": fleet_links("${__data.fields.instance}")}]},
         ]}, "options": {"showHeader": True, "sortBy": [{"displayName": "p99 / fleet median", "desc": True}]},
             "transformations": [
                 {"id": "merge", "options": {}},
@@ -296,7 +298,7 @@ def fleet(b: Board) -> None:
         (f"{FLEET}:p99_5m_ratio_to_fleet_median{{{MODEL}}}", "{{instance}} {{model}} {{stage}}"),
     ], "none", width=8, description="Each replica's steady p99 over the median of its peers' (1 = typical); the "
         "alert's line is 1.5.", extra={"fieldConfig": {"defaults": {
-            "unit": "none", "thresholds": ratio, "links": FLEET_LINKS,
+            "unit": "none", "thresholds": ratio, "links": fleet_links("${__field.labels.instance}"),
             "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 0, "stacking": {"mode": "none"},
                        "spanNulls": False, "thresholdsStyle": {"mode": "line"}}}, "overrides": []}})
     b.panel("Calls per second, per replica", [
@@ -311,7 +313,8 @@ def fleet(b: Board) -> None:
         "neighbour); with the same ratio, on its device (clocks, throttling, another process on the GPU).",
         extra={"options": {"orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
                            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
-               "fieldConfig": {"defaults": {"unit": "none", "decimals": 2, "min": 0, "max": 2, "links": FLEET_LINKS,
+               "fieldConfig": {"defaults": {"unit": "none", "decimals": 2, "min": 0, "max": 2,
+                                            "links": fleet_links("${__field.labels.instance}"),
                                             "thresholds": {"mode": "absolute", "steps": [
                                                 {"color": "red", "value": None}, {"color": "orange", "value": 0.67},
                                                 {"color": "green", "value": 0.83}]}}, "overrides": []}})

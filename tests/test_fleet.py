@@ -89,6 +89,7 @@ def test_three_live_replicas_one_slowed(make_monitor, tmp_path: Path) -> None:
             _slow_replica_is_named(prom, instances, slow)
             _alert_fires_for_it_alone(prom, slow)
             _fleet_panels_and_rules_have_data(prom, instances)
+            _fleet_panel_links_open_the_replica(slow)
             stops[2].set()
             threads[2].join(10)
             mons[2].stop()
@@ -157,6 +158,22 @@ def _fleet_panels_and_rules_have_data(prom: Prometheus, instances: list[str]) ->
         wait_until(all_have_data, timeout=30, what="data for every fleet query")
     except AssertionError:
         raise AssertionError("queries without data:\n" + "\n".join(f"{n}\n  {q}" for n, q in missing)) from None
+
+
+def _fleet_panel_links_open_the_replica(slow: str) -> None:
+    """Every data link of the Fleet row, filled in for the slow replica as Grafana would, opens its status page or
+    its captures (behind the token)."""
+    panels = [p for d in DASHBOARDS for p in _load(d)["panels"] if p["type"] != "row"
+              and any("instance_model:" in t["expr"] for t in p["targets"])]
+    fc = [p["fieldConfig"] for p in panels]
+    links = [link for c in fc for link in c["defaults"].get("links", [])]
+    links += [link for c in fc for o in c["overrides"] for prop in o["properties"] if prop["id"] == "links"
+              for link in prop["value"]]
+    urls = {link["url"].replace("${__data.fields.instance}", slow).replace("${__field.labels.instance}", slow)
+            for link in links}
+    assert urls == {f"http://{slow}/", f"http://{slow}/profiles"}, urls
+    assert http(f"http://{slow}/")[0] == 200
+    assert http(f"http://{slow}/profiles", token=TOKEN)[0] == 200
 
 
 def _its_series_go_stale(prom: Prometheus, instances: list[str], slow: str) -> None:
