@@ -247,6 +247,80 @@ def requests(b: Board) -> None:
         "error (the app raised), cancelled (the client went away first).")
 
 
+FLEET = "instance_model:perfmon_forward_duration_seconds_steady"
+
+
+def fleet_links(instance: str) -> list[dict[str, Any]]:
+    """Data links to a replica's status page and captures; ``instance`` is how the panel names its address (a
+    table's column, ``${__data.fields.instance}``, or a series' label, ``${__field.labels.instance}``)."""
+    return [{"title": f"status page of {instance}", "url": f"http://{instance}/", "targetBlank": True},
+            {"title": f"captures of {instance}", "url": f"http://{instance}/profiles", "targetBlank": True}]
+
+
+def fleet(b: Board) -> None:
+    """The Fleet row: each replica against the median of its peers. It reads the perfmon.fleet recording rules
+    (the alert's own numbers, and a per-replica percentile is too long a query to repeat per panel): without
+    the rules loaded it stays empty."""
+    b.row("Fleet: the odd replica out")
+    ratio = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "orange", "value": 1.2},
+                                           {"color": "red", "value": 1.5}]}
+    columns = {"Value #A": "p99 / fleet median", "Value #B": "p50 / fleet median", "Value #C": "p99", "Value #D": "p50",
+               "Value #E": "timed calls/s"}
+    b.panel("Replicas ranked by p99 against their fleet median", [
+        (f"sort_desc({FLEET}:p99_5m_ratio_to_fleet_median{{{MODEL}}})", "p99 / fleet median"),
+        (f"{FLEET}:p50_5m_ratio_to_fleet_median{{{MODEL}}}", "p50 / fleet median"),
+        (f"{FLEET}:p99_5m{{{MODEL}}}", "p99"),
+        (f"{FLEET}:p50_5m{{{MODEL}}}", "p50"),
+        (f"{FLEET}_count:rate5m{{{MODEL}}}", "timed calls/s"),
+    ], "none", kind="table", width=24, description="Each replica (scrape target) of each model and stage, slowest "
+        "first: its steady p99 and p50 over 5 minutes and their ratio to the median of its peers (the same job's "
+        "replicas of the model, at least 3 timing 0.2 calls/s or more; an idle replica is not ranked). Above 1.5 "
+        "for 10 minutes: PerfmonReplicaSlowerThanPeers. Click a replica for its status page or its captures "
+        "(the address Prometheus scrapes: reachable from where the browser runs, or through a port-forward). "
+        "Needs the perfmon.fleet recording rules.",
+        extra={"fieldConfig": {"defaults": {"unit": "none", "decimals": 2}, "overrides": [
+            *({"matcher": {"id": "byName", "options": name},
+               "properties": [{"id": "thresholds", "value": ratio},
+                              {"id": "custom.cellOptions", "value": {"type": "color-background"}}]}
+              for name in ("p99 / fleet median", "p50 / fleet median")),
+            *({"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": "s"}]}
+              for name in ("p99", "p50")),
+            {"matcher": {"id": "byName", "options": "instance"}, "properties": [{"id": "links", "value": fleet_links("${__data.fields.instance}")}]},
+        ]}, "options": {"showHeader": True, "sortBy": [{"displayName": "p99 / fleet median", "desc": True}]},
+            "transformations": [
+                {"id": "merge", "options": {}},
+                {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": columns}},
+                {"id": "sortBy", "options": {"sort": [{"field": "p99 / fleet median", "desc": True}]}},
+            ]})
+    for t in b.panels[-1]["targets"]:
+        t.update(range=False, instant=True, format="table")
+    b.panel("p99 against the fleet median, per replica", [
+        (f"{FLEET}:p99_5m_ratio_to_fleet_median{{{MODEL}}}", "{{instance}} {{model}} {{stage}}"),
+    ], "none", width=8, description="Each replica's steady p99 over the median of its peers' (1 = typical); the "
+        "alert's line is 1.5.", extra={"fieldConfig": {"defaults": {
+            "unit": "none", "thresholds": ratio, "links": fleet_links("${__field.labels.instance}"),
+            "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 0, "stacking": {"mode": "none"},
+                       "spanNulls": False, "thresholdsStyle": {"mode": "line"}}}, "overrides": []}})
+    b.panel("Calls per second, per replica", [
+        ("instance_model:perfmon_forward_calls:rate5m{" + MODEL + "}", "{{instance}} {{model}}"),
+    ], "reqps", width=8, description="Each replica's share of the traffic: a slow replica that also gets more "
+        "calls than its peers is busier, not broken (sticky sessions, an unbalanced load balancer).")
+    b.panel("Occupancy against the fleet median", [
+        ("sort(instance_model:perfmon_model_occupancy_ratio:avg5m_ratio_to_fleet_median{" + MODEL + "})",
+         "{{instance}} {{model}}"),
+    ], "none", kind="bargauge", width=8, description="Each replica's device busy share of wall time over its "
+        "peers' median, least busy first. A slow replica with a lower ratio waits on its host (CPU, GC, a "
+        "neighbour); with the same ratio, on its device (clocks, throttling, another process on the GPU).",
+        extra={"options": {"orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
+                           "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+               "fieldConfig": {"defaults": {"unit": "none", "decimals": 2, "min": 0, "max": 2,
+                                            "links": fleet_links("${__field.labels.instance}"),
+                                            "thresholds": {"mode": "absolute", "steps": [
+                                                {"color": "red", "value": None}, {"color": "orange", "value": 0.67},
+                                                {"color": "green", "value": 0.83}]}}, "overrides": []}})
+    b.panels[-1]["targets"][0].update(range=False, instant=True)
+
+
 def overview() -> dict[str, Any]:
     b = Board()
     steady = f'{MODEL}, phase="steady"'
@@ -307,6 +381,7 @@ def overview() -> dict[str, Any]:
         (f"max by (model) (perfmon_regression_active{{{MODEL}}})", "{{model}} active"),
         (f"sum by (model) (perfmon_regressions_total{{{MODEL}}})", "{{model}} detected"),
     ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
+    fleet(b)
     generation(b)
     gc_pauses(b)
     requests(b)

@@ -268,7 +268,8 @@ class Monitor(RequestApi, CaptureApi):
 
     def unwrap(self, model: Any) -> Any:
         """Stop monitoring a module wrapped by this monitor: its own class back, exactly; returns it. Its series
-        stay exported (counters never go backwards); wrapping it again under the same name continues them."""
+        stay exported (counters never go backwards); wrapping it, or its next version, under the same name
+        continues them. A wrapped module that is garbage-collected counts as unwrapped."""
         return self.models.unwrap(model)
 
     @overload

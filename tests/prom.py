@@ -83,6 +83,13 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"] or []  # type: ignore[no-any-return]
 
+    def alerts(self) -> list[dict[str, Any]]:
+        """/api/v1/alerts: every pending and firing alert, with its labels, annotations and state."""
+        with urllib.request.urlopen(f"{self.url}/api/v1/alerts", timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]["alerts"]  # type: ignore[no-any-return]
+
     def wait_for(self, promql: str, timeout: float = 40.0) -> list[dict[str, Any]]:
         """Poll an instant query until it returns a non-empty vector, or fail at the deadline."""
         from .conftest import wait_until

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import traceback
+import weakref
 
 import pytest
 import torch
 
 import perfmon
+
+from .conftest import value
 
 
 def _mlp() -> torch.nn.Module:
@@ -269,3 +273,35 @@ def test_a_calls_signature_is_its_work_not_its_bookkeeping() -> None:
     Late = namedtuple("Late", "t")
     assert signature((), {"x": Late(torch.ones(2))}) != signature((), {"x": Late(torch.ones(3))})
     assert signature((), {"c": Cache()}) == (("c", "Cache"),)
+
+
+def test_a_dropped_module_is_freed_and_its_name_takes_the_next_version(make_monitor) -> None:
+    """A wrapped module the server drops is garbage-collected (the monitor keeps its series, not its weights), and
+    its name then takes the model's next version, whose calls continue the same counters."""
+    mon = make_monitor().start()
+    v1 = mon.wrap(_mlp(), name="enc")
+    for _ in range(3):
+        v1(torch.randn(2, 16))
+    freed = weakref.ref(v1)
+    del v1
+    gc.collect()
+    assert freed() is None
+    assert value(mon, "perfmon_forward_calls_total", model="enc") == 3  # its series stay (counters never go back)
+    v2 = mon.wrap(_mlp(), name="enc")
+    for _ in range(2):
+        v2(torch.randn(2, 16))
+    assert value(mon, "perfmon_forward_calls_total", model="enc") == 5
+
+
+def test_an_unwrapped_module_collected_later_leaves_its_successor_wrapped(make_monitor) -> None:
+    """Unwrapped, then replaced under its name, an old module's collection does not free the name from the live
+    successor: a third module under that name is still refused."""
+    mon = make_monitor().start()
+    old = mon.wrap(_mlp(), name="enc")
+    mon.unwrap(old)
+    new = mon.wrap(_mlp(), name="enc")
+    del old
+    gc.collect()
+    with pytest.raises(perfmon.ConfigError, match="already monitored"):
+        mon.wrap(_mlp(), name="enc")
+    assert new(torch.randn(1, 16)).shape == (1, 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,8 @@ class Models:
         self._refused: dict[str, ConfigError] = {}
         #: Tokens of continuous-batching steps, per model (batching.py; exported by BatchCollector).
         self.batch_tokens = BatchTokens()
+        #: name -> the finalizer of the module wrapped under it (``_watch``).
+        self._finalizers: dict[str, weakref.finalize[Any, Any]] = {}
 
     def reset_after_fork(self) -> None:
         """In a forked child: a lock a parent thread held at fork() is replaced, and each state's counters."""
@@ -112,7 +115,7 @@ class Models:
         if stage is None:
             stage = generative_stage if is_generative(model) else False
         if stage is False:
-            return MonitoredModule.create(model, self.new_state(label, resolve, items=items))
+            return self._watch(MonitoredModule.create(model, self.new_state(label, resolve, items=items)))
         first = PREFILL if stage is generative_stage else "other"
         state = self.new_state(label, resolve, items=items, stage=first)
 
@@ -147,6 +150,19 @@ class Models:
             # generate() runs an encoder-decoder's encoder once, through the encoder module itself: its own hot
             # path, counted as the model's stage="encode" (the decoder's steps stay prefill/decode).
             MonitoredModule.create(encoder, built[0].state(ENCODE))
+        return self._watch(model)
+
+    def _watch(self, model: Any) -> Any:
+        """A wrapped module the server drops counts as unwrapped once it is collected: its name may be wrapped
+        again (the model's next version) and continue its series, as after ``unwrap``."""
+        st: ModelState = type(model)._perfmon_state
+        finalizer = weakref.finalize(model, _detach, st)
+        finalizer.atexit = False
+        with self._lock:
+            old = self._finalizers.pop(st.name, None)
+            self._finalizers[st.name] = finalizer
+        if old is not None:
+            old.detach()  # the name's previous module was unwrapped: its end must not detach this one
         return model
 
     def unwrap(self, model: Any) -> Any:
@@ -159,6 +175,10 @@ class Models:
         if encoder is not None and type(encoder)._perfmon_state.name == st.name:
             unwrap_module(encoder)
         st.attached = False
+        with self._lock:
+            finalizer = self._finalizers.pop(st.name, None)
+        if finalizer is not None:
+            finalizer.detach()
         return model
 
     def instrument(self, fn: Callable[..., Any] | None, *, name: str | None, device: str, items: Any) -> Any:
@@ -237,11 +257,22 @@ def _fixed(label: str) -> Callable[[], str]:
     return lambda: label
 
 
+def _detach(state: ModelState) -> None:
+    state.attached = False
+
+
 def _module_device(module: torch.nn.Module) -> Callable[[], str]:
+    # A weak reference: the state outlives the module (its series stay), and must not keep a model the server
+    # dropped alive, weights and all (on a GPU, its memory). Gone, it keeps its last device.
+    ref = weakref.ref(module)
+    last = "cpu"
+
     def resolve() -> str:
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            return str(t.device)
-        return "cpu"
+        nonlocal last
+        live = ref()
+        if live is not None:
+            last = next((str(t.device) for t in itertools.chain(live.parameters(), live.buffers())), "cpu")
+        return last
 
     return resolve
 
