@@ -9,18 +9,23 @@
   recorded ...") and completed ("Both events must be completed ..."), and returns milliseconds;
 * an event belongs to the device of the stream it was first recorded on.
 
-The GPU only moves when a test says so (``advance``/``finish``), so tests are deterministic.
+The GPU only moves when a test says so (``advance``/``finish``), or while a ``GpuKernels`` forward launches
+(the device runs while the host launches), by fixed amounts, so tests are deterministic. ``FakeProfiler``
+writes the fake models' calls as the Chrome trace a CUDA capture would hold.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import json
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,12 +33,15 @@ from .telemetry.nvml import errors as _nvml_errors
 
 __all__ = [
     "BusyWait",
+    "FakeCall",
     "FakeCuda",
     "FakeEvent",
     "FakeGpu",
     "FakeNvml",
+    "FakeProfiler",
     "FakeStream",
     "FakeTorchMemory",
+    "GpuKernels",
     "GpuWork",
     "event_pairs_in_flight",
     "histogram_quantile",
@@ -94,6 +102,13 @@ class FakeEvent:
             return end_event.at_ms - self.at_ms
 
 
+class FakeCall(NamedTuple):
+    """One forward of a fake GPU model, on the device's clock (ms): what a profiler would have recorded."""
+    host_start_ms: float
+    host_end_ms: float
+    kernels: tuple[tuple[float, float, float], ...]  # (launched at, started, ended) per kernel
+
+
 class FakeGpu:
     """A simulated GPU with ``devices`` devices sharing one clock in milliseconds."""
 
@@ -104,6 +119,15 @@ class FakeGpu:
         self.current: dict[int, FakeStream] = dict(self.streams)
         self.events_created = 0
         self._extra: list[FakeStream] = []
+        #: The fake models' latest forwards (``FakeProfiler`` writes those it recorded as a trace).
+        self.calls: collections.deque[FakeCall] = collections.deque(maxlen=4096)
+        self.calls_made = 0
+
+    def record_call(self, host_start_ms: float, kernels: Sequence[tuple[float, float, float]]) -> None:
+        """Log one forward that began at ``host_start_ms`` and ends now (device clock), with its kernels."""
+        with self.lock:
+            self.calls.append(FakeCall(host_start_ms, self.now_ms, tuple(kernels)))
+            self.calls_made += 1
 
     def stream(self, device: int = 0, name: str = "side") -> FakeStream:
         """A new stream on ``device``."""
@@ -112,11 +136,14 @@ class FakeGpu:
             self._extra.append(s)
         return s
 
-    def launch(self, ms: float, stream: FakeStream | None = None, device: int = 0) -> None:
-        """Queue ``ms`` of work on ``stream`` (default: the device's current stream)."""
+    def launch(self, ms: float, stream: FakeStream | None = None, device: int = 0) -> tuple[float, float]:
+        """Queue ``ms`` of work on ``stream`` (default: the device's current stream); returns when it will
+        start and end (ms): after the work before it on the stream, and not before now."""
         with self.lock:
             s = stream if stream is not None else self.current[device]
-            s.tail_ms = max(s.tail_ms, self.now_ms) + ms
+            start = max(s.tail_ms, self.now_ms)
+            s.tail_ms = start + ms
+            return start, s.tail_ms
 
     def advance(self, ms: float) -> None:
         """Let the device run for ``ms``."""
@@ -161,8 +188,98 @@ class GpuWork(torch.nn.Module):
         self.device_index = device
 
     def forward(self, x: Any) -> Any:
-        self.gpu.launch(self.ms, device=self.device_index)
+        gpu = self.gpu
+        with gpu.lock:
+            now = gpu.now_ms
+            gpu.record_call(now, [(now, *gpu.launch(self.ms, device=self.device_index))])
         return x
+
+
+class GpuKernels(torch.nn.Module):
+    """A forward of ``kernels`` fake kernels of ``kernel_ms`` each, the host taking ``launch_ms`` to launch each
+    one; with ``sync`` it then waits for the device, as ``.item()`` or ``.cpu()`` do.
+
+    The device runs while the host launches: the fake clock advances ``launch_ms`` per launch (and by a sync's
+    wait) while the host spins at least as long in real time, so host time is never below the events' span.
+    ``launch_ms > kernel_ms``: the device idles between kernels (launch-bound: host ≈ span, low occupancy); the
+    other way round kernels queue back to back and the host returns long before the device is done
+    (device-bound); device-bound with ``sync``: host ≈ span as when launch-bound, yet the device is always busy.
+    """
+
+    def __init__(self, gpu: FakeGpu, *, kernels: int, kernel_ms: float, launch_ms: float, sync: bool = False,
+                 device: int = 0) -> None:
+        super().__init__()
+        self.gpu, self.kernels, self.kernel_ms, self.launch_ms = gpu, kernels, kernel_ms, launch_ms
+        self.sync, self.device_index = sync, device
+
+    def forward(self, x: Any) -> Any:
+        gpu = self.gpu
+        t0 = gpu.now_ms
+        launched = []
+        for _ in range(self.kernels):
+            _spin(self.launch_ms / 1e3)
+            gpu.advance(self.launch_ms)
+            launched.append((gpu.now_ms, *gpu.launch(self.kernel_ms, device=self.device_index)))
+        if self.sync:
+            wait = max(0.0, gpu.current[self.device_index].tail_ms - gpu.now_ms)
+            _spin(wait / 1e3)
+            gpu.advance(wait)
+        gpu.record_call(t0, launched)
+        return x
+
+
+class FakeProfiler:
+    """A ``profiler_factory`` for captures of fake GPU models: ``Monitor(profiler_factory=FakeProfiler.factory(gpu))``.
+
+    A CUDA capture writes the fake models' forwards it recorded (``FakeGpu.calls``) as torch.profiler's Chrome
+    trace would hold them: a ``perfmon.step`` annotation per call (1 µs longer than the host's part: the return),
+    per kernel an op and the runtime call that launched it, and the kernel on the device with the runtime call's
+    ``correlation``; times on the fake device's clock. A CPU capture is torch's own profiler.
+    """
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu, self._first = gpu, 0
+        self._calls: list[FakeCall] = []
+
+    @classmethod
+    def factory(cls, gpu: FakeGpu) -> Callable[[Any, bool], Any]:
+        from .captures.profiler import torch_profiler
+
+        return lambda options, cuda: cls(gpu) if cuda else torch_profiler(options, cuda)
+
+    def start(self) -> None:
+        self._first = self.gpu.calls_made
+
+    def stop(self) -> None:
+        with self.gpu.lock:
+            self._calls = list(self.gpu.calls)[max(0, len(self.gpu.calls) - (self.gpu.calls_made - self._first)):]
+
+    def export_chrome_trace(self, path: str) -> None:
+        ids = itertools.count(1)
+
+        def x(cat: str, name: str, ms: float, dur_us: float, **args: int) -> dict[str, Any]:
+            return {"ph": "X", "cat": cat, "name": name, "pid": int(cat != "kernel"), "tid": 1,
+                    "ts": round(ms * 1e3, 3), "dur": round(dur_us, 3), "args": args}
+
+        events = []
+        for call in self._calls:
+            events.append(x("user_annotation", "perfmon.step", call.host_start_ms,
+                            (call.host_end_ms - call.host_start_ms) * 1e3 + 1, **{"External id": next(ids)}))
+            for launched, start, end in call.kernels:
+                op, corr = next(ids), next(ids)
+                events += [x("cpu_op", "fake::kernel", launched, 0.5, **{"External id": op}),
+                           x("cuda_runtime", "cudaLaunchKernel", launched + 1e-4, 0.3, correlation=corr),
+                           x("kernel", "fake_kernel", start, (end - start) * 1e3, correlation=corr,
+                             **{"External id": op})]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+
+def _spin(seconds: float) -> None:
+    """Hold the calling thread for ``seconds`` of wall time (a loaded machine can only make it longer)."""
+    end = time.perf_counter_ns() + int(seconds * 1e9)
+    while time.perf_counter_ns() < end:
+        pass
 
 
 class BusyWait(torch.nn.Module):
@@ -173,9 +290,7 @@ class BusyWait(torch.nn.Module):
         self.seconds = seconds
 
     def forward(self, x: Any) -> Any:
-        end = time.perf_counter_ns() + int(self.seconds * 1e9)
-        while time.perf_counter_ns() < end:
-            pass
+        _spin(self.seconds)
         return x
 
 
