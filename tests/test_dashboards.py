@@ -20,9 +20,9 @@ import yaml
 
 import perfmon
 from perfmon.metrics.catalog import METRICS
-from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
+from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeProfiler, FakeTorchMemory, GpuWork
 
-from .conftest import promtool, wait_until
+from .conftest import promtool, wait_capture, wait_until
 from .prom import running_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,8 @@ def test_every_metric_a_dashboard_or_rule_names_is_registered() -> None:
                      "perfmon_generated_tokens_total", "perfmon_prompt_tokens_total",
                      "perfmon_generation_requests_total", "perfmon_gc_pause_seconds",
                      "perfmon_samples_gc_overlap_total", "perfmon_request_seconds",
-                     "perfmon_request_duration_seconds", "perfmon_requests_total"):
+                     "perfmon_request_duration_seconds", "perfmon_requests_total",
+                     "perfmon_model_occupancy_ratio", "perfmon_model_host_bound", "perfmon_model_host_device_ratio"):
         assert required in used, required
 
 
@@ -180,6 +181,13 @@ def test_either_form_terms_finds_the_itl_alerts_four_terms() -> None:
     assert sum("histogram_quantile(0.50" in t for t in terms) == 2 and sum("histogram_count" in t for t in terms) == 2
 
 
+def _arm(mon: perfmon.Monitor, model: str) -> dict[str, Any] | None:
+    try:
+        return mon.capture(model, steps=2)
+    except perfmon.CaptureBusy:
+        return None
+
+
 def _has_data(result: list[dict[str, Any]]) -> bool:
     return any(not math.isnan(float(r["value"][1])) for r in result)
 
@@ -200,7 +208,8 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     policy = perfmon.RegressionPolicy(window_seconds=1, baseline_windows=2, min_samples=5)
     mon = make_monitor(port=0, sample_rate=0.5, regression=policy, cuda=FakeCuda(gpu), nvml=nvml,
                        memory=FakeTorchMemory(), nvml_interval_seconds=0.5, resolve_interval_seconds=0.05,
-                       trace_store=(tmp_path / "store").as_uri()).start()  # the upload panels: file:// store
+                       trace_store=(tmp_path / "store").as_uri(),  # the upload panels: file:// store
+                       profiler_factory=FakeProfiler.factory(gpu)).start()  # a fake GPU capture: occupancy panels
     enc = mon.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)),
                    name="encoder")
     on_gpu = mon.wrap(GpuWork(gpu, ms=2.0), name="gpu_model", device="cuda:0")
@@ -252,6 +261,11 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     try:
         wait_until(lambda: mon.stats()["models"]["encoder"]["calls"] > 10, what="the driver to start")
         cap = mon.capture("encoder", steps=2)
+        wait_capture(mon, cap["id"])
+        # A capture of the fake GPU model (its kernels as a trace): the occupancy panels. A baseline capture may
+        # hold the slot for a moment.
+        gpu_cap = wait_until(lambda: _arm(mon, "gpu_model"), what="a capture of the GPU model to arm")
+        assert wait_capture(mon, gpu_cap["id"])["occupancy"]
         rules = tmp_path / "perfmon.rules.yml"
         rules.write_text(RULES.read_text().replace("interval: 30s", "interval: 1s"))
         instance = mon.url.removeprefix("http://")
