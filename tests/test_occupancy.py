@@ -87,9 +87,8 @@ def test_a_cuda_graph_replay_counts_every_kernel_of_its_one_launch_and_a_cpu_tra
 # -- the live side and the verdict, through a monitor on the fake GPU ---------------------------------------------
 
 def _monitor(make_monitor: Any, gpu: FakeGpu, **kw: Any) -> perfmon.Monitor:
-    with pytest.warns(UserWarning, match="sample_rate"):
-        return make_monitor(cuda=FakeCuda(gpu), sample_rate=1.0, warmup_calls=1,
-                            profiler_factory=FakeProfiler.factory(gpu), **kw).start()
+    return make_monitor(cuda=FakeCuda(gpu), sample_rate=1.0, warmup_calls=1, profiler_factory=FakeProfiler.factory(gpu),
+                        **kw).start()
 
 
 def _serve(mon: perfmon.Monitor, gpu: FakeGpu, model: Any, calls: int = 12) -> None:
@@ -222,3 +221,23 @@ def test_a_new_monitor_takes_the_newest_stored_capture_of_its_model(make_monitor
     occ = _occ(again, "work")
     assert occ["source"] == "capture" and occ["capture"]["id"] == meta["id"] and occ["occupancy_ratio"] > 0.99
     assert value(again, "perfmon_model_host_bound", model="work") == 0
+
+
+def test_only_the_captured_models_calls_are_its_steps(make_monitor) -> None:
+    """Another fake-GPU model called between the captured model's calls is recorded by the profiler (same thread)
+    but outside every step: the captured model's occupancy and kernels per call are its own."""
+    gpu = FakeGpu()
+    mon = _monitor(make_monitor, gpu)
+    dense = mon.wrap(GpuKernels(gpu, kernels=4, kernel_ms=5.0, launch_ms=0.05), name="dense", device="cuda:0")
+    tiny = mon.wrap(GpuKernels(gpu, kernels=20, kernel_ms=0.02, launch_ms=0.3), name="tiny", device="cuda:0")
+    x = torch.zeros(1)
+
+    def both() -> None:
+        dense(x)
+        tiny(x)
+        gpu.finish()
+
+    cap = mon.capture("dense", steps=3)
+    meta = wait_capture(mon, cap["id"], drive=both)
+    assert meta["outcome"] == "ok" and meta["occupancy"]["kernels_per_step"] == 4
+    assert meta["occupancy"]["ratio"] > 0.95
