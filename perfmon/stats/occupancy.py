@@ -134,6 +134,7 @@ class Occupancy:
         """(median host time / device span of the window's steady CUDA calls, how many), or (None, count)."""
         ring = self._rings.get(model)
         cutoff = now_ns - self.window_ns
+        # list(deque) is one C call under the GIL: the resolver's appends cannot interleave with the copy.
         ratios = sorted(r for end, r in list(ring) if end >= cutoff) if ring is not None else []
         return (quantile(ratios, 0.5) if len(ratios) >= MIN_SAMPLES else None), len(ratios)
 
@@ -148,9 +149,10 @@ class Occupancy:
         st = self._models.get(name)
         if st is None:
             return None
-        if not st.device.startswith("cuda"):
+        if st.cuda_index < 0:  # not timed with CUDA events: its durations are the host's own clock
             return {"device": st.device, "occupancy_ratio": None, "host_bound": None, "source": None,
-                    "why": "a CPU model: no device to keep busy, so no occupancy and no host-bound series"}
+                    "host_device_ratio": None, "why": "a CPU model: no device to keep busy, so no occupancy and no "
+                    "host-bound series" if st.device == "cpu" else f"{st.device} is not timed with CUDA events here"}
         now_ns = perf_counter_ns() if now_ns is None else now_ns
         ratio, n = self.live(name, now_ns)
         m, age = self.measured(name)
@@ -172,7 +174,7 @@ class Occupancy:
         out = []
         for name in list(self._models.by_name):
             v = self.model(name, now_ns)
-            if v is None or not v["device"].startswith("cuda"):
+            if v is None:
                 continue
             m = self._latest.get(name)
             row = Row(name, v["occupancy_ratio"], v["host_bound"], v["host_device_ratio"],
