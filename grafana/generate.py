@@ -308,8 +308,8 @@ def fleet(b: Board) -> None:
     b.panel("Occupancy against the fleet median", [
         ("sort(instance_model:perfmon_model_occupancy_ratio:avg5m_ratio_to_fleet_median{" + MODEL + "})",
          "{{instance}} {{model}}"),
-    ], "none", kind="bargauge", width=8, description="Each replica's device busy share of wall time over its "
-        "peers' median, least busy first. A slow replica with a lower ratio waits on its host (CPU, GC, a "
+    ], "none", kind="bargauge", width=8, description="Each replica's occupancy (the share of its calls' device span "
+        "its GPU was busy, from its newest capture) over its peers' median, least busy first. A slow replica with a lower ratio waits on its host (CPU, GC, a "
         "neighbour); with the same ratio, on its device (clocks, throttling, another process on the GPU).",
         extra={"options": {"orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
                            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
@@ -319,6 +319,38 @@ def fleet(b: Board) -> None:
                                                 {"color": "red", "value": None}, {"color": "orange", "value": 0.67},
                                                 {"color": "green", "value": 0.83}]}}, "overrides": []}})
     b.panels[-1]["targets"][0].update(range=False, instant=True)
+
+
+def occupancy(b: Board) -> None:
+    """The GPU occupancy row: how busy the device is inside each model's calls, which models the host (not the
+    GPU) holds back, and the device time the model's forwards take per wall-clock second."""
+    b.row("GPU occupancy")
+    b.panel("Device occupancy and host/device time", [
+        (f"max by (model) (perfmon_model_occupancy_ratio{{{MODEL}}})", "{{model}} busy / span (capture)"),
+        (f"max by (model) (perfmon_model_host_device_ratio{{{MODEL}}})", "{{model}} host / span (live)"),
+    ], "percentunit", width=8, description="Busy over span: the share of each call's device span the GPU ran "
+        "kernels, from the model's newest CUDA capture (exact; baseline captures keep it fresh). Host over span: "
+        "the median of each timed call's host time over its device span, live; near 100% the device finished right "
+        "after the host's last launch (launch-bound, or a forward that synchronises: the capture tells which).")
+    b.panel("Launch-bound (host-bound) models", [
+        (f"max by (model) (perfmon_model_host_bound{{{MODEL}}})", "{{model}}"),
+        (f"time() - max by (model) (perfmon_model_occupancy_timestamp_seconds{{{MODEL}}})",
+         "{{model}} capture age (s)"),
+    ], "short", width=8, description="1 while the host, not the GPU, sets a model's pace: its capture's occupancy "
+        "under 50% (or, without a capture, host time at 90% of the device span or more). A faster GPU buys "
+        "nothing there: cut launches (CUDA graphs, torch.compile mode='reduce-overhead', bigger batches); "
+        "runbook: launch-bound. The capture age says how old the measurement behind it is (absent: live ratio).",
+        extra={"fieldConfig": {"defaults": {"unit": "short"}, "overrides": [
+            {"matcher": {"id": "byFrameRefID", "options": "B"},
+             "properties": [{"id": "unit", "value": "s"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+    cuda = f'{MODEL}, phase="steady", device=~"cuda.*"'
+    b.panel("Device time per second (forwards)", [
+        (f"({mean('perfmon_forward_duration_seconds', cuda, 'model')}) * "
+         f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}}"),
+    ], "percentunit", width=8, description="Seconds of device span per wall-clock second spent on each model's "
+        "forwards (SGLang's fwd_occupancy): the sampled mean span times the exact call rate. Low with high latency: "
+        "the GPU waits between requests (batching, the server); it counts the gaps inside calls, so it is an upper "
+        "bound of busy time.")
 
 
 def overview() -> dict[str, Any]:
@@ -385,6 +417,7 @@ def overview() -> dict[str, Any]:
     generation(b)
     gc_pauses(b)
     requests(b)
+    occupancy(b)
     b.row("Agent")
     b.panel("Samples dropped and internal errors", [
         (f"sum by (model, reason) (rate(perfmon_samples_dropped_total{{{MODEL}}}[{RATE}]))", "{{model}} {{reason}}"),

@@ -190,6 +190,10 @@ class Config:
     #: pre-fork server's master, e.g. gunicorn --preload): a child forked from a process whose
     #: profiler ran hangs or aborts at exit; there each worker prepares its own after the fork.
     prepare_profiler: bool = True
+    #: A capture's device occupancy decides a CUDA model's host-bound verdict while it is younger than this;
+    #: then the live host/device ratio does until the next capture (stats/occupancy.py). Baseline captures are
+    #: retaken every 6 h by default.
+    occupancy_capture_max_age_seconds: float = 12 * 3600.0
     #: Override the device peaks used by the capture roofline (FLOP/s and memory bytes/s); both or neither.
     peak_flops: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
     peak_bandwidth: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
@@ -253,7 +257,7 @@ class Config:
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
                     "capture_arm_timeout_seconds", "http_connection_timeout_seconds",
                     "capture_export_timeout_seconds", "trace_upload_timeout_seconds",
-                    "trace_upload_max_backoff_seconds")
+                    "trace_upload_max_backoff_seconds", "occupancy_capture_max_age_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")

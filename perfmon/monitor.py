@@ -50,10 +50,12 @@ from .metrics.collectors import (
     TelemetryCollector,
     UploadCollector,
 )
+from .metrics.occupancy import OccupancyCollector
 from .metrics.requests import RequestCollector
 from .metrics.store import Metrics
 from .stats.gc import GcView
 from .stats.history import History
+from .stats.occupancy import Occupancy
 from .stats.views import Views
 from .stats.windows import Windows
 from .store.traces import TraceStore
@@ -363,6 +365,20 @@ def _register_collectors(monitor: Monitor) -> None:
         reg.register(monitor._gc[1])
     reg.register(TelemetryCollector(memory=monitor._memory, nvml=monitor.nvml_poller, internal=monitor.internal,
                                     oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
+    _occupancy_stage(monitor)
+
+
+def _occupancy_stage(monitor: Monitor) -> None:
+    """GPU occupancy and the host-bound verdict (stats/occupancy.py): a resolver sink, a capture listener, a /stats
+    section per model, four gauges. Its fork reset rides the request tracker's hook (Monitor is at its line limit)."""
+    cfg = monitor.config
+    occupancy = Occupancy(models=monitor.models, store=monitor.traces, window_seconds=cfg.stats_window_seconds,
+                          max_age_seconds=cfg.occupancy_capture_max_age_seconds)
+    monitor.resolver.sinks.append(occupancy.sample)
+    monitor.captures.exporter.listeners.append(occupancy.capture_done)
+    monitor.requests.on_fork.append(occupancy.reset_after_fork)
+    monitor._views.model_sections.append(lambda name, now: ("occupancy", occupancy.model(name, now)))
+    monitor.registry.register(OccupancyCollector(occupancy.rows, monitor.internal))
 
 
 def _peaks(cfg: Config, device: str) -> Any:

@@ -11,7 +11,7 @@ import torch
 import perfmon
 from perfmon.captures.records import CaptureOptions
 from perfmon.metrics.catalog import METRICS
-from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeTorchMemory, GpuWork
+from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeProfiler, FakeTorchMemory, GpuWork
 
 from .conftest import wait_capture
 
@@ -40,9 +40,12 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     gpu = FakeGpu()
     mon = make_monitor(port=0, sample_rate=1.0, nvml=FakeNvml(), memory=FakeTorchMemory(), oom_snapshot=True,
                        trace_dir=str(tmp_path), regression=policy, cuda=FakeCuda(gpu),
-                       trace_store="memory://perfmon-docs-test/fleet").start()  # the upload families
+                       trace_store="memory://perfmon-docs-test/fleet",  # the upload families
+                       profiler_factory=FakeProfiler.factory(gpu)).start()  # a CUDA capture: the occupancy families
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
-    mon.wrap(GpuWork(gpu, ms=1.0), name="g", device="cuda:0")(torch.ones(1))  # host time exists on CUDA only
+    on_gpu = mon.wrap(GpuWork(gpu, ms=1.0), name="g", device="cuda:0")
+    for _ in range(8):  # host time exists on CUDA only; 5 steady calls: the live host/device ratio
+        on_gpu(torch.ones(1))
     mon.instrument(lambda x: x, name="tok", items=lambda args, kwargs: (3, 4))(1)  # padded items
     with mon.generation("m", prompt_tokens=3) as g:  # a request with a TTFT and an ITL: every generation family
         g.token()
@@ -63,6 +66,9 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     cap = mon.capture("m", steps=1)
     model(torch.ones(1, 2))
     assert wait_capture(mon, cap["id"])["comparison"]["baseline"] == base.id
+    gpu_cap = mon.capture("g", steps=1)  # the fake GPU's kernels: the occupancy families
+    on_gpu(torch.ones(1))
+    assert wait_capture(mon, gpu_cap["id"])["occupancy"]
     try:
         model(torch.ones(1, 3))
     except RuntimeError:

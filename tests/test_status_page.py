@@ -365,3 +365,47 @@ def test_page_shows_gc_pauses_and_marks_a_model_whose_slowest_calls_overlapped_a
     card = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '[data-model="collected"]').text, what="card")
     assert "slowest calls overlapped gen-2 GC" in card
     assert re.search(r"[1-9]\d* of \d+ · [1-9]\d* of \d+\s+steady calls that overlapped GC", card), card
+
+
+def test_a_launch_bound_model_gets_the_badge_and_its_why_and_gpu_models_show_occupancy(browser, make_monitor) -> None:
+    """A launch-bound fake-GPU model's card carries the "launch-bound" badge and the one line that says why; a
+    device-bound one shows its occupancy from a capture without the badge; a CPU model shows no occupancy tile."""
+    from selenium.webdriver.common.by import By
+
+    from perfmon.testing import FakeProfiler, GpuKernels
+
+    gpu = FakeGpu()
+    mon = make_monitor(port=0, sample_rate=1.0, warmup_calls=1, cuda=FakeCuda(gpu),
+                       profiler_factory=FakeProfiler.factory(gpu)).start()
+    tiny = mon.wrap(GpuKernels(gpu, kernels=20, kernel_ms=0.02, launch_ms=0.3), name="tiny", device="cuda:0")
+    dense = mon.wrap(GpuKernels(gpu, kernels=4, kernel_ms=5.0, launch_ms=0.05), name="dense", device="cuda:0")
+    cpu = mon.wrap(torch.nn.Linear(2, 2), name="on_cpu")
+    x = torch.zeros(1)
+
+    def serve() -> None:
+        tiny(x)
+        dense(x)
+        cpu(torch.ones(1, 2))
+        gpu.finish()
+
+    for _ in range(8):
+        serve()
+    cap = mon.capture("dense", steps=3)
+    wait_until(lambda: (mon.profile(cap["id"]) or {}).get("outcome") == "ok", what="the capture", between=serve)
+    assert mon.flush()
+    browser.get(mon.url + "/")
+    _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
+    card = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '[data-model="tiny"]').text, what="the tiny card")
+    assert "launch-bound" in card and "a capture will tell" in card, card
+    badge = browser.find_element(By.CSS_SELECTOR, '[data-model="tiny"] .launch-bound')
+    assert "host time is" in (badge.get_attribute("title") or "")
+    assert re.search(r"\S · [\d.]+\S\s+GPU occupancy · host / device span \(live\)", card), card  # no capture yet
+
+    def dense_card() -> str | None:
+        text = browser.find_element(By.CSS_SELECTOR, '[data-model="dense"]').text
+        return text if "GPU occupancy (capture," in text else None
+
+    dense_text = _wait(dense_card, what="the dense card with its capture's occupancy")
+    assert re.search(r"(99|100)\.\d % · 0\.\d+\S", dense_text), dense_text
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-model="dense"] .launch-bound')
+    assert "GPU occupancy" not in browser.find_element(By.CSS_SELECTOR, '[data-model="on_cpu"]').text

@@ -27,6 +27,7 @@ perfmon's logs.
     pools.py      the event pool (small and default) under threads and streams, CUDA graph capture
     telemetry.py  allocator gauges and NVML against torch and nvidia-smi
     captures.py   a capture's trace holds kernels; roofline verdict and MFU
+    occupancy.py  occupancy and the launch-bound verdict: a device-bound matmul vs a launch-bound encoder
     models.py     torch.compile, generate() of a tiny GPT-2
     report.py     Markdown and JSON, the environment
     runner.py     ``CHECKS``, ``run_checks``, ``main`` (``__main__.py`` runs it)
@@ -37,6 +38,7 @@ from __future__ import annotations
 from .captures import check_capture, check_roofline
 from .common import Check
 from .models import check_compile, check_generation
+from .occupancy import check_occupancy
 from .pools import check_event_pool, check_event_pool_default, check_graph_capture
 from .report import build_report, environment
 from .rig import Rig, TorchRig
@@ -48,5 +50,5 @@ __all__ = [
     "CHECKS", "EXIT_FAILED", "EXIT_NO_GPU", "EXIT_OK", "Check", "Rig", "TorchRig", "build_report",
     "check_allocator", "check_capture", "check_compile", "check_event_pool", "check_event_pool_default",
     "check_generation", "check_graph_capture", "check_host_vs_device", "check_no_sync", "check_nvml",
-    "check_overhead", "check_roofline", "check_timing_truth", "environment", "main", "run_checks",
+    "check_occupancy", "check_overhead", "check_roofline", "check_timing_truth", "environment", "main", "run_checks",
 ]

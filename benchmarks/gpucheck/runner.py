@@ -15,6 +15,7 @@ import torch
 from .captures import check_capture, check_roofline
 from .common import Check, CheckFn
 from .models import check_compile, check_generation
+from .occupancy import check_occupancy
 from .pools import check_event_pool, check_event_pool_default, check_graph_capture
 from .report import build_report, environment
 from .rig import Rig, TorchRig
@@ -41,6 +42,7 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
     ("nvml", check_nvml),
     ("capture", check_capture),
     ("roofline", check_roofline),
+    ("occupancy", check_occupancy),
     ("compile", check_compile),
     ("generation", check_generation),
 )

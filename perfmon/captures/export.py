@@ -106,6 +106,9 @@ class Exporter:
         self.max_memory = max_memory_bytes
         #: ``(baseline meta, this capture's meta) -> comparison``: ``captures.compare.compare`` (replaceable).
         self.compare: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] = compare
+        #: Called with each exported capture's stored metadata (export thread; a fault is counted), e.g. the
+        #: occupancy view (stats/occupancy.py), which keeps each model's newest.
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def export(self, cap: Capture, holder: list[Profiler], aborted: bool) -> Exported:
         """Export the profiler in ``holder`` (taken out of it) for ``cap``; never raises.
@@ -144,6 +147,7 @@ class Exporter:
                                          peaks=self._peaks(cap.device), window_seconds=window, limit=TOP_OPS)
             ops, steps = result.get("ops") or {}, int(result.get("steps") or 0)
             top_ops = result.get("top_ops") or {}
+            cap.occupancy = result.get("occupancy")  # busy / span per step (CUDA kernels), or None
             cap.export = {"trace_events": result.get("events"), "child_cpu_seconds": result.get("cpu_seconds"),
                           "child_max_rss_bytes": result.get("max_rss_bytes")}
         except Exception as exc:
@@ -177,6 +181,11 @@ class Exporter:
             except Exception:
                 pass
         release_memory(collect=False)  # the summary rows: trim only (a full collection costs ~0.2 s of GIL)
+        for listener in self.listeners:
+            try:
+                listener(stored)
+            except Exception as exc:
+                self._internal.report("capture_listener", exc)
         return Exported(outcome, error, summary, compute, ops, steps, comparison, stored)
 
     def _compare(self, cap: Capture, ops: dict[str, dict[str, float]], top_ops: dict[str, dict[str, Any]],

@@ -36,6 +36,9 @@ def profiler_has_run() -> bool:
 
 
 class Profiler(Protocol):
+    """What a capture uses of torch's profiler; one may also have ``step_scope`` (a ``Scope``: the recording then
+    marks each recorded call with it rather than with torch's ``record_function``)."""
+
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def export_chrome_trace(self, path: str) -> None: ...

@@ -84,7 +84,8 @@ class Recording:
         rss = None
         try:
             prof = make_profiler(options, cuda)
-            scope = step_annotation()
+            # A profiler may bring its own step annotation (perfmon.testing.FakeProfiler); torch's is record_function.
+            scope = getattr(prof, "step_scope", None) or step_annotation()
             rss = memory()
             rss0 = rss.read()
             quiet_kineto(prof.start)

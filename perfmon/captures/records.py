@@ -97,6 +97,9 @@ class Capture:
     #: ``perfmon.captures.compare.compare(latest baseline, this capture)`` for a regression or manual capture of a
     #: model that had a baseline capture; None otherwise.
     comparison: dict[str, Any] | None = None
+    #: On CUDA: the device's occupancy in the recorded steps, busy (kernel intervals' union) over each step's
+    #: device span, with its parts per step (``trace_summary.step_occupancy``); None on CPU or without kernels.
+    occupancy: dict[str, Any] | None = None
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)

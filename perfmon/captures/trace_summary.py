@@ -30,6 +30,12 @@ above), and a kernel to its op through ``External id``, so a kernel that runs af
 step still counts for it. Ops outside every step (another thread's, the profiler's own start) are left
 out of the table; the annotation itself is left out of the rows, which read as they did without it.
 
+On a CUDA trace, the device's occupancy per step (``step_occupancy``): the union of the step's kernel, copy
+and memset intervals (busy) over the step's device span as perfmon's event pair measures it, from the step's
+start (or the end of the previous steps' device work, when the device was still on it) to the later of the
+step's end and its last kernel's end. A kernel belongs to a step through its ``correlation`` (the runtime call
+that launched it, nested in the step on its thread: CUDA graph replays too) or else its op's ``External id``.
+
 Standard library only, and started as a script (``python -I trace_summary.py``), not as
 ``-m perfmon...``: importing the package would import torch. The child lowers its priority and
 caps its own address space before reading. Output: one JSON object on stdout.
@@ -244,7 +250,7 @@ def iter_events(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] 
 class _Thread:
     """One thread's host events, a few numbers each (arrays, not objects: a trace can hold millions)."""
 
-    __slots__ = ("bytes", "ends", "exts", "flops", "keys", "py", "starts")
+    __slots__ = ("bytes", "corrs", "ends", "exts", "flops", "keys", "py", "starts")
 
     def __init__(self) -> None:
         self.py = bytearray()  # 1 for a Python frame (``python_function``, with_stack): not an op the user called
@@ -252,6 +258,7 @@ class _Thread:
         self.ends = array.array("d")
         self.keys = array.array("q")
         self.exts = array.array("q")
+        self.corrs = array.array("q")  # a runtime call's ``correlation`` (its kernels carry the same), else -1
         self.flops = array.array("q")
         self.bytes = array.array("q")
 
@@ -269,6 +276,11 @@ class _Steps:
         self.leaf = _PerStep(self.count)
         self.top = _PerStep(self.count)
         self.under: dict[str, _PerStep] = {}
+        #: Which step launched a kernel: by the runtime call's correlation id, by the op's External id.
+        self.by_corr: dict[int, int] = {}
+        self.by_ext: dict[int, int] = {}
+        #: step -> (start, end) of its annotation on the host (µs).
+        self.bounds: dict[int, tuple[float, float]] = {}
 
     def add_under(self, top: str, name: str, step: int, cpu_us: float, device_us: float) -> None:
         per = self.under.get(top)
@@ -300,6 +312,66 @@ class _PerStep:
         self.calls[name][step] += 1
 
 
+class _Kernels:
+    """Every kernel, copy and memset: its interval (µs) and what launched it (arrays: a trace holds millions)."""
+
+    __slots__ = ("corrs", "ends", "exts", "starts")
+
+    def __init__(self) -> None:
+        self.starts = array.array("d")
+        self.ends = array.array("d")
+        self.corrs = array.array("q")
+        self.exts = array.array("q")
+
+    def add(self, ts: float, dur: float, args: dict[str, Any]) -> None:
+        corr, ext = args.get("correlation"), args.get("External id")
+        self.starts.append(ts)
+        self.ends.append(ts + dur)
+        self.corrs.append(corr if isinstance(corr, int) else -1)
+        self.exts.append(ext if isinstance(ext, int) else -1)
+
+
+def step_occupancy(kernels: _Kernels, steps: _Steps) -> dict[str, Any] | None:
+    """The device's occupancy in the recorded steps: busy (the union of a step's device intervals) over the
+    step's device span, which is what perfmon's event pair around the call measures: from the step's start, or
+    the end of earlier steps' device work when the device was still on it (the start event waits for it), to
+    the later of the step's end and its last kernel's end. Summed over the steps used (the first left out when
+    there are two or more, as in ``step_table``); times in seconds. None without device work in any step."""
+    per: dict[int, list[tuple[float, float]]] = {}
+    for j in range(len(kernels.starts)):
+        step = steps.by_corr.get(kernels.corrs[j], -1) if kernels.corrs[j] >= 0 else -1
+        if step < 0 and kernels.exts[j] >= 0:
+            step = steps.by_ext.get(kernels.exts[j], -1)
+        if step >= 0:
+            per.setdefault(step, []).append((kernels.starts[j], kernels.ends[j]))
+    if not per:
+        return None
+    rows = []  # (busy, span, host, device intervals) per step, µs
+    tail = -math.inf  # where earlier steps' device work ended
+    for step in sorted(steps.bounds):
+        start, end = steps.bounds[step]
+        intervals = sorted(per.get(step, ()))
+        last = max((b for _, b in intervals), default=-math.inf)
+        begin, finish = max(start, tail), max(end, last)
+        busy, cursor = 0.0, begin
+        for a, b in intervals:  # the union, clipped to the span
+            a, b = max(a, cursor), min(b, finish)
+            if b > a:
+                busy += b - a
+                cursor = b
+        rows.append((busy, finish - begin, end - start, len(intervals)))
+        tail = max(tail, last)
+    used = rows[1:] if len(rows) >= 2 else rows
+    n = len(used)
+    busy_us, span_us = sum(r[0] for r in used), sum(r[1] for r in used)
+    return {"steps": n, "ratio": round(busy_us / span_us, 6) if span_us > 0 else None,
+            "busy_seconds_per_step": round(busy_us / n / 1e6, 12),
+            "span_seconds_per_step": round(span_us / n / 1e6, 12),
+            "host_seconds_per_step": round(sum(r[2] for r in used) / n / 1e6, 12),
+            "kernels_per_step": round(sum(r[3] for r in used) / n, 3),
+            "ratio_per_step": [round(r[0] / r[1], 6) if r[1] > 0 else None for r in used]}
+
+
 def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | None = None, *,
               device_time: bool = False) -> dict[str, Any]:
     """Rows per (op name, input shapes), as ``roofline.aggregate`` builds them from FunctionEvents,
@@ -311,6 +383,7 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
     step_starts: dict[Any, list[float]] = {}  # thread -> start (µs) of each step annotation on it
     device_us: dict[int, float] = {}
     first_us, last_us = math.inf, -math.inf  # the device's busy span (kernels run after the host queued them)
+    kernels = _Kernels()
     events = 0
     for e in iter_events(read, on_chunk):
         if e.get("ph") != "X":
@@ -325,6 +398,7 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
                 device_us[ext] = device_us.get(ext, 0.0) + dur
             ts = float(e.get("ts") or 0.0)
             first_us, last_us = min(first_us, ts), max(last_us, ts + dur)
+            kernels.add(ts, dur, args)
             continue
         if cat not in HOST_CATEGORIES:
             continue
@@ -355,6 +429,8 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
         t.keys.append(row["_i"])
         t.py.append(cat == "python_function")
         t.exts.append(ext if isinstance(ext, int) else -1)
+        corr = args.get("correlation") if cat in ("cuda_runtime", "cuda_driver") else None
+        t.corrs.append(corr if isinstance(corr, int) else -1)
         t.flops.append(flops(name, dims, types, args.get("Concrete Inputs") or []))
         t.bytes.append(input_bytes(dims, types))
     steps = _Steps(step_starts)
@@ -375,7 +451,8 @@ def summarise(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | 
         under = steps.under.get(name)
         if under is not None:
             entry["breakdown"] = _table_of(under, device_time, limit=BREAKDOWN_OPS)[0]
-    return {"rows": out, "events": events, "device_span_seconds": span, "ops": ops, "top_ops": top, "steps": used}
+    return {"rows": out, "events": events, "device_span_seconds": span, "ops": ops, "top_ops": top, "steps": used,
+            "occupancy": step_occupancy(kernels, steps)}
 
 
 def _table_of(per: _PerStep, device_time: bool, *, limit: int = STEP_TABLE_OPS) -> tuple[dict[str, Any], int]:
@@ -469,6 +546,14 @@ def _attribute(t: _Thread, order: list[Row], device_us: dict[int, float], steps:
             step_of[i] = steps.number.get((tkey, starts[i]), -1)
         elif parent[i] >= 0:
             step_of[i] = step_of[parent[i]]
+        step = step_of[i]
+        if step >= 0:  # what launched a kernel, for the step's device occupancy
+            if t.corrs[i] >= 0:
+                steps.by_corr[t.corrs[i]] = step
+            if t.exts[i] >= 0:
+                steps.by_ext[t.exts[i]] = step
+            if order[t.keys[i]]["name"] == STEP_ANNOTATION:
+                steps.bounds[step] = (starts[i], ends[i])
     for i in idx:  # parents first, so a chain a > a > a folds into its top
         p = up(i)
         if p >= 0 and nchild[p] == 1 and order[t.keys[p]]["name"] == order[t.keys[i]]["name"]:

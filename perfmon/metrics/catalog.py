@@ -198,6 +198,22 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_trace_spool_dropped_total": (
         "counter", "captures", ("reason",),
         "Captures never uploaded: removed by trace_dir retention first (retention) or unreadable (unreadable)."),
+    # -- GPU occupancy and launch-bound detection (stats/occupancy.py), CUDA models only -------------
+    "perfmon_model_occupancy_ratio": (
+        "gauge", "ratio", ("model",),
+        "Device busy time (the union of the call's kernel intervals) over the call's device span, from the model's "
+        "newest CUDA capture (0-1; absent without one younger than occupancy_capture_max_age_seconds)."),
+    "perfmon_model_host_bound": (
+        "gauge", "boolean", ("model",),
+        "1 when the host, not the device, sets the model's pace (launch-bound: a faster GPU buys nothing), else 0: "
+        "the capture's occupancy under 0.5, or without a capture the live host/device ratio at 0.9 or more."),
+    "perfmon_model_host_device_ratio": (
+        "gauge", "ratio", ("model",),
+        "Median over the /stats window of each steady CUDA call's host time over its device span (can pass 1): near "
+        "1 the device finished right after the host's last launch; far below, the host only enqueues."),
+    "perfmon_model_occupancy_timestamp_seconds": (
+        "gauge", "seconds", ("model",),
+        "Unix time the capture behind perfmon_model_occupancy_ratio and the host-bound verdict ended."),
     # -- the agent's own cost (selfcost.py) ----------------------------------------------------
     "perfmon_agent_cpu_seconds_total": (
         "counter", "seconds", ("thread",), "CPU time spent by perfmon's own threads, by kind."),

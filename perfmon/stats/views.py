@@ -58,6 +58,8 @@ class Views:
         self._memory = memory
         self._nvml = nvml
         self._gc = gc
+        #: More sections of each /stats model entry: (model, now ns) -> (key, value) (e.g. stats/occupancy.py's).
+        self.model_sections: list[Callable[[str, int], tuple[str, Any]]] = []
 
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
@@ -109,6 +111,12 @@ class Views:
                              dropped=_sum_dicts(s["dropped"] for s in stages.values()),
                              input_signatures=sum(s["input_signatures"] for s in stages.values()),
                              latency={}, regression=None, gc=None, stages=stages)
+            for section in self.model_sections:
+                try:
+                    key, val = section(name, now)
+                    entry[key] = val
+                except Exception as exc:  # /stats goes on without it
+                    self._hub.internal.report("stats", exc)
         captures = self._captures
         generation = self._generations.stats(now, started_ns)
         if gc is not None:
