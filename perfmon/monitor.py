@@ -21,6 +21,7 @@ from ._version import __version__
 from .agent.clocks import CudaBackend, NoCuda, TorchCuda
 from .agent.dynamo import mark_for_dynamo
 from .agent.exemplars import OTEL, TraceReader
+from .agent.flopcount import FlopCounter
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
 from .agent.records import STEADY
@@ -50,8 +51,10 @@ from .metrics.collectors import (
     TelemetryCollector,
     UploadCollector,
 )
+from .metrics.efficiency import EfficiencyCollector
 from .metrics.requests import RequestCollector
 from .metrics.store import Metrics
+from .stats.efficiency import Efficiency
 from .stats.gc import GcView
 from .stats.history import History
 from .stats.views import Views
@@ -155,7 +158,7 @@ class Monitor(RequestApi):
                 process.prepare_profiler(self.log, self.internal)
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
             self.resolver.start(cfg.resolve_interval_seconds)
-            for part in (self.uploads, self.nvml_poller, self.gc_pauses):
+            for part in (self.uploads, self.nvml_poller, self.gc_pauses, self._views.efficiency):
                 if part is not None:
                     part.start()
             self._running = True
@@ -201,8 +204,9 @@ class Monitor(RequestApi):
             if part is not None:
                 part.stop(timeout)
         self.resolver.stop(timeout)
-        if self.nvml_poller is not None:
-            self.nvml_poller.stop(timeout)
+        for stage in (self.nvml_poller, self._views.efficiency):  # after the resolver, which feeds the counter
+            if stage is not None:
+                stage.stop(timeout)
         if self.oom is not None:
             self.oom.join(timeout)
 
@@ -220,7 +224,7 @@ class Monitor(RequestApi):
         self._hub.reset_after_fork()
         for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver, self.policy,
                      self.generations, self._generation_metrics, self.requests, self.uploads, self.nvml_poller,
-                     self.gc_pauses, *self._gc):
+                     self.gc_pauses, *self._gc, self._views.efficiency):
             if part is not None:
                 part.reset_after_fork()
         self.metrics.set_port(None)
@@ -370,8 +374,10 @@ class Monitor(RequestApi):
 
 
 def _register_collectors(monitor: Monitor) -> None:
-    """The collectors that read the stages at scrape time (the histograms register themselves)."""
+    """The collectors that read the stages at scrape time (the histograms register themselves), and the
+    efficiency stage (``_efficiency_stage``), which feeds one of them and /stats."""
     reg, oom = monitor.registry, monitor.oom
+    monitor._views.efficiency = _efficiency_stage(monitor)
     reg.register(monitor._generation_metrics)
     reg.register(BatchCollector(monitor.models.batch_tokens))
     requests = RequestCollector(monitor.requests)
@@ -387,6 +393,26 @@ def _register_collectors(monitor: Monitor) -> None:
         reg.register(monitor._gc[1])
     reg.register(TelemetryCollector(memory=monitor._memory, nvml=monitor.nvml_poller, internal=monitor.internal,
                                     oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
+
+
+def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
+    """Live FLOP/s, bytes/s, MFU and MBU (``count_flops``): a resolver sink that keeps steady samples and has each new
+    signature counted once (agent/flopcount.py, its own thread), read by /stats and the collector; None when off."""
+    cfg, models = monitor.config, monitor.models
+    if not cfg.count_flops:
+        return None
+
+    def state_of(model: str, stage: str) -> Any:
+        st = models.get(model)
+        return st.stages.get(stage) if st is not None and st.stages else st
+
+    counter = FlopCounter(per_minute=cfg.flop_counts_per_minute, timeout_seconds=cfg.flop_count_timeout_seconds,
+                          cpu=monitor.cpu)
+    eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples,
+                     peaks=functools.partial(_peaks, cfg), state_of=state_of)
+    monitor.resolver.sinks.append(eff.observe)
+    monitor.registry.register(EfficiencyCollector(eff))
+    return eff
 
 
 def _peaks(cfg: Config, device: str) -> Any:

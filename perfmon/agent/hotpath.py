@@ -124,9 +124,9 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 st.error(exc)
                 raise
         if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
+            t0 = clock()
             try:
                 # The call's work goes with it: a comparison lines captures up by size (compare_basis).
-                t0 = clock()
                 work = items if items_fn is not None else entry.work if entry is not None else _work(args, kwargs)
                 return token.call(st, fn, (self, *args), kwargs, work)  # type: ignore[union-attr]
             except BaseException as exc:
@@ -160,7 +160,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 stamp(span, t0, clock())
             raise
         t1 = clock()
-        st.finish(token, n, t0, t1, items, size)
+        st.finish(token, n, t0, t1, items, size, entry)
         if span is not None:
             stamp(span, t0, t1)
         return out

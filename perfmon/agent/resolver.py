@@ -130,7 +130,7 @@ class Resolver:
             finally:
                 self.hub.pools.release(pair)
         return Sample(p.probe.name, p.device, COLD if p.cold else STEADY, p.seq, duration, host_seconds,
-                      p.end_ns, p.items, p.probe.stage, p.size, p.trace)
+                      p.end_ns, p.items, p.probe.stage, p.size, p.trace, sig=p.sig)
 
     def _release(self, p: Pending) -> None:
         if p.events is not None:

@@ -26,6 +26,7 @@ from ..metrics.store import Metrics
 from ..store.traces import TraceStore
 from ..telemetry.memory import MemorySource, read_memory
 from ..telemetry.nvml import NvmlPoller
+from .efficiency import Efficiency
 from .gc import GcView
 from .history import History
 from .windows import Windows
@@ -58,6 +59,8 @@ class Views:
         self._memory = memory
         self._nvml = nvml
         self._gc = gc
+        #: Live FLOP/s, bytes/s, MFU and MBU per model and stage (None with count_flops=False).
+        self.efficiency: Efficiency | None = None
 
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
@@ -73,7 +76,7 @@ class Views:
                                       "ratios": last.ratios, "size_classes": last.classes},
                                      "size_classes": detector.classes(model)}
 
-        gc = self._gc
+        gc, efficiency = self._gc, self.efficiency
 
         def counts(st: ModelState) -> dict[str, Any]:
             return {
@@ -86,6 +89,7 @@ class Views:
                 "latency": self._windows.summary(st.name, now, stage=st.stage),
                 "regression": regression.get(series_key(st.name, st.stage)),
                 "gc": None if gc is None else gc.model(st.name, st.stage, now),
+                "efficiency": None if efficiency is None else efficiency.view(st, now),
             }
 
         started_ns = self._hub.started_ns
@@ -108,7 +112,7 @@ class Views:
                              errors=_sum_dicts(s["errors"] for s in stages.values()),
                              dropped=_sum_dicts(s["dropped"] for s in stages.values()),
                              input_signatures=sum(s["input_signatures"] for s in stages.values()),
-                             latency={}, regression=None, gc=None, stages=stages)
+                             latency={}, regression=None, gc=None, efficiency=None, stages=stages)
         captures = self._captures
         generation = self._generations.stats(now, started_ns)
         if gc is not None:
@@ -124,6 +128,8 @@ class Views:
             "models": models,
             "generation": generation,
             "gc": None if gc is None else gc.stats(now),
+            # Signature counts behind the efficiency figures (None with count_flops=False).
+            "flop_counting": None if efficiency is None else efficiency.counting(),
             # Request spans: open now, and per model label counts and queue / model / rest over the window.
             "requests": self._requests.stats(now, started_ns),
             "capture": {"state": captures.state, "current": captures.current.id
