@@ -204,9 +204,8 @@ class Monitor(RequestApi):
             if part is not None:
                 part.stop(timeout)
         self.resolver.stop(timeout)
-        for stage in (self.nvml_poller, self._views.efficiency):  # after the resolver, which feeds the counter
-            if stage is not None:
-                stage.stop(timeout)
+        if self.nvml_poller is not None:
+            self.nvml_poller.stop(timeout)
         if self.oom is not None:
             self.oom.join(timeout)
 
@@ -411,6 +410,7 @@ def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
     eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples,
                      peaks=functools.partial(_peaks, cfg), state_of=state_of)
     monitor.resolver.sinks.append(eff.observe)
+    monitor.resolver.on_stop.append(eff.stop)  # once the resolver, which feeds the counter, has stopped
     monitor.registry.register(EfficiencyCollector(eff))
     return eff
 
