@@ -71,6 +71,16 @@ def test_flops_and_bytes_per_second_match_the_layer_shapes_over_the_tests_own_ti
     assert value(mon, "perfmon_model_peak_info", model="lin", device="cpu", source="") is None
 
 
+def test_an_embedding_lookup_moves_its_rows_not_its_table(make_monitor) -> None:
+    """An embedding lookup's bytes are the rows it returns (read, then written) and its indices, not the whole
+    vocabulary; a lookup has no FLOPs."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(torch.nn.Embedding(10_000, 64), name="emb")
+    _timed_calls(model, torch.randint(0, 10_000, (2, 16)), 3)
+    eff = _counted(mon, "emb")
+    assert eff["flops_per_call"] == 0 and eff["bytes_per_call"] == 2 * (2 * 16 * 64 * 4) + 2 * 16 * 8
+
+
 def test_mfu_and_mbu_against_configured_peaks(make_monitor) -> None:
     """With peak_flops/peak_bandwidth set, MFU = FLOP/s over the peak and MBU = bytes/s over the bandwidth, and the
     peak's source is exported beside them."""

@@ -226,6 +226,9 @@ def test_a_monitors_scrape_is_what_prometheus_client_writes(make_monitor, ours: 
         with mon.generation(f"gen {name}", prompt_tokens=5) as g:
             g.token(3)
     assert mon.flush()
+    # Each model's signature counted (its own thread) before the two renders: the efficiency families then hold still.
+    wait_until(lambda: all(mon.stats()["models"][n]["efficiency"].get("flops_per_call") for n in ("a", 'b"{x}')),
+               what="the models' FLOP counts")
 
     def stable(body: bytes) -> list[bytes]:
         """The lines, without those of the live families (``# HELP name``, ``# TYPE name``, ``name{...} v``)."""

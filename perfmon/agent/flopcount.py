@@ -9,9 +9,10 @@ No kernel runs and no memory is allocated. The copy is kept per model (re-made w
 shape, dtype or device) so the next signature of the same model costs only the fake forward.
 
 Bytes, an estimate: for every aten op that is not a view, the sizes of its tensor inputs and outputs (an op
-reads its inputs from memory and writes its outputs). For a Linear at batch 1 that is the weight (read once),
-the bias, the input and the output; caches, fusion (torch.compile) and re-reads inside a kernel are not
-modelled, so it is the traffic of eager PyTorch with nothing kept in cache.
+reads its inputs from memory and writes its outputs); a lookup (embedding, index_select, gather) counts the
+rows it returns, read and written, and its indices, not the whole table. For a Linear at batch 1 that is the
+weight (read once), the bias, the input and the output; caches, fusion (torch.compile) and re-reads inside a
+kernel are not modelled, so it is the traffic of eager PyTorch with nothing kept in cache.
 
 Why a copy and not the user's module: the forward of the copy may set attributes, update buffers in place or
 fill caches, and none of it reaches the serving model; the real module is only read (``deepcopy``), never
@@ -56,6 +57,11 @@ _NO_BYTES = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _
                        _aten.lift_fresh.default, _aten.detach.default, _aten.alias.default,
                        _aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
                        _aten.sym_storage_offset.default, _aten.is_contiguous.default})
+
+#: Ops that read only the rows they return from their first argument: bytes are the output (read, then written)
+#: and the indices.
+_GATHERS = frozenset({_aten.embedding.default, _aten.index_select.default, _aten.gather.default,
+                      _aten.index.Tensor})
 
 
 class Count(NamedTuple):
@@ -113,9 +119,16 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             self.flops += int(formula(*args, **kwargs, out_val=out))
             if not self.half:
                 self.half = any(t.dtype in _HALF for t in _tensors(args))
-        if func not in _NO_BYTES and not getattr(func, "is_view", False) and getattr(func, "namespace", "") != "prim":
-            self.bytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+        if func in _GATHERS:  # a lookup reads the rows it returns, not its whole table (an embedding's vocabulary)
+            moved = 2 * _nbytes(out) + sum(_nbytes(t) for t in _tensors(args[1:]) if not t.is_floating_point())
+            self.bytes += moved
+        elif func not in _NO_BYTES and not getattr(func, "is_view", False) and getattr(func, "namespace", "") != "prim":
+            self.bytes += _nbytes((args, kwargs, out))
         return out
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -154,6 +167,8 @@ class FlopCounter:
 
     def reset_after_fork(self) -> None:
         """Empty (also the initial state): no thread, no queue, counts from zero (the fake copies are rebuilt)."""
+        for _, sig in getattr(self, "_queue", ()):  # the parent's counting thread is not here: offer them again
+            sig.count = None
         self.counts = {outcome: itertools.count() for outcome in OUTCOMES}
         #: Seconds spent counting (fake copies and fake forwards), in total.
         self.seconds = 0.0
