@@ -193,9 +193,10 @@ class Config:
     #: Override the device peaks used by the capture roofline (FLOP/s and memory bytes/s); both or neither.
     peak_flops: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
     peak_bandwidth: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
-    #: Count each input signature's FLOPs and bytes once, on the resolver thread, by running the wrapped module
-    #: on fake tensors (a copy of it under torch's FakeTensorMode: no memory, no compute), for live FLOP/s,
-    #: bytes/s, MFU and MBU (perfmon/agent/flopcount.py). The forward's Python runs once more per counted signature.
+    #: Count each input signature's FLOPs and bytes once, off the request path (a counting thread), by running the
+    #: wrapped module's forward on a fake copy of it (torch's FakeTensorMode: no memory, no compute), for live FLOP/s,
+    #: bytes/s, MFU and MBU (perfmon/agent/flopcount.py). start() pays torch's one-time import (~1 s). The forward's
+    #: Python runs once more per counted signature, on the copy: side effects outside the module (logging) repeat.
     count_flops: bool = True
     #: At most this many signature counts a minute (a model whose signatures churn is counted as far as this
     #: goes; its other calls are "unknown").
