@@ -62,6 +62,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python agent_cost.py --json results/agent_cost.json
 	cd benchmarks && ../$(BIN)/python generation_cost.py
 	cd benchmarks && ../$(BIN)/python gc_cost.py --json results/gc_cost.json
+	cd benchmarks && ../$(BIN)/python flop_count.py --json results/flop_count.json
 	cd benchmarks && ../$(BIN)/python mix_shift.py --runs 5 --json results/mix_shift.json
 	cd benchmarks && ../$(BIN)/python throughput.py --json results/throughput.json
 	cd benchmarks && ../$(BIN)/python memory.py --json results/memory.json

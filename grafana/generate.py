@@ -353,6 +353,33 @@ def occupancy(b: Board) -> None:
         "bound of busy time.")
 
 
+def efficiency(b: Board) -> None:
+    """The Efficiency row: live achieved FLOP/s and bytes/s per model and stage, MFU and MBU against the device's
+    peak, and the share of sampled calls whose FLOPs are unknown (stats/efficiency.py)."""
+    b.row("Efficiency")
+    b.panel("Achieved FLOP/s (while running)", [
+        (f"max by (model, stage) (perfmon_model_flops_per_second{{{MODEL}}})", "{{model}} {{stage}}"),
+    ], "flops", width=8, description="Each input signature's FLOPs, counted once on a fake copy of the model, over "
+        "the sampled calls' measured time (device time on GPU): the model's compute rate while it runs, over the "
+        "agent's stats window. No series while none of the window's samples has a count (see 'unknown').")
+    b.panel("MFU and MBU", [
+        (f"max by (model, stage) (perfmon_model_mfu_ratio{{{MODEL}}})", "{{model}} {{stage}} MFU"),
+        (f"max by (model, stage) (perfmon_model_mbu_ratio{{{MODEL}}})", "{{model}} {{stage}} MBU"),
+    ], "percentunit", width=8, description="Achieved FLOP/s over the GPU's peak (16-bit or 32-bit by the matmuls' "
+        "dtypes) and achieved bytes/s over its memory bandwidth, against perfmon's GPU table or the peak_flops/"
+        "peak_bandwidth settings (perfmon_model_peak_info names the source). Absent on CPUs and unknown GPUs. High "
+        "MBU with low MFU: memory-bound (decode, small batches); both low: launch- or host-bound.")
+    b.panel("Bytes/s and unknown share", [
+        (f"max by (model, stage) (perfmon_model_bytes_per_second{{{MODEL}}})", "{{model}} {{stage}} bytes/s"),
+        (f"max by (model, stage) (perfmon_model_flops_unknown_ratio{{{MODEL}}})", "{{model}} {{stage}} unknown"),
+    ], "Bps", width=8, description="Estimated memory traffic while running (each op's tensor inputs and outputs), "
+        "and the share of sampled calls whose signature has no count (a KV-cache object, hooks, a data-dependent "
+        "forward, the counting budget): those calls are left out of the rates, never guessed; /stats says why.",
+        extra={"fieldConfig": {"defaults": {"unit": "Bps"}, "overrides": [
+            {"matcher": {"id": "byFrameRefID", "options": "B"},
+             "properties": [{"id": "unit", "value": "percentunit"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+
+
 def overview() -> dict[str, Any]:
     b = Board()
     steady = f'{MODEL}, phase="steady"'
@@ -414,6 +441,9 @@ def overview() -> dict[str, Any]:
         (f"sum by (model) (perfmon_regressions_total{{{MODEL}}})", "{{model}} detected"),
     ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
     fleet(b)
+
+
+    efficiency(b)
     generation(b)
     gc_pauses(b)
     requests(b)

@@ -197,6 +197,16 @@ class Config:
     #: Override the device peaks used by the capture roofline (FLOP/s and memory bytes/s); both or neither.
     peak_flops: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
     peak_bandwidth: float | None = field(default=None, metadata=_refusal("must be a positive number (or None)"))
+    #: Count each input signature's FLOPs and bytes once, off the request path (a counting thread), by running the
+    #: wrapped module's forward on a fake copy of it (torch's FakeTensorMode: no memory, no compute), for live FLOP/s,
+    #: bytes/s, MFU and MBU (perfmon/agent/flopcount.py). start() pays torch's one-time import (~1 s). The forward's
+    #: Python runs once more per counted signature, on the copy: side effects outside the module (logging) repeat.
+    count_flops: bool = True
+    #: At most this many signature counts a minute (a model whose signatures churn is counted as far as this
+    #: goes; its other calls are "unknown").
+    flop_counts_per_minute: int = 20
+    #: A count still running after this long is abandoned and its signature is "unknown".
+    flop_count_timeout_seconds: float = 2.0
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
     #: application's own structlog configuration).
     log_format: str = "auto"
@@ -257,7 +267,8 @@ class Config:
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
                     "capture_arm_timeout_seconds", "http_connection_timeout_seconds",
                     "capture_export_timeout_seconds", "trace_upload_timeout_seconds",
-                    "trace_upload_max_backoff_seconds", "occupancy_capture_max_age_seconds")
+                    "trace_upload_max_backoff_seconds", "occupancy_capture_max_age_seconds",
+                    "flop_count_timeout_seconds")
         for name in positive:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise bad(name, "must be a finite number of seconds > 0")
@@ -276,7 +287,7 @@ class Config:
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
                      "max_exception_labels", "max_models", "signature_warmup_calls", "trace_max_files",
                      "generation_queue_size", "max_live_generations",
-                     "trace_max_bytes", "manual_captures_per_hour", "capture_max_bytes"):
+                     "trace_max_bytes", "manual_captures_per_hour", "capture_max_bytes", "flop_counts_per_minute"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if self.warmup_calls < 0:

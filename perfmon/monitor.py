@@ -21,6 +21,7 @@ from ._version import __version__
 from .agent.clocks import CudaBackend, NoCuda, TorchCuda
 from .agent.dynamo import mark_for_dynamo
 from .agent.exemplars import OTEL, TraceReader
+from .agent.flopcount import FlopCounter
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
 from .agent.records import STEADY
@@ -50,9 +51,11 @@ from .metrics.collectors import (
     TelemetryCollector,
     UploadCollector,
 )
+from .metrics.efficiency import EfficiencyCollector
 from .metrics.occupancy import OccupancyCollector
 from .metrics.requests import RequestCollector
 from .metrics.store import Metrics
+from .stats.efficiency import Efficiency
 from .stats.gc import GcView
 from .stats.history import History
 from .stats.occupancy import Occupancy
@@ -157,7 +160,7 @@ class Monitor(RequestApi, CaptureApi):
                 process.prepare_profiler(self.log, self.internal)
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
             self.resolver.start(cfg.resolve_interval_seconds)
-            for part in (self.uploads, self.nvml_poller, self.gc_pauses):
+            for part in (self.uploads, self.nvml_poller, self.gc_pauses, self._views.efficiency):
                 if part is not None:
                     part.start()
             self._running = True
@@ -222,7 +225,7 @@ class Monitor(RequestApi, CaptureApi):
         self._hub.reset_after_fork()
         for part in (self.models, self.metrics, self.windows, self.history, self.captures, self.resolver, self.policy,
                      self.generations, self._generation_metrics, self.requests, self.uploads, self.nvml_poller,
-                     self.gc_pauses, *self._gc):
+                     self.gc_pauses, *self._gc, self._views.efficiency):
             if part is not None:
                 part.reset_after_fork()
         self.metrics.set_port(None)
@@ -348,8 +351,10 @@ class Monitor(RequestApi, CaptureApi):
 
 
 def _register_collectors(monitor: Monitor) -> None:
-    """The collectors that read the stages at scrape time (the histograms register themselves)."""
+    """The collectors that read the stages at scrape time (the histograms register themselves), and the
+    efficiency stage (``_efficiency_stage``), which feeds one of them and /stats."""
     reg, oom = monitor.registry, monitor.oom
+    monitor._views.efficiency = _efficiency_stage(monitor)
     reg.register(monitor._generation_metrics)
     reg.register(BatchCollector(monitor.models.batch_tokens))
     requests = RequestCollector(monitor.requests)
@@ -379,6 +384,27 @@ def _occupancy_stage(monitor: Monitor) -> None:
     monitor.requests.on_fork.append(occupancy.reset_after_fork)
     monitor._views.model_sections.append(lambda name, now: ("occupancy", occupancy.model(name, now)))
     monitor.registry.register(OccupancyCollector(occupancy.rows, monitor.internal))
+
+
+def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
+    """Live FLOP/s, bytes/s, MFU and MBU (``count_flops``): a resolver sink that keeps steady samples and has each new
+    signature counted once (agent/flopcount.py, its own thread), read by /stats and the collector; None when off."""
+    cfg, models = monitor.config, monitor.models
+    if not cfg.count_flops:
+        return None
+
+    def state_of(model: str, stage: str) -> Any:
+        st = models.get(model)
+        return st.stages.get(stage) if st is not None and st.stages else st
+
+    counter = FlopCounter(per_minute=cfg.flop_counts_per_minute, timeout_seconds=cfg.flop_count_timeout_seconds,
+                          cpu=monitor.cpu)
+    eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples,
+                     peaks=functools.partial(_peaks, cfg), state_of=state_of)
+    monitor.resolver.sinks.append(eff.observe)
+    monitor.resolver.on_stop.append(eff.stop)  # once the resolver, which feeds the counter, has stopped
+    monitor.registry.register(EfficiencyCollector(eff))
+    return eff
 
 
 def _peaks(cfg: Config, device: str) -> Any:

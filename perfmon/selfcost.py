@@ -17,7 +17,7 @@ from contextlib import contextmanager
 __all__ = ["THREADS", "WAKING", "AgentCpu", "CpuBudget", "HttpShedding"]
 
 #: The ``thread`` label values.
-THREADS = ("resolver", "nvml", "http", "capture_export", "upload")
+THREADS = ("resolver", "nvml", "http", "capture_export", "upload", "flop_count")
 #: The threads that wake on their own (timeouts, polls): ``perfmon_agent_wakeups_total{thread}``.
 WAKING = ("resolver", "nvml", "http", "upload")
 

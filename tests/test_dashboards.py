@@ -121,7 +121,9 @@ def test_every_metric_a_dashboard_or_rule_names_is_registered() -> None:
                      "perfmon_generation_requests_total", "perfmon_gc_pause_seconds",
                      "perfmon_samples_gc_overlap_total", "perfmon_request_seconds",
                      "perfmon_request_duration_seconds", "perfmon_requests_total",
-                     "perfmon_model_occupancy_ratio", "perfmon_model_host_bound", "perfmon_model_host_device_ratio"):
+                     "perfmon_model_occupancy_ratio", "perfmon_model_host_bound", "perfmon_model_host_device_ratio",
+                     "perfmon_model_flops_per_second", "perfmon_model_bytes_per_second", "perfmon_model_mfu_ratio",
+                     "perfmon_model_mbu_ratio", "perfmon_model_flops_unknown_ratio"):
         assert required in used, required
 
 
@@ -209,7 +211,8 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
     mon = make_monitor(port=0, sample_rate=0.5, regression=policy, cuda=FakeCuda(gpu), nvml=nvml,
                        memory=FakeTorchMemory(), nvml_interval_seconds=0.5, resolve_interval_seconds=0.05,
                        trace_store=(tmp_path / "store").as_uri(),  # the upload panels: file:// store
-                       profiler_factory=FakeProfiler.factory(gpu)).start()  # a fake GPU capture: occupancy panels
+                       profiler_factory=FakeProfiler.factory(gpu),  # a fake GPU capture: occupancy panels
+                       peak_flops=1e12, peak_bandwidth=1e11).start()  # a peak on CPU: the MFU and MBU panels
     enc = mon.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)),
                    name="encoder")
     on_gpu = mon.wrap(GpuWork(gpu, ms=2.0), name="gpu_model", device="cuda:0")

@@ -13,7 +13,7 @@ from perfmon.captures.records import CaptureOptions
 from perfmon.metrics.catalog import METRICS
 from perfmon.testing import FakeCuda, FakeGpu, FakeNvml, FakeProfiler, FakeTorchMemory, GpuWork
 
-from .conftest import wait_capture
+from .conftest import wait_capture, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,8 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     mon = make_monitor(port=0, sample_rate=1.0, nvml=FakeNvml(), memory=FakeTorchMemory(), oom_snapshot=True,
                        trace_dir=str(tmp_path), regression=policy, cuda=FakeCuda(gpu),
                        trace_store="memory://perfmon-docs-test/fleet",  # the upload families
-                       profiler_factory=FakeProfiler.factory(gpu)).start()  # a CUDA capture: the occupancy families
+                       profiler_factory=FakeProfiler.factory(gpu),  # a CUDA capture: the occupancy families
+                       peak_flops=1e12, peak_bandwidth=1e11).start()  # a peak: the MFU, MBU and peak families
     model = mon.wrap(torch.nn.Linear(2, 2), name="m")
     on_gpu = mon.wrap(GpuWork(gpu, ms=1.0), name="g", device="cuda:0")
     for _ in range(8):  # host time exists on CUDA only; 5 steady calls: the live host/device ratio
@@ -78,6 +79,8 @@ def test_registry_exposes_exactly_the_documented_perfmon_metrics(make_monitor, t
     mon.nvml_poller.nvml.failing.add((1, "nvmlDeviceGetPowerUsage"))  # so the NVML error family has a sample
     mon.nvml_poller.poll()
     mon.flush()
+    # m's signature counted (its own thread): the efficiency families have samples
+    wait_until(lambda: mon.stats()["models"]["m"]["efficiency"].get("mfu_ratio") is not None, what="m's MFU")
     exposed = {}
     for metric in mon.registry.collect():
         if not (metric.name == "perfmon" or metric.name.startswith("perfmon_")):

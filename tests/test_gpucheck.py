@@ -171,3 +171,21 @@ def test_checks_that_need_torch_cuda_skip_on_a_fake_rig() -> None:
     for fn in (gpucheck.check_overhead, gpucheck.check_allocator, gpucheck.check_nvml, gpucheck.check_capture,
                gpucheck.check_roofline, gpucheck.check_occupancy, gpucheck.check_compile, gpucheck.check_generation):
         assert fn(rig).verdict == "skip"
+
+
+def test_live_efficiency_reads_a_counted_model_on_the_fake_rig() -> None:
+    """The roofline check's live-MFU reader, on the fake rig: it waits for the model's signature to be counted and
+    returns the figures (FLOPs per call from the shapes; MFU against the configured peak)."""
+    from benchmarks.gpucheck.captures import live_efficiency
+    from benchmarks.gpucheck.common import quiet_monitor
+
+    mon = quiet_monitor(FakeRig(), sample_rate=1.0, warmup_calls=0, peak_flops=1e12, peak_bandwidth=1e11)
+    try:
+        model = mon.wrap(torch.nn.Linear(64, 32), name="lin")
+        for _ in range(4):
+            model(torch.randn(16, 64))
+        eff = live_efficiency(mon, "lin", timeout_seconds=30.0)
+    finally:
+        mon.stop()
+    assert eff is not None and eff["flops_per_call"] == 2 * 16 * 64 * 32
+    assert eff["mfu_ratio"] == pytest.approx(eff["flops_per_second"] / 1e12)

@@ -219,13 +219,18 @@ def test_a_monitors_scrape_is_what_prometheus_client_writes(make_monitor, ours: 
     """A monitor with forward, batch-size and generation histograms (and its scrape-time families) renders
     the same lines through perfmon's encoders as through prometheus_client's."""
     mon = make_monitor(sample_rate=1.0).start()
+    models = []  # held: a dropped module is freed, and its FLOPs are then never counted ("the module is gone")
     for name in ("a", 'b"{x}'):
         model = mon.wrap(torch.nn.Linear(4, 4), name=name)
+        models.append(model)
         for _ in range(6):
             model(torch.randn(3, 4))
         with mon.generation(f"gen {name}", prompt_tokens=5) as g:
             g.token(3)
     assert mon.flush()
+    # Each model's signature counted (its own thread) before the two renders: the efficiency families then hold still.
+    wait_until(lambda: all(mon.stats()["models"][n]["efficiency"].get("flops_per_call") for n in ("a", 'b"{x}')),
+               what="the models' FLOP counts")
 
     def stable(body: bytes) -> list[bytes]:
         """The lines, without those of the live families (``# HELP name``, ``# TYPE name``, ``name{...} v``)."""

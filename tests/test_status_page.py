@@ -409,3 +409,29 @@ def test_a_launch_bound_model_gets_the_badge_and_its_why_and_gpu_models_show_occ
     assert re.search(r"(99|100)\.\d % · 0\.\d+\S", dense_text), dense_text
     assert not browser.find_elements(By.CSS_SELECTOR, '[data-model="dense"] .launch-bound')
     assert "GPU occupancy" not in browser.find_element(By.CSS_SELECTOR, '[data-model="on_cpu"]').text
+
+
+def test_efficiency_table_shows_flops_mfu_and_what_is_unknown(browser, make_monitor) -> None:
+    """The Efficiency table shows a counted model's FLOP/s, bytes/s, MFU and MBU against the configured peak and its
+    source, and "unknown" (100 % unknown) for a function perfmon cannot count; a hostile name stays text."""
+    from selenium.webdriver.common.by import By
+
+    mon = make_monitor(port=0, sample_rate=1.0, warmup_calls=0, resolve_interval_seconds=0.05,
+                       peak_flops=1e12, peak_bandwidth=1e11).start()
+    lin = mon.wrap(torch.nn.Linear(64, 64), name="lin")
+    fn = mon.instrument(lambda x: x * 2, name=XSS_NAME)
+    for _ in range(10):
+        lin(torch.randn(8, 64))
+        fn(torch.randn(8, 64))
+    mon.flush()
+    wait_until(lambda: mon.stats()["models"]["lin"]["efficiency"].get("mfu_ratio") is not None, what="lin's count")
+    browser.get(mon.url + "/")
+    row = _wait(lambda: browser.find_element(By.CSS_SELECTOR, 'tr[data-efficiency="lin"]').text, what="lin's row")
+    cell = {k: browser.find_element(By.CSS_SELECTOR, f'tr[data-efficiency="lin"] td[data-k="{k}"]').text
+            for k in ("flops", "bytes", "mfu", "mbu", "unknown", "peak")}
+    assert re.fullmatch(r"[\d.]+ [kMGT]?FLOP/s", cell["flops"]) and re.fullmatch(r"[\d.]+ [kMGT]?B/s", cell["bytes"])
+    assert cell["mfu"].endswith(" %") and cell["mbu"].endswith(" %") and cell["unknown"] == "0 %", row
+    assert cell["peak"] == "settings (peak_flops, peak_bandwidth)"
+    hostile = [r for r in browser.find_elements(By.CSS_SELECTOR, "tr[data-efficiency]") if XSS_NAME in r.text]
+    assert hostile and "unknown" in hostile[0].text and "100.0 %" in hostile[0].text
+    assert not browser.find_elements(By.ID, "xss") and browser.title == "perfmon"

@@ -35,7 +35,10 @@ def mark_for_dynamo() -> bool:
         return True
     import sys
 
-    if "torch._dynamo" not in sys.modules:
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
+        # Not imported, or being imported by another thread (the FLOP counter's fake tensors import it): importing
+        # from its half-made modules here would fail, in either thread. The next tick will do.
         return False
     _DYNAMO_MARKED = True
     try:

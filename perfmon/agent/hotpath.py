@@ -160,7 +160,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 stamp(span, t0, clock())
             raise
         t1 = clock()
-        st.finish(token, n, t0, t1, items, size)
+        st.finish(token, n, t0, t1, items, size, entry)
         if span is not None:
             stamp(span, t0, t1)
         return out

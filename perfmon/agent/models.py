@@ -120,7 +120,9 @@ class Models:
         state = self.new_state(label, resolve, items=items, stage=first)
 
         def make(label_: str) -> ModelState:
-            return ModelState(label, self._hub, resolve, items=items, stage=label_)
+            st = ModelState(label, self._hub, resolve, items=items, stage=label_)
+            st.target = state.target  # the model's module (an encoder's stage gets the encoder's: wrap.py)
+            return st
 
         every = max(1, round(1 / self.config.sample_rate))
         calls_of_generate = itertools.count()

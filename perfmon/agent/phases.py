@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..faults import count_value
+from .abstract import describe, with_dtype
 
 __all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "signature"]
 
@@ -126,10 +127,10 @@ def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
 class Signature:
     """One input signature: its calls (exact), the items each call carries, and cold calls still due."""
 
-    __slots__ = ("calls", "dtypes", "evicted_ns", "items", "warm_left", "work")
+    __slots__ = ("calls", "count", "dtypes", "evicted_ns", "items", "spec", "warm_left", "work")
 
     def __init__(self, items: int | None, warm_left: int, dtypes: frozenset[Any] = frozenset(),
-                 work: int | None = None) -> None:
+                 work: int | None = None, spec: Any = None) -> None:
         self.calls = itertools.count()
         self.items = items  # per call (the batch dimension), None when unknown or counted elsewhere
         self.work = work  # per call (work_of): the size class of its timed calls, read without recomputing
@@ -137,6 +138,16 @@ class Signature:
         self.evicted_ns = 0
         #: Dtypes seen with a shape-only key (one tensor argument: the hot path keys on its shape).
         self.dtypes = dtypes
+        #: The first call's inputs, abstractly (abstract.py; None unless FLOPs are counted), and what counting
+        #: them gave (flopcount.py: a Count, an Unknown, or None while not counted), written off the request thread.
+        self.spec = spec
+        self.count: Any = None
+
+    def respec(self, dtype: Any) -> None:
+        """A known shape in a new dtype (a deployment switch, fp32 to bf16): count the new dtype's call."""
+        if self.spec is not None:
+            self.spec = with_dtype(self.spec, dtype)
+            self.count = None
 
 
 class SignatureTable:
@@ -148,8 +159,10 @@ class SignatureTable:
     totals are folded in, so a call racing the eviction is still counted.
     """
 
-    def __init__(self, capacity: int, warm_calls: int, *, count_items: bool = True) -> None:
+    def __init__(self, capacity: int, warm_calls: int, *, count_items: bool = True, specs: bool = False) -> None:
         self.capacity = capacity
+        #: Keep each new signature's abstract inputs (abstract.describe: a few µs, on this rare path only).
+        self.specs = specs
         self.warm_calls = warm_calls
         self.count_items = count_items
         self.seen: dict[Hashable, Signature] = {}
@@ -178,7 +191,8 @@ class SignatureTable:
                             pass
                     items = batch_of(args, kwargs) if self.count_items else None
                     dtypes = frozenset((args[0].dtype,)) if isinstance(key, torch.Size) and args else frozenset()
-                    entry = seen[key] = Signature(items, self.warm_calls, dtypes, work_of(args, kwargs))
+                    spec = describe(args, kwargs) if self.specs else None
+                    entry = seen[key] = Signature(items, self.warm_calls, dtypes, work_of(args, kwargs), spec)
         next(entry.calls)
         if entry.warm_left > 0:
             entry.warm_left -= 1

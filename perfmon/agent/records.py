@@ -39,6 +39,7 @@ class Pending(NamedTuple):
     items: int | None = None  # items (batch size by default) the call carried, when known
     size: int | None = None  # the call's work for like-for-like detection (see Sample.size)
     trace: tuple[int, int] | None = None  # (trace_id, span_id) of the caller's sampled OpenTelemetry span
+    sig: Any = None  # the call's phases.Signature (its FLOPs and bytes, once counted), None when not tracked
 
 
 class Sample(NamedTuple):
@@ -63,6 +64,8 @@ class Sample(NamedTuple):
     #: them (-1: none); set by the resolver from telemetry/gcpauses.py before the sinks see the sample.
     gc_seconds: float = 0.0
     gc_generation: int = -1
+    #: The call's input signature (phases.Signature: its counted FLOPs and bytes), None when signatures are off.
+    sig: Any = None
 
 
 def series_key(model: str, stage: str) -> str:

@@ -50,6 +50,8 @@ class Resolver:
         self.on_tick = on_tick
         #: Called on each pass's samples after they are resolved, before the sinks (None: nothing).
         self.annotate: Annotate | None = None
+        #: Called with the seconds left when stop() has drained: sinks with threads of their own end them there.
+        self.on_stop: list[Callable[[float], None]] = []
         self.hub = hub
         self.sinks = list(sinks)
         self._states = states
@@ -130,7 +132,7 @@ class Resolver:
             finally:
                 self.hub.pools.release(pair)
         return Sample(p.probe.name, p.device, COLD if p.cold else STEADY, p.seq, duration, host_seconds,
-                      p.end_ns, p.items, p.probe.stage, p.size, p.trace)
+                      p.end_ns, p.items, p.probe.stage, p.size, p.trace, sig=p.sig)
 
     def _release(self, p: Pending) -> None:
         if p.events is not None:
@@ -265,6 +267,11 @@ class Resolver:
                 next(p.probe.drops["shutdown"])
                 self._release(p)
             self._pending = []
+        for hook in self.on_stop:
+            try:
+                hook(max(0.0, (deadline - perf_counter_ns()) / 1e9))
+            except Exception as exc:
+                self.hub.internal.report("resolver", exc)
 
     def drain(self, *, deadline_ns: int) -> bool:
         """Step until nothing is pending or the deadline passes; True if everything resolved."""

@@ -85,7 +85,7 @@ class ModelState:
         "_error_lock", "_error_names", "_items_lock", "_resolve_device", "attached", "calls", "capturable", "capture",
         "cuda_index", "device", "drops", "errors", "hub", "items_fn", "items_on", "items_padded", "items_q",
         "items_total", "last_sample_ns", "name", "next_index", "padded_total", "sampled", "sampler", "sigs", "stage",
-        "stages", "table", "warmup",
+        "stages", "table", "target", "warmup",
     )
 
     def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True,
@@ -122,8 +122,9 @@ class ModelState:
         self.next_index = 0 if cfg.warmup_calls else self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
         self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls,
-                                    count_items=self.items_on and self.items_fn is None)
+                                    count_items=self.items_on and self.items_fn is None, specs=cfg.count_flops)
         self.sigs: dict[Hashable, Signature] | None = self.table.seen if cfg.track_signatures else None
+        self.target: Any = None  #: weakref to the wrapped module (FLOPs are counted on a fake copy of it), else None
         self._resolve_device = resolve_device
         self.device = "cpu"
         self.cuda_index = -1
@@ -149,7 +150,7 @@ class ModelState:
             self.items_q = collections.deque()
         tracking = self.sigs is not None or self.table.churning
         self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls,
-                                    count_items=self.items_on and self.items_fn is None)
+                                    count_items=self.items_on and self.items_fn is None, specs=cfg.count_flops)
         self.sigs = self.table.seen if (tracking and cfg.track_signatures) else None
         if self.sigs is not None and self.items_fn is None and self.items_q is not None:
             self.items_q = None  # counted through signatures again
@@ -203,6 +204,7 @@ class ModelState:
         deployment event (fp32 to bf16), not per-request traffic, and its first timed call is cold.
         """
         entry.dtypes = entry.dtypes | {dtype}
+        entry.respec(dtype)
         self.table.distinct += 1
         return (True, token[1], token[2])
 
@@ -304,7 +306,7 @@ class ModelState:
         return (cold, pair, stream)
 
     def finish(self, token: Token, index: int, start_ns: int, end_ns: int, items: int | None = None,
-               size: int | None = None) -> None:
+               size: int | None = None, sig: Signature | None = None) -> None:
         """Close a timed call and hand it to the resolver; never raises."""
         cold, pair, stream = token
         hub = self.hub
@@ -326,7 +328,7 @@ class ModelState:
                     trace = reader()
                 except Exception as exc:  # a broken tracer costs the exemplar, not the sample
                     hub.internal.report("exemplar", exc)
-            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items, size, trace))
+            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items, size, trace, sig))
             self.last_sample_ns = end_ns
             if len(queue) >= hub.wake_at:
                 hub.wake.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -128,6 +129,7 @@ class MonitoredModule:
         sub = type(base.__name__, (base, cls), ns)
         sub.__reduce_ex__ = _reduce_as(sub, base)  # type: ignore[method-assign]
         sub._apply = _apply_then_relabel(base, state)  # type: ignore[attr-defined]
+        state.target = weakref.ref(module)  # FLOPs are counted on a fake copy of it (flopcount.py), never on it
         module.__class__ = sub
         return module
 

@@ -112,6 +112,37 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_samples_gc_overlap_total": (
         "counter", "samples", ("model",),
         "Timed calls (resolved samples, cold and steady) whose host interval overlapped a GC pause of any generation."),
+    # -- live efficiency (stats/efficiency.py, agent/flopcount.py): counted FLOPs and bytes over sampled time --
+    "perfmon_model_flops_per_second": (
+        "gauge", "flops_per_second", ("model", "stage"),
+        "Achieved FLOP/s while the model runs: the counted FLOPs of the window's steady samples over their measured "
+        "time (device time on GPU, wall time on CPU); absent while no sample of the window is counted."),
+    "perfmon_model_bytes_per_second": (
+        "gauge", "bytes_per_second", ("model", "stage"),
+        "Achieved memory traffic while the model runs (an estimate: each non-view op's tensor inputs and outputs), "
+        "over the same samples and time as the FLOP/s."),
+    "perfmon_model_mfu_ratio": (
+        "gauge", "ratio", ("model", "stage"),
+        "Model FLOPs utilization: achieved FLOP/s over the device's peak (16-bit or 32-bit by the ops' dtypes); "
+        "absent where the device has no peak (CPUs, unknown GPUs without peak_flops)."),
+    "perfmon_model_mbu_ratio": (
+        "gauge", "ratio", ("model", "stage"),
+        "Model bandwidth utilization: achieved bytes/s over the device's peak memory bandwidth; absent without "
+        "a peak."),
+    "perfmon_model_flops_unknown_ratio": (
+        "gauge", "ratio", ("model", "stage"),
+        "Share of the window's steady samples whose signature has no count (unknown, or not counted yet): left out "
+        "of the rates, never guessed."),
+    "perfmon_model_peak_info": (
+        "info", "", ("model", "stage", "device", "source"),
+        "The peak MFU and MBU are computed against: the device label and where the peak came from (settings or "
+        "the GPU table)."),
+    "perfmon_flop_counts_total": (
+        "counter", "counts", ("outcome",),
+        "Signature counts (a fake forward off the request thread), by outcome: ok, skipped (unsafe to run or no "
+        "inputs to rebuild), failed, timeout, deferred (budget spent; retried at a later sample)."),
+    "perfmon_flop_count_seconds_total": (
+        "counter", "seconds", (), "Wall time spent counting signatures' FLOPs and bytes (fake copies, fake forwards)."),
     # -- torch allocator (memory.py), per CUDA device this process used ------------------------
     "perfmon_torch_memory_allocated_bytes": (
         "gauge", "bytes", ("device", "gpu", "UUID"), "Bytes in live tensors (torch caching allocator)."),

@@ -26,6 +26,7 @@ from ..metrics.store import Metrics
 from ..store.traces import TraceStore
 from ..telemetry.memory import MemorySource, read_memory
 from ..telemetry.nvml import NvmlPoller
+from .efficiency import Efficiency
 from .gc import GcView
 from .history import History
 from .windows import Windows
@@ -60,6 +61,8 @@ class Views:
         self._gc = gc
         #: More sections of each /stats model entry: (model, now ns) -> (key, value) (e.g. stats/occupancy.py's).
         self.model_sections: list[Callable[[str, int], tuple[str, Any]]] = []
+        #: Live FLOP/s, bytes/s, MFU and MBU per model and stage (None with count_flops=False).
+        self.efficiency: Efficiency | None = None
 
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
@@ -75,7 +78,7 @@ class Views:
                                       "ratios": last.ratios, "size_classes": last.classes},
                                      "size_classes": detector.classes(model)}
 
-        gc = self._gc
+        gc, efficiency = self._gc, self.efficiency
 
         def counts(st: ModelState) -> dict[str, Any]:
             return {
@@ -88,6 +91,7 @@ class Views:
                 "latency": self._windows.summary(st.name, now, stage=st.stage),
                 "regression": regression.get(series_key(st.name, st.stage)),
                 "gc": None if gc is None else gc.model(st.name, st.stage, now),
+                "efficiency": None if efficiency is None else efficiency.view(st, now),
             }
 
         started_ns = self._hub.started_ns
@@ -110,7 +114,7 @@ class Views:
                              errors=_sum_dicts(s["errors"] for s in stages.values()),
                              dropped=_sum_dicts(s["dropped"] for s in stages.values()),
                              input_signatures=sum(s["input_signatures"] for s in stages.values()),
-                             latency={}, regression=None, gc=None, stages=stages)
+                             latency={}, regression=None, gc=None, efficiency=None, stages=stages)
             for section in self.model_sections:
                 try:
                     key, val = section(name, now)
@@ -132,6 +136,8 @@ class Views:
             "models": models,
             "generation": generation,
             "gc": None if gc is None else gc.stats(now),
+            # Signature counts behind the efficiency figures (None with count_flops=False).
+            "flop_counting": None if efficiency is None else efficiency.counting(),
             # Request spans: open now, and per model label counts and queue / model / rest over the window.
             "requests": self._requests.stats(now, started_ns),
             "capture": {"state": captures.state, "current": captures.current.id

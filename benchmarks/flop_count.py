@@ -1,0 +1,137 @@
+"""What counting a signature's FLOPs and bytes costs (``make bench`` runs it), and what the serving thread feels.
+
+perfmon/agent/flopcount.py counts each input signature once, on a thread of its own: a fake copy of the model
+(once per model), then one fake forward per signature. Measured here for a 4 x Linear(512, 512) MLP and a random
+2-layer GPT-2 (transformers; no download): the first copy and count, a new signature of a model already copied,
+and the process's one-time import (a FakeTensorMode imports torch._dynamo; Monitor.start() does it).
+
+GIL: the count is Python-heavy (torch's dispatch of fake ops). A "serving" thread that loops ``sleep(1 ms)`` measures
+how late it wakes while counts run on the other thread and while nothing does: the overshoot is how long it waited
+for the GIL (Python hands it over every ``sys.getswitchinterval()``, 5 ms). Rounds interleave idle and counting.
+
+The request path is not touched by counting: on an unsampled call nothing changed; a timed call passes its
+signature to ``finish`` (one argument, already in hand); a new signature's first call describes its inputs
+(abstract.describe, measured below: ``describe``). benchmarks/overhead.py and agent_cost.py measure both paths.
+
+Not a test: read the table on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+import timeit
+import weakref
+from typing import Any
+
+import torch
+
+from perfmon.agent.abstract import describe
+from perfmon.agent.flopcount import Count, FlopCounter
+
+try:
+    from common import dump, machine, table
+except ImportError:  # run as `python -m benchmarks.flop_count` from the repository root
+    from benchmarks.common import dump, machine, table
+
+
+def _models() -> dict[str, tuple[torch.nn.Module, Any]]:
+    out: dict[str, tuple[torch.nn.Module, Any]] = {
+        "mlp 4x512 (batch 64)": (torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).eval(),
+                                 lambda b: ((torch.randn(b, 512),), {})),
+    }
+    try:
+        import transformers
+
+        cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=1000, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)
+        out["gpt2 2-layer (prefill 2x16)"] = (transformers.GPT2LMHeadModel(cfg).eval(),
+                                             lambda b: ((torch.randint(0, 1000, (2, 16 + b)),), {}))
+    except ImportError:  # pragma: no cover - transformers is a dev dependency
+        pass
+    return out
+
+
+def _stalls(work: Any, seconds: float) -> list[float]:
+    """Overshoots (ms) of a thread sleeping 1 ms in a loop while ``work`` runs on this one (None: idle)."""
+    late: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.001)
+            late.append((time.perf_counter() - t0 - 0.001) * 1e3)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if work is None:
+            time.sleep(0.01)
+        else:
+            work()
+    stop.set()
+    t.join()
+    return late
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(machine())
+    t0 = time.perf_counter()
+    counter = FlopCounter(per_minute=10**6, timeout_seconds=30.0)
+    counter.prepare()
+    first_import = time.perf_counter() - t0
+    rows: list[list[Any]] = []
+    results: dict[str, Any] = {"import_seconds": first_import, "models": {}}
+    for name, (model, make) in _models().items():
+        a, kw = make(1)
+        spec = describe(a, kw)
+        ref = weakref.ref(model)
+        firsts, news = [], []
+        for r in range(args.rounds):
+            counter = FlopCounter(per_minute=10**6, timeout_seconds=30.0)  # no copy yet: a model's first signature
+            t = time.perf_counter()
+            got = counter.count(ref, spec)
+            firsts.append(time.perf_counter() - t)
+            a2, kw2 = make(2 + r)
+            t = time.perf_counter()
+            counter.count(ref, describe(a2, kw2))  # the copy is kept: a new signature of the same model
+            news.append(time.perf_counter() - t)
+        assert isinstance(got, Count), got
+        describe_us = min(timeit.repeat(lambda a=a, kw=kw: describe(a, kw), number=2000, repeat=5)) / 2000 * 1e6
+        idle, busy = [], []
+        for _ in range(args.rounds):  # interleaved: idle, then counting new signatures back to back
+            idle += _stalls(None, 0.5)
+            sizes = iter(range(10**6))
+            busy += _stalls(lambda c=counter, r=ref, m=make, i=sizes: c.count(r, describe(*m(3 + next(i) % 50))), 0.5)
+        row = {"first_ms": statistics.median(firsts) * 1e3, "new_signature_ms": statistics.median(news) * 1e3,
+               "describe_us": describe_us, "flops": got.flops, "bytes": got.bytes,
+               "stall_idle_p99_ms": _q(idle, 0.99), "stall_idle_max_ms": max(idle),
+               "stall_counting_p99_ms": _q(busy, 0.99), "stall_counting_max_ms": max(busy)}
+        results["models"][name] = row
+        rows.append([name, f"{row['first_ms']:.1f}", f"{row['new_signature_ms']:.1f}", f"{describe_us:.1f}",
+                     f"{row['stall_idle_p99_ms']:.2f} / {row['stall_idle_max_ms']:.2f}",
+                     f"{row['stall_counting_p99_ms']:.2f} / {row['stall_counting_max_ms']:.2f}"])
+    print(f"one-time import (FakeTensorMode -> torch._dynamo, in Monitor.start()): {first_import * 1e3:.0f} ms; "
+          f"GIL switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
+    print(table(["model", "first count (copy + forward), ms", "new signature, ms", "describe (rare path), µs",
+                 "serving thread late, idle p99 / max ms", "while counting p99 / max ms"], rows))
+    dump(args.json, results)
+    return 0
+
+
+def _q(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,371 @@
+"""A signature's FLOPs and bytes, counted once, off the request thread, on a fake copy of the model.
+
+How: the wrapped module is deep-copied under torch's ``FakeCopyMode`` (parameters and buffers become fake
+tensors: shapes, dtypes and devices, no storage), the signature's inputs are rebuilt from their abstract
+description (abstract.py) under the same ``FakeTensorMode``, and the copy's forward runs under a dispatch mode
+of perfmon's that counts every aten op: FLOPs from torch's own formulas (``torch.utils.flop_counter``'s
+registry: matmuls, convolutions, attention; elementwise ops count 0, as in ``FlopCounterMode``) and bytes.
+No kernel runs and no memory is allocated. The copy is kept per model (re-made when its parameters change
+shape, dtype or device) so the next signature of the same model costs only the fake forward.
+
+Bytes, an estimate: for every aten op that is not a view, the sizes of its tensor inputs and outputs (an op
+reads its inputs from memory and writes its outputs); a lookup (embedding, index_select, gather) counts the
+rows it returns, read and written, and its indices, not the whole table. For a Linear at batch 1 that is the
+weight (read once), the bias, the input and the output; caches, fusion (torch.compile) and re-reads inside a
+kernel are not modelled, so it is the traffic of eager PyTorch with nothing kept in cache.
+
+Why a copy and not the user's module: the forward of the copy may set attributes, update buffers in place or
+fill caches, and none of it reaches the serving model; the real module is only read (``deepcopy``), never
+called. ``FlopCounterMode`` is not used itself: it installs *global* module hooks for its per-module table,
+which every forward in the process, the serving thread's included, would run meanwhile. Dispatch and torch
+function modes are thread-local: the serving thread's calls are untouched.
+
+Unknown, never guessed: modules with forward hooks (a hook would run with fake tensors, on this thread),
+with an instance-level ``forward`` (accelerate-style), or with a compiled submodule; calls whose arguments
+cannot be described (a KV-cache object: decode steps); forwards that read tensor data (``.item()``,
+data-dependent shapes), that fail, or that take longer than the timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..selfcost import AgentCpu
+from .abstract import CallSpec, Opaque, TensorSpec, materialize
+
+__all__ = ["OUTCOMES", "QUEUED", "Count", "FlopCounter", "Unknown"]
+
+#: Outcomes of a count (perfmon_flop_counts_total): counted, unsafe to run (skipped), raised, ran too long,
+#: and postponed for the budget (the thread waits for the next token: one per wait).
+OUTCOMES = ("ok", "skipped", "failed", "timeout", "deferred")
+_HALF = frozenset({torch.float16, torch.bfloat16, *(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))})
+_aten = torch.ops.aten
+#: Ops that read metadata or allocate without touching memory: no bytes (nor have prim:: ops, nor views).
+_NO_BYTES = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+                       _aten.lift_fresh.default, _aten.detach.default, _aten.alias.default,
+                       _aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
+                       _aten.sym_storage_offset.default, _aten.is_contiguous.default})
+
+#: Ops that read only the rows they return from their first argument: bytes are the output (read, then written)
+#: and the indices.
+_GATHERS = frozenset({_aten.embedding.default, _aten.index_select.default, _aten.gather.default,
+                      _aten.index.Tensor})
+
+
+class Count(NamedTuple):
+    """One call of a signature: FLOPs, bytes moved (an estimate, see the module's docstring), whether its FLOPs
+    run in 16 bits or fewer (the 16-bit peak applies), and the seconds counting it took."""
+
+    flops: int
+    bytes: int
+    half: bool
+    seconds: float
+
+
+class Unknown(NamedTuple):
+    """A signature perfmon could not count, and why (shown in /stats)."""
+
+    reason: str
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _flop_registry() -> dict[Any, Any]:
+    try:
+        from torch.utils.flop_counter import flop_registry
+    except ImportError:  # an older or newer torch without it: every count fails, none is guessed
+        return {}
+    return flop_registry
+
+
+class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """Counts FLOPs and bytes of each aten op (as FlopCounterMode decomposes what it has no formula for)."""
+
+    def __init__(self, deadline: float, registry: dict[Any, Any]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.deadline = deadline
+        self.registry = registry
+        self.flops = 0
+        self.bytes = 0
+        self.half = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if time.perf_counter() > self.deadline:
+            raise _Timeout
+        packet = getattr(func, "_overloadpacket", None)
+        formula = self.registry.get(packet)
+        if formula is None and isinstance(func, torch._ops.OpOverload) and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+            if not self.half:
+                self.half = any(t.dtype in _HALF for t in _tensors(args))
+        if func in _GATHERS:  # a lookup reads the rows it returns, not its whole table (an embedding's vocabulary)
+            moved = 2 * _nbytes(out) + sum(_nbytes(t) for t in _tensors(args[1:]) if not t.is_floating_point())
+            self.bytes += moved
+        elif func not in _NO_BYTES and not getattr(func, "is_view", False) and getattr(func, "namespace", "") != "prim":
+            self.bytes += _nbytes((args, kwargs, out))
+        return out
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _Copy(NamedTuple):
+    module: weakref.ref[Any]
+    fingerprint: tuple[Any, ...]
+    mode: Any  # the FakeTensorMode the copy's tensors belong to
+    fake: torch.nn.Module
+
+
+#: A signature waiting for the counting thread (its ``count`` until then).
+QUEUED = Unknown("not counted yet (queued; at most flop_counts_per_minute counts a minute)")
+#: Signatures waiting at most; beyond, a signature stays uncounted and is offered again at a later sample.
+MAX_QUEUED = 1024
+
+
+class FlopCounter:
+    """Counts signatures on a thread of its own (``submit``), within a budget: ``per_minute`` counts (a token
+    bucket), each fake forward cut at ``timeout_seconds``. The thread runs only while signatures wait: it starts
+    on the first ``submit`` and ends when the queue is empty (one wake per count, none when idle)."""
+
+    def __init__(self, *, per_minute: int, timeout_seconds: float, cpu: AgentCpu | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self.timeout_seconds = timeout_seconds
+        self._cpu = cpu
+        self._clock = clock
+        self._tokens = float(per_minute)
+        self._refilled = clock()
+        self._copies: dict[int, _Copy] = {}
+        self._registry = _flop_registry()
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        """Empty (also the initial state): no thread, no queue, counts from zero (the fake copies are rebuilt)."""
+        for _, sig in getattr(self, "_queue", ()):  # the parent's counting thread is not here: offer them again
+            sig.count = None
+        self.counts = {outcome: itertools.count() for outcome in OUTCOMES}
+        #: Seconds spent counting (fake copies and fake forwards), in total.
+        self.seconds = 0.0
+        self._queue: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self._counting = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._copies = {}
+
+    def prepare(self) -> None:
+        """Count a tiny Linear once, here, so that torch's one-time imports happen on this thread (Monitor.start's).
+
+        A ``FakeTensorMode`` imports ``torch._dynamo`` (~1 s) and a fake forward parts of ``torch._inductor``.
+        Imported for the first time on the counting thread, they would race the serving thread's own lazy imports
+        (the profiler's start, a first ``torch.compile``): two threads importing torch's circular packages at once
+        get half-made modules (an ImportError, or a deadlock error) in either thread, the user's included.
+        """
+        try:
+            probe = torch.nn.Linear(2, 2)
+            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()))
+        except Exception:  # counting will fail the same way later, and say so per signature
+            pass
+        finally:
+            self._copies.clear()
+
+    # -- the resolver thread -----------------------------------------------------------------
+
+    def submit(self, target: Any, sig: Any) -> None:
+        """Queue signature ``sig`` (a phases.Signature) of the module ``target`` (a weakref, or None) for counting;
+        its ``count`` is ``QUEUED`` until the thread sets the result. Starts the thread when none runs."""
+        with self._lock:
+            if len(self._queue) >= MAX_QUEUED:
+                return
+            sig.count = QUEUED
+            self._queue.append((target, sig))
+            if self._thread is None:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._work, args=(self._stop,), name="perfmon-flops",
+                                                daemon=True)
+                self._thread.start()
+
+    def stop(self, timeout_seconds: float) -> None:
+        """Stop the thread after its current count (bounded wait); what waits is offered again later."""
+        with self._lock:
+            thread, stop = self._thread, self._stop
+        stop.set()
+        if thread is not None:
+            thread.join(timeout_seconds)
+
+    @property
+    def busy(self) -> bool:
+        """True while signatures wait or one is being counted."""
+        return self._thread is not None
+
+    # -- the counting thread -----------------------------------------------------------------
+
+    def _work(self, stop: threading.Event) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not self._queue or stop.is_set():
+                        self._end(stop)  # under the same lock as submit(): no signature is left behind
+                        return
+                    target, sig = self._queue[0]
+                if _refusal(target, sig.spec) is None and not self._take():
+                    next(self.counts["deferred"])
+                    stop.wait(60.0 / self.per_minute)  # the next token; a stop() ends the wait
+                    continue
+                with self._lock:
+                    self._queue.popleft()
+                if self._cpu is not None:
+                    with self._cpu.measure("flop_count"):
+                        sig.count = self.count(target, sig.spec)
+                else:
+                    sig.count = self.count(target, sig.spec)
+        except BaseException:  # pragma: no cover - count() never raises; the thread must still let go
+            with self._lock:
+                self._end(stop)
+            raise
+
+    def _end(self, stop: threading.Event) -> None:
+        """The thread ends (under the lock): waiting signatures are offered again at a later sample."""
+        if self._stop is stop:
+            self._thread = None
+            for _, sig in self._queue:
+                sig.count = None
+            self._queue.clear()
+
+    def count(self, target: Any, spec: Any) -> Count | Unknown:
+        """Count one call of ``spec`` on the module ``target`` (a weakref, or None), now, whatever the budget.
+        Never raises: a failure is an ``Unknown`` naming it."""
+        with self._counting:
+            why = _refusal(target, spec)
+            key = None if why is not None else target()
+            module = None if key is None else _original(key)
+            if why is None:
+                why = ("the module is gone" if key is None else "a compiled module without its original (_orig_mod)"
+                       if module is None else _unsafe(module))
+            if why is not None:
+                next(self.counts["skipped"])
+                return Unknown(why)
+            start = time.perf_counter()
+            outcome = "failed"
+            try:
+                result = self._run(key, module, spec)
+            except _Timeout:
+                outcome = "timeout"
+                result = Unknown(f"counting took longer than {self.timeout_seconds:g} s (flop_count_timeout_seconds)")
+            except Exception as exc:
+                first = str(exc).splitlines()[0][:160] if str(exc) else ""
+                result = Unknown(f"the fake forward raised {type(exc).__name__}" + (f": {first}" if first else ""))
+            spent = time.perf_counter() - start
+            self.seconds += spent
+            if isinstance(result, Count):
+                next(self.counts["ok"])
+                return result._replace(seconds=spent)
+            next(self.counts[outcome])
+            return result
+
+    def _take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(float(self.per_minute), self._tokens + (now - self._refilled) * self.per_minute / 60.0)
+        self._refilled = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def _run(self, key: Any, module: Any, spec: CallSpec) -> Count | Unknown:
+        copied = self._copy_of(key, module)
+        # The timeout bounds the fake forward; the copy (once per model) and torch's fake-tensor import (once per
+        # process, ~1 s) are not cut: neither depends on the input, and both are measured (self.seconds).
+        counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry)
+        with copied.mode:
+            args, kwargs = materialize(spec)
+            with counting, torch.no_grad():
+                copied.fake(*args, **kwargs)
+        return Count(counting.flops, counting.bytes, counting.half, 0.0)
+
+    def _copy_of(self, key: Any, module: Any) -> _Copy:
+        """The fake copy of ``module`` (the wrapped ``key``'s original): kept while its parameters and buffers keep
+        their shapes, dtypes and devices."""
+        from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+        fingerprint = tuple((id(t), t.dtype, t.device, t.shape)
+                            for t in itertools.chain(module.parameters(), module.buffers()))
+        kept = self._copies.get(id(key))
+        if kept is not None and kept.module() is key and kept.fingerprint == fingerprint:
+            return kept
+        mode = FakeTensorMode()
+        with FakeCopyMode(mode):
+            fake = copy.deepcopy(module)  # a monitored module copies as its bare class (wrap.py): no hot path in it
+        for m in fake.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None:  # module.compile(): the eager forward, not Dynamo
+                m._compiled_call_impl = None
+        kept = self._copies[id(key)] = _Copy(weakref.ref(key), fingerprint, mode, fake)
+        for gone in [k for k, c in self._copies.items() if c.module() is None]:
+            del self._copies[gone]
+        return kept
+
+
+def _refusal(target: Any, spec: Any) -> str | None:
+    """Why a signature cannot be counted safely before running anything, or None."""
+    if target is None:
+        return "not a wrapped module (monitor.instrument and monitor.track are not counted)"
+    if spec is None:
+        return "no abstract inputs (signature tracking was off when it was seen)"
+    if isinstance(spec, Opaque):
+        return spec.reason
+    return None
+
+
+def _original(module: Any) -> Any:
+    """What to copy and count: the module, or a ``torch.compile``'d module's original (same FLOPs; eager's bytes)."""
+    if _is_compiled(module):
+        module = getattr(module, "_orig_mod", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def _is_compiled(module: Any) -> bool:
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
+    return frame is not None and isinstance(module, frame.OptimizedModule)
+
+
+def _unsafe(module: torch.nn.Module) -> str | None:
+    """Why running a fake copy of ``module`` on another thread could have effects outside the copy, or None."""
+    nn = torch.nn.modules.module
+    for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        if getattr(nn, name, None):
+            return "global module hooks are installed (they would run during the fake forward)"
+    for path, m in module.named_modules():
+        if _is_compiled(m):
+            return f"a torch.compile'd submodule ({path or 'the model'})"
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return f"forward hooks on {path or 'the model'} (they would run during the fake forward)"
+        if "forward" in m.__dict__:
+            return f"an instance-level forward on {path or 'the model'} (accelerate-style hook)"
+    return None
