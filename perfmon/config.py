@@ -205,6 +205,10 @@ class Config:
     #: At most this many signature counts a minute (a model whose signatures churn is counted as far as this
     #: goes; its other calls are "unknown").
     flop_counts_per_minute: int = 20
+    #: The share of wall time the counting thread may spend counting, after a first burst of
+    #: ``FLOP_COUNT_BURST_SECONDS``: a count holds the GIL (a GPT-2 prefill's ~50 ms), which the serving thread
+    #: waits for, so a model whose signatures keep coming is counted at this pace, not flop_counts_per_minute's.
+    flop_count_share: float = 0.001
     #: A count still running after this long is abandoned and its signature is "unknown".
     flop_count_timeout_seconds: float = 2.0
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
@@ -263,6 +267,8 @@ class Config:
             raise bad("sample_rate", "must be in (0, 1]")
         if not 0.0 < self.http_cpu_budget <= 1.0 or math.isnan(self.http_cpu_budget):
             raise bad("http_cpu_budget", "must be a fraction of one core in (0, 1]")
+        if not 0.0 < self.flop_count_share <= 1.0 or math.isnan(self.flop_count_share):
+            raise bad("flop_count_share", "must be a share of wall time in (0, 1]")
         positive = ("sample_floor_seconds", "resolve_interval_seconds", "stats_window_seconds",
                     "stop_timeout_seconds", "nvml_interval_seconds", "oom_snapshot_cooldown_seconds",
                     "capture_arm_timeout_seconds", "http_connection_timeout_seconds",

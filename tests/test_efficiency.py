@@ -231,6 +231,34 @@ def test_the_budget_defers_and_the_timeout_gives_up(make_monitor) -> None:
     assert value(mon, "perfmon_flop_counts_total", outcome="deferred") >= 1
 
 
+class _Sleepy(torch.nn.Module):
+    """A forward whose Python takes 0.3 s (on the fake copy too: counting runs the forward's Python)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)
+        return x * 2
+
+
+def test_the_share_of_wall_time_paces_counts_after_the_first_burst(make_monitor) -> None:
+    """flop_count_share: after FLOP_COUNT_BURST_SECONDS of counting the thread waits until the share refills (a
+    count holds the GIL): two 0.3 s counts spend the burst, a third signature is deferred, "not counted yet"."""
+    from perfmon.agent.flopcount import FLOP_COUNT_BURST_SECONDS
+
+    assert 0.3 < FLOP_COUNT_BURST_SECONDS <= 0.6
+    mon = _monitor(make_monitor, flop_count_share=1e-6, flop_count_timeout_seconds=1.5).start()
+    model = mon.wrap(_Sleepy(), name="sleepy")
+    for width in (1, 2, 3):
+        _timed_calls(model, torch.ones(width), 3)
+    mon.flush()
+    wait_until(lambda: mon.stats()["flop_counting"]["counts"]["deferred"] >= 1, what="a deferral", timeout=20)
+    counts = mon.stats()["flop_counting"]["counts"]
+    assert counts["ok"] == 2, counts
+    eff = _efficiency(mon, "sleepy")
+    assert any(w.startswith("not counted yet") for w in eff["unknown"]), eff
+    with pytest.raises(perfmon.ConfigError, match="flop_count_share"):
+        make_monitor(flop_count_share=0.0)
+
+
 def test_count_flops_off_removes_the_stage(make_monitor) -> None:
     """count_flops=False: no efficiency in /stats, no efficiency or counting families in /metrics."""
     mon = _monitor(make_monitor, count_flops=False)
@@ -246,8 +274,10 @@ def test_stop_ends_the_counting_thread(make_monitor) -> None:
     """A started monitor's stop() ends its counting thread, even one waiting for the budget's next token."""
     before = {t.ident for t in threading.enumerate() if t.name == "perfmon-flops"}
     mon = make_monitor(sample_rate=1.0, warmup_calls=0, flop_counts_per_minute=1).start()
+    held = []  # a dropped module is freed: its count would be "the module is gone", never deferred
     for width in (8, 16):  # the second signature waits a minute for its token
-        _timed_calls(mon.wrap(torch.nn.Linear(width, width), name=f"m{width}"), torch.ones(2, width), 3)
+        held.append(mon.wrap(torch.nn.Linear(width, width), name=f"m{width}"))
+        _timed_calls(held[-1], torch.ones(2, width), 3)
     mon.flush()
     wait_until(lambda: mon.stats()["flop_counting"]["counts"]["deferred"] >= 1, what="a deferral")
     t0 = time.monotonic()

@@ -148,19 +148,30 @@ QUEUED = Unknown("not counted yet (queued; at most flop_counts_per_minute counts
 MAX_QUEUED = 1024
 
 
-class FlopCounter:
-    """Counts signatures on a thread of its own (``submit``), within a budget: ``per_minute`` counts (a token
-    bucket), each fake forward cut at ``timeout_seconds``. The thread runs only while signatures wait: it starts
-    on the first ``submit`` and ends when the queue is empty (one wake per count, none when idle)."""
+#: Seconds of counting the thread may spend at once before ``share`` paces it (FlopCounter): a model's first
+#: signatures are counted as soon as they are seen, whatever they cost, up to this.
+FLOP_COUNT_BURST_SECONDS = 0.5
 
-    def __init__(self, *, per_minute: int, timeout_seconds: float, cpu: AgentCpu | None = None,
+
+class FlopCounter:
+    """Counts signatures on a thread of its own (``submit``), within two budgets: ``per_minute`` counts (a token
+    bucket) and ``share`` of wall time spent counting (a bucket of seconds, ``FLOP_COUNT_BURST_SECONDS`` deep, that
+    each count's duration is taken from and that refills at ``share`` seconds a second: a count holds the GIL,
+    and the serving thread waits for it). Each fake forward is cut at ``timeout_seconds``. The thread runs only
+    while signatures wait: it starts on the first ``submit`` and ends when the queue is empty (one wake per
+    count, none when idle)."""
+
+    def __init__(self, *, per_minute: int, timeout_seconds: float, share: float = 1.0, cpu: AgentCpu | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.per_minute = per_minute
         self.timeout_seconds = timeout_seconds
+        self.share = share
         self._cpu = cpu
         self._clock = clock
         self._tokens = float(per_minute)
         self._refilled = clock()
+        #: Seconds of counting allowed now (goes negative by the last count's overrun: that debt is waited out).
+        self._seconds = FLOP_COUNT_BURST_SECONDS
         self._copies: dict[int, _Copy] = {}
         self._registry = _flop_registry()
         self.reset_after_fork()
@@ -234,10 +245,12 @@ class FlopCounter:
                         self._end(stop)  # under the same lock as submit(): no signature is left behind
                         return
                     target, sig = self._queue[0]
-                if _refusal(target, sig.spec) is None and not self._take():
-                    next(self.counts["deferred"])
-                    stop.wait(60.0 / self.per_minute)  # the next token; a stop() ends the wait
-                    continue
+                if _refusal(target, sig.spec) is None:
+                    wait = self._take()
+                    if wait > 0:
+                        next(self.counts["deferred"])
+                        stop.wait(wait)  # the next token, or the time budget back above zero; a stop() ends it
+                        continue
                 with self._lock:
                     self._queue.popleft()
                 if self._cpu is not None:
@@ -283,20 +296,26 @@ class FlopCounter:
                 result = Unknown(f"the fake forward raised {type(exc).__name__}" + (f": {first}" if first else ""))
             spent = time.perf_counter() - start
             self.seconds += spent
+            self._seconds -= spent
             if isinstance(result, Count):
                 next(self.counts["ok"])
                 return result._replace(seconds=spent)
             next(self.counts[outcome])
             return result
 
-    def _take(self) -> bool:
+    def _take(self) -> float:
+        """0 and a token taken when both budgets allow a count now, else the seconds until they may."""
         now = self._clock()
-        self._tokens = min(float(self.per_minute), self._tokens + (now - self._refilled) * self.per_minute / 60.0)
+        elapsed = now - self._refilled
+        self._tokens = min(float(self.per_minute), self._tokens + elapsed * self.per_minute / 60.0)
+        self._seconds = min(FLOP_COUNT_BURST_SECONDS, self._seconds + elapsed * self.share)
         self._refilled = now
-        if self._tokens < 1.0:
-            return False
+        wait = max((1.0 - self._tokens) * 60.0 / self.per_minute if self._tokens < 1.0 else 0.0,
+                   -self._seconds / self.share if self._seconds <= 0.0 else 0.0)
+        if wait > 0:
+            return max(wait, 0.001)
         self._tokens -= 1.0
-        return True
+        return 0.0
 
     def _run(self, key: Any, module: Any, spec: CallSpec) -> Count | Unknown:
         copied = self._copy_of(key, module)
