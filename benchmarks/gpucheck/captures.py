@@ -14,7 +14,7 @@ import torch
 
 from perfmon import Monitor
 
-from .common import Check, Figure, fmt, quiet_monitor, ref_ms
+from .common import Check, Figure, MatMuls, fmt, quiet_monitor, ref_ms
 from .rig import Rig
 
 __all__ = ["capture_calls", "check_capture", "check_roofline", "live_efficiency"]
@@ -94,18 +94,7 @@ def check_roofline(rig: Rig, *, quick: bool = False) -> Check:
     with tempfile.TemporaryDirectory(prefix="perfmon-gpucheck-") as tmp:
         mon = quiet_monitor(rig, trace_dir=tmp, sample_rate=1.0, warmup_calls=0)
         try:
-            class MatMuls(torch.nn.Module):
-                def __init__(self) -> None:
-                    super().__init__()
-                    self.w = torch.nn.Parameter(torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5,
-                                                requires_grad=False)
-
-                def forward(self, x: torch.Tensor) -> torch.Tensor:
-                    for _ in range(4):
-                        x = x @ self.w
-                    return x
-
-            model = mon.wrap(MatMuls(), name="matmul")
+            model = mon.wrap(MatMuls(n), name="matmul")
             x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
             ref = min(ref_ms(rig, lambda: model(x)) for _ in range(5))  # warm (cuBLAS heuristics) and timed
             live = live_efficiency(mon, "matmul")  # perfmon's own: its counted FLOPs over its event-timed samples

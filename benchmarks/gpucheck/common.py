@@ -9,14 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from perfmon import Monitor
 
 from .rig import Rig
 
-__all__ = ["Check", "CheckFn", "Figure", "Verdict", "device_seconds", "fmt", "host_seconds", "quiet_monitor",
-           "ref_ms", "total"]
+__all__ = ["Check", "CheckFn", "Figure", "MatMuls", "Verdict", "device_seconds", "encoder", "fmt", "host_seconds",
+           "quiet_monitor", "ref_ms", "total"]
 
 Verdict = Literal["pass", "fail", "skip"]
 Figure = tuple[Any, str]  # (value, unit); unit "" for a count, "1" for a ratio
@@ -88,3 +89,25 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "—" if value is None else str(value)
+
+
+class MatMuls(torch.nn.Module):
+    """Four back-to-back ``n``x``n`` bf16 matmuls on CUDA: a few big kernels, device-bound (the roofline and
+    occupancy checks' model)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5,
+                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = x @ self.w
+        return x
+
+
+def encoder(dtype: torch.dtype) -> torch.nn.Module:
+    """A 4-layer Transformer encoder (d=512) on CUDA in ``dtype``: many small kernels, launch-bound at small
+    inputs (the overhead and occupancy checks' model)."""
+    layer = torch.nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False).to("cuda", dtype).eval()

@@ -11,31 +11,10 @@ import torch
 from perfmon import Monitor
 
 from .captures import capture_calls
-from .common import Check, Figure, fmt, quiet_monitor, total
+from .common import Check, Figure, MatMuls, encoder, fmt, quiet_monitor, total
 from .rig import Rig
 
 __all__ = ["check_occupancy"]
-
-
-class _MatMuls(torch.nn.Module):
-    """The roofline check's model: four back-to-back ``n``x``n`` bf16 matmuls, a few big kernels (device-bound)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5,
-                                    requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(4):
-            x = x @ self.w
-        return x
-
-
-def _encoder(dtype: torch.dtype) -> torch.nn.Module:
-    """The overhead check's model: a 4-layer Transformer encoder, many small kernels (launch-bound: on an H100 its
-    8x128x512 calls took 0.8-1.25 ms of host time, benchmarks/BENCHMARKS.md)."""
-    layer = torch.nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
-    return torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False).to("cuda", dtype).eval()
 
 
 def _measure(mon: Monitor, rig: Rig, name: str, call: Any, *, live_calls: int, steps: int) -> dict[str, Any]:
@@ -70,11 +49,11 @@ def check_occupancy(rig: Rig, *, quick: bool = False) -> Check:
     with tempfile.TemporaryDirectory(prefix="perfmon-gpucheck-") as tmp:
         mon = quiet_monitor(rig, trace_dir=tmp, sample_rate=1.0, warmup_calls=2)
         try:
-            mm = mon.wrap(_MatMuls(n), name="matmul")
+            mm = mon.wrap(MatMuls(n), name="matmul")
             x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-            enc = mon.wrap(_encoder(dtype), name="encoder")
+            enc = mon.wrap(encoder(dtype), name="encoder")
             e_x = torch.randn(1, 32, 512, device="cuda", dtype=dtype)
-            big = mon.wrap(_encoder(dtype), name="encoder_8x128")
+            big = mon.wrap(encoder(dtype), name="encoder_8x128")
             b_x = torch.randn(8, 128, 512, device="cuda", dtype=dtype)
             with torch.inference_mode():
                 dense = _measure(mon, rig, "matmul", lambda: mm(x), live_calls=10, steps=5)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .common import Check, Figure, device_seconds, host_seconds, quiet_monitor, ref_ms
+from .common import Check, Figure, device_seconds, encoder, host_seconds, quiet_monitor, ref_ms
 from .rig import Rig
 
 __all__ = ["TIMING_SIZES_MS", "check_host_vs_device", "check_no_sync", "check_overhead", "check_timing_truth"]
@@ -155,8 +155,7 @@ def check_overhead(rig: Rig, *, quick: bool = False) -> Check:
     import random
 
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    layer = torch.nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False).to("cuda", dtype).eval()
+    model = encoder(dtype)
     x = torch.randn(8, 128, 512, device="cuda", dtype=dtype)
     monitors = {f"{rate:.0%}": quiet_monitor(rig, sample_rate=rate, warmup_calls=3) for rate in (0.01, 1.0)}
     rounds, n = (8, 20) if quick else (60, 40)
