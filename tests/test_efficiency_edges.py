@@ -40,3 +40,58 @@ def test_a_dict_with_a_key_that_cannot_be_described_is_unknown_not_undercounted(
     eff = _settled(mon, "parts")
     assert eff["flops_per_call"] is None and eff["counted_samples"] == 0, eff
     assert any(w == "a dict key of type tuple" for w in eff["unknown"]), eff
+
+
+class _WithTable(torch.nn.Module):
+    """A model holding data that is not a tensor (a lookup table as bytes): deepcopy would copy it for real."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.table = {"rows": bytearray(nbytes)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_model_holding_much_non_tensor_data_is_not_copied(make_monitor) -> None:
+    """A model holding more than MAX_COPIED_BYTES of non-tensor data is unknown with the reason, not deep-copied
+    (the copy would hold that memory for as long as the model lives); one holding less is counted."""
+    from perfmon.agent.flopcount import MAX_COPIED_BYTES
+
+    # Started: torch's fake-tensor imports happen in start(), not in the first count (whose time the share charges).
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600).start()
+    models = {"big": mon.wrap(_WithTable(MAX_COPIED_BYTES + 1), name="big"),
+              "small": mon.wrap(_WithTable(1024), name="small")}
+    with torch.no_grad():
+        for model in models.values():
+            for _ in range(3):
+                model(torch.ones(2, 8))
+    big, small = _settled(mon, "big"), _settled(mon, "small")
+    assert big["flops_per_call"] is None and any("of data that is not a tensor" in w for w in big["unknown"]), big
+    assert small["flops_per_call"] == 2 * 2 * 8 * 8, small
+    assert mon.stats()["flop_counting"]["counts"]["skipped"] == 1
+
+
+class _ManyParameters(torch.nn.Module):
+    """Thousands of parameters (a copy costs ~0.5 ms each), one of them used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(4)) for _ in range(4000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table[0]
+
+
+def test_the_timeout_cuts_the_copy_too(make_monitor) -> None:
+    """flop_count_timeout_seconds bounds making the fake copy (seconds holding the GIL for a model of thousands of
+    parameters), not only the fake forward: the count times out, its signature unknown with the reason."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600, flop_count_timeout_seconds=0.05)
+    model = mon.wrap(_ManyParameters(), name="many")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(4))
+    eff = _settled(mon, "many")
+    assert any(w.startswith("counting took longer than 0.05 s") for w in eff["unknown"]), eff
+    assert mon.stats()["flop_counting"]["counts"]["timeout"] == 1
