@@ -95,3 +95,46 @@ def test_the_timeout_cuts_the_copy_too(make_monitor) -> None:
     eff = _settled(mon, "many")
     assert any(w.startswith("counting took longer than 0.05 s") for w in eff["unknown"]), eff
     assert mon.stats()["flop_counting"]["counts"]["timeout"] == 1
+
+
+_EXIT_DURING_A_COUNT = """
+import sys, threading, torch, perfmon
+from prometheus_client import CollectorRegistry
+
+COUNTING = threading.Event()
+
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if type(x).__name__ == "FakeTensor":  # the copy's forward, on the counting thread
+            COUNTING.set()
+        for _ in range(200_000):
+            x = self.lin(x)
+        return x
+
+mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), sample_rate=1.0, warmup_calls=0, regression=None,
+                      prepare_profiler=False, log_level="error", trace_dir=sys.argv[1],
+                      flop_count_timeout_seconds=600).start()
+model = mon.wrap(Slow(), name="slow")
+with torch.no_grad():
+    model(torch.ones(1, 8))
+    model(torch.ones(1, 8))
+mon.flush()
+assert COUNTING.wait(60), "the count never started"
+sys.exit(0)  # the interpreter exits while the count runs
+"""
+
+
+def test_the_interpreter_exits_cleanly_during_a_count(tmp_path) -> None:
+    """A process that exits while a fake forward is being counted ends with its own status, promptly: the count is
+    abandoned at exit (a daemon thread killed inside torch's C++ aborted the process: SIGABRT)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_COUNT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -88,6 +88,10 @@ class _Timeout(Exception):
     pass
 
 
+class _Stopped(Exception):
+    """stop() was called during a count: the count is abandoned, its signature offered again later."""
+
+
 class _Refused(Exception):
     """A module whose copy would cost too much (the reason)."""
 
@@ -101,14 +105,23 @@ MAX_COPIED_OBJECTS = 1_000_000
 class _Deadline(dict):  # type: ignore[type-arg]  # deepcopy's memo: id -> copy
     """A ``deepcopy`` memo that cuts the copy at a deadline: deepcopy looks every object it copies up in it."""
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, stop: threading.Event) -> None:
         super().__init__()
         self.deadline = deadline
+        self.stop = stop
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if time.perf_counter() > self.deadline:
-            raise _Timeout
+        _check(self.deadline, self.stop)
         return super().get(key, default)
+
+
+def _check(deadline: float, stop: threading.Event) -> None:
+    """Raise when a count must end now: past its deadline, or its thread was stopped (a count still running when
+    the interpreter exits would be killed inside torch's C++: the process aborts)."""
+    if stop.is_set():
+        raise _Stopped
+    if time.perf_counter() > deadline:
+        raise _Timeout
 
 
 def _flop_registry() -> dict[Any, Any]:
@@ -122,9 +135,10 @@ def _flop_registry() -> dict[Any, Any]:
 class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
     """Counts FLOPs and bytes of each aten op (as FlopCounterMode decomposes what it has no formula for)."""
 
-    def __init__(self, deadline: float, registry: dict[Any, Any]) -> None:
+    def __init__(self, deadline: float, registry: dict[Any, Any], stop: threading.Event) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.deadline = deadline
+        self.stop = stop
         self.registry = registry
         self.flops = 0
         self.bytes = 0
@@ -132,8 +146,7 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if time.perf_counter() > self.deadline:
-            raise _Timeout
+        _check(self.deadline, self.stop)
         packet = getattr(func, "_overloadpacket", None)
         formula = self.registry.get(packet)
         if formula is None and isinstance(func, torch._ops.OpOverload) and func is not torch.ops.prim.device.default:
@@ -227,7 +240,7 @@ class FlopCounter:
         """
         try:
             probe = torch.nn.Linear(2, 2)
-            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()))
+            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()), threading.Event())
         except Exception:  # counting will fail the same way later, and say so per signature
             pass
         finally:
@@ -250,7 +263,8 @@ class FlopCounter:
                 self._thread.start()
 
     def stop(self, timeout_seconds: float) -> None:
-        """Stop the thread after its current count (bounded wait); what waits is offered again later."""
+        """Stop the thread, abandoning a count under way at its next op (bounded wait); what waits, and that count's
+        signature, are offered again later."""
         with self._lock:
             thread, stop = self._thread, self._stop
         stop.set()
@@ -282,9 +296,9 @@ class FlopCounter:
                     self._queue.popleft()
                 if self._cpu is not None:
                     with self._cpu.measure("flop_count"):
-                        sig.count = self.count(target, sig.spec)
+                        sig.count = self.count(target, sig.spec, stop)
                 else:
-                    sig.count = self.count(target, sig.spec)
+                    sig.count = self.count(target, sig.spec, stop)
         except BaseException:  # pragma: no cover - count() never raises; the thread must still let go
             with self._lock:
                 self._end(stop)
@@ -298,9 +312,9 @@ class FlopCounter:
                 sig.count = None
             self._queue.clear()
 
-    def count(self, target: Any, spec: Any) -> Count | Unknown:
+    def count(self, target: Any, spec: Any, stop: threading.Event | None = None) -> Count | Unknown | None:
         """Count one call of ``spec`` on the module ``target`` (a weakref, or None), now, whatever the budget.
-        Never raises: a failure is an ``Unknown`` naming it."""
+        Never raises: a failure is an ``Unknown`` naming it; None when ``stop`` was set meanwhile (not counted)."""
         with self._counting:
             why = _refusal(target, spec)
             key = None if why is not None else target()
@@ -314,7 +328,10 @@ class FlopCounter:
             start = time.perf_counter()
             outcome = "failed"
             try:
-                result = self._run(key, module, spec)
+                result = self._run(key, module, spec, threading.Event() if stop is None else stop)
+            except _Stopped:
+                self.seconds += time.perf_counter() - start
+                return None
             except _Refused as exc:
                 outcome = "skipped"
                 result = Unknown(str(exc))
@@ -347,19 +364,19 @@ class FlopCounter:
         self._tokens -= 1.0
         return 0.0
 
-    def _run(self, key: Any, module: Any, spec: CallSpec) -> Count | Unknown:
-        copied = self._copy_of(key, module)
+    def _run(self, key: Any, module: Any, spec: CallSpec, stop: threading.Event) -> Count | Unknown:
+        copied = self._copy_of(key, module, stop)
         # The timeout bounds the copy (once per model; ~0.5 ms a tensor: a model of 10,000 parameters takes ~5 s)
         # and the fake forward, each; torch's fake-tensor import (once per process, ~1 s) is not cut. All are
         # measured (self.seconds).
-        counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry)
+        counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry, stop)
         with copied.mode:
             args, kwargs = materialize(spec)
             with counting, torch.no_grad():
                 copied.fake(*args, **kwargs)
         return Count(counting.flops, counting.bytes, counting.half, 0.0)
 
-    def _copy_of(self, key: Any, module: Any) -> _Copy:
+    def _copy_of(self, key: Any, module: Any, stop: threading.Event) -> _Copy:
         """The fake copy of ``module`` (the wrapped ``key``'s original): kept while its parameters and buffers keep
         their shapes, dtypes and devices."""
         from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
@@ -375,7 +392,7 @@ class FlopCounter:
         mode = FakeTensorMode()
         with FakeCopyMode(mode):
             # a monitored module copies as its bare class (wrap.py): no hot path in it
-            fake = copy.deepcopy(module, _Deadline(time.perf_counter() + self.timeout_seconds))
+            fake = copy.deepcopy(module, _Deadline(time.perf_counter() + self.timeout_seconds, stop))
         for m in fake.modules():
             if getattr(m, "_compiled_call_impl", None) is not None:  # module.compile(): the eager forward, not Dynamo
                 m._compiled_call_impl = None
