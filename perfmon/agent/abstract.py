@@ -78,7 +78,10 @@ def _part(value: Any, depth: int) -> Any:
     if t is dict:
         if len(value) > MAX_ITEMS:
             raise _Refused(f"a dict of more than {MAX_ITEMS} items")
-        return (dict, tuple((k, _part(v, depth + 1)) for k, v in value.items() if isinstance(k, _PLAIN)))
+        if any(not isinstance(k, _PLAIN) for k in value):  # dropping the entry would count another call
+            key = next(k for k in value if not isinstance(k, _PLAIN))
+            raise _Refused(f"a dict key of type {type(key).__name__}")
+        return (dict, tuple((k, _part(v, depth + 1)) for k, v in value.items()))
     raise _Refused(f"argument of type {t.__name__}")
 
 

@@ -20,6 +20,10 @@ called. ``FlopCounterMode`` is not used itself: it installs *global* module hook
 which every forward in the process, the serving thread's included, would run meanwhile. Dispatch and torch
 function modes are thread-local: the serving thread's calls are untouched.
 
+What ``deepcopy`` copies for real is what is not a tensor: a model holding more than ``MAX_COPIED_BYTES`` of other
+data (a numpy table, bytes, large containers: an estimate, walked in its modules' attributes) is not copied, and its
+count is unknown: the copy would hold that much memory as long as the model lives.
+
 Unknown, never guessed: modules with forward hooks (a hook would run with fake tensors, on this thread),
 with an instance-level ``forward`` (accelerate-style), or with a compiled submodule; calls whose arguments
 cannot be described (a KV-cache object: decode steps); forwards that read tensor data (``.item()``,
@@ -84,6 +88,42 @@ class _Timeout(Exception):
     pass
 
 
+class _Stopped(Exception):
+    """stop() was called during a count: the count is abandoned, its signature offered again later."""
+
+
+class _Refused(Exception):
+    """A module whose copy would cost too much (the reason)."""
+
+
+#: Non-tensor data a model may hold (numpy arrays, bytes, strings, containers) before its copy is refused.
+MAX_COPIED_BYTES = 64 * 2**20
+#: Objects walked at most to estimate it; a model holding more is refused too (deepcopy would copy them all).
+MAX_COPIED_OBJECTS = 1_000_000
+
+
+class _Deadline(dict):  # type: ignore[type-arg]  # deepcopy's memo: id -> copy
+    """A ``deepcopy`` memo that cuts the copy at a deadline: deepcopy looks every object it copies up in it."""
+
+    def __init__(self, deadline: float, stop: threading.Event) -> None:
+        super().__init__()
+        self.deadline = deadline
+        self.stop = stop
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _check(self.deadline, self.stop)
+        return super().get(key, default)
+
+
+def _check(deadline: float, stop: threading.Event) -> None:
+    """Raise when a count must end now: past its deadline, or its thread was stopped (a count still running when
+    the interpreter exits would be killed inside torch's C++: the process aborts)."""
+    if stop.is_set():
+        raise _Stopped
+    if time.perf_counter() > deadline:
+        raise _Timeout
+
+
 def _flop_registry() -> dict[Any, Any]:
     try:
         from torch.utils.flop_counter import flop_registry
@@ -95,9 +135,10 @@ def _flop_registry() -> dict[Any, Any]:
 class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
     """Counts FLOPs and bytes of each aten op (as FlopCounterMode decomposes what it has no formula for)."""
 
-    def __init__(self, deadline: float, registry: dict[Any, Any]) -> None:
+    def __init__(self, deadline: float, registry: dict[Any, Any], stop: threading.Event) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.deadline = deadline
+        self.stop = stop
         self.registry = registry
         self.flops = 0
         self.bytes = 0
@@ -105,8 +146,7 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if time.perf_counter() > self.deadline:
-            raise _Timeout
+        _check(self.deadline, self.stop)
         packet = getattr(func, "_overloadpacket", None)
         formula = self.registry.get(packet)
         if formula is None and isinstance(func, torch._ops.OpOverload) and func is not torch.ops.prim.device.default:
@@ -200,7 +240,7 @@ class FlopCounter:
         """
         try:
             probe = torch.nn.Linear(2, 2)
-            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()))
+            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()), threading.Event())
         except Exception:  # counting will fail the same way later, and say so per signature
             pass
         finally:
@@ -223,7 +263,8 @@ class FlopCounter:
                 self._thread.start()
 
     def stop(self, timeout_seconds: float) -> None:
-        """Stop the thread after its current count (bounded wait); what waits is offered again later."""
+        """Stop the thread, abandoning a count under way at its next op (bounded wait); what waits, and that count's
+        signature, are offered again later."""
         with self._lock:
             thread, stop = self._thread, self._stop
         stop.set()
@@ -255,9 +296,9 @@ class FlopCounter:
                     self._queue.popleft()
                 if self._cpu is not None:
                     with self._cpu.measure("flop_count"):
-                        sig.count = self.count(target, sig.spec)
+                        sig.count = self.count(target, sig.spec, stop)
                 else:
-                    sig.count = self.count(target, sig.spec)
+                    sig.count = self.count(target, sig.spec, stop)
         except BaseException:  # pragma: no cover - count() never raises; the thread must still let go
             with self._lock:
                 self._end(stop)
@@ -271,9 +312,9 @@ class FlopCounter:
                 sig.count = None
             self._queue.clear()
 
-    def count(self, target: Any, spec: Any) -> Count | Unknown:
+    def count(self, target: Any, spec: Any, stop: threading.Event | None = None) -> Count | Unknown | None:
         """Count one call of ``spec`` on the module ``target`` (a weakref, or None), now, whatever the budget.
-        Never raises: a failure is an ``Unknown`` naming it."""
+        Never raises: a failure is an ``Unknown`` naming it; None when ``stop`` was set meanwhile (not counted)."""
         with self._counting:
             why = _refusal(target, spec)
             key = None if why is not None else target()
@@ -287,7 +328,13 @@ class FlopCounter:
             start = time.perf_counter()
             outcome = "failed"
             try:
-                result = self._run(key, module, spec)
+                result = self._run(key, module, spec, threading.Event() if stop is None else stop)
+            except _Stopped:
+                self.seconds += time.perf_counter() - start
+                return None
+            except _Refused as exc:
+                outcome = "skipped"
+                result = Unknown(str(exc))
             except _Timeout:
                 outcome = "timeout"
                 result = Unknown(f"counting took longer than {self.timeout_seconds:g} s (flop_count_timeout_seconds)")
@@ -317,18 +364,19 @@ class FlopCounter:
         self._tokens -= 1.0
         return 0.0
 
-    def _run(self, key: Any, module: Any, spec: CallSpec) -> Count | Unknown:
-        copied = self._copy_of(key, module)
-        # The timeout bounds the fake forward; the copy (once per model) and torch's fake-tensor import (once per
-        # process, ~1 s) are not cut: neither depends on the input, and both are measured (self.seconds).
-        counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry)
+    def _run(self, key: Any, module: Any, spec: CallSpec, stop: threading.Event) -> Count | Unknown:
+        copied = self._copy_of(key, module, stop)
+        # The timeout bounds the copy (once per model; ~0.5 ms a tensor: a model of 10,000 parameters takes ~5 s)
+        # and the fake forward, each; torch's fake-tensor import (once per process, ~1 s) is not cut. All are
+        # measured (self.seconds).
+        counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry, stop)
         with copied.mode:
             args, kwargs = materialize(spec)
             with counting, torch.no_grad():
                 copied.fake(*args, **kwargs)
         return Count(counting.flops, counting.bytes, counting.half, 0.0)
 
-    def _copy_of(self, key: Any, module: Any) -> _Copy:
+    def _copy_of(self, key: Any, module: Any, stop: threading.Event) -> _Copy:
         """The fake copy of ``module`` (the wrapped ``key``'s original): kept while its parameters and buffers keep
         their shapes, dtypes and devices."""
         from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
@@ -338,9 +386,13 @@ class FlopCounter:
         kept = self._copies.get(id(key))
         if kept is not None and kept.module() is key and kept.fingerprint == fingerprint:
             return kept
+        held = _held_bytes(module)
+        if held is not None:
+            raise _Refused(f"the model holds {held} of data that is not a tensor (its copy would hold it for real)")
         mode = FakeTensorMode()
         with FakeCopyMode(mode):
-            fake = copy.deepcopy(module)  # a monitored module copies as its bare class (wrap.py): no hot path in it
+            # a monitored module copies as its bare class (wrap.py): no hot path in it
+            fake = copy.deepcopy(module, _Deadline(time.perf_counter() + self.timeout_seconds, stop))
         for m in fake.modules():
             if getattr(m, "_compiled_call_impl", None) is not None:  # module.compile(): the eager forward, not Dynamo
                 m._compiled_call_impl = None
@@ -387,4 +439,31 @@ def _unsafe(module: torch.nn.Module) -> str | None:
             return f"forward hooks on {path or 'the model'} (they would run during the fake forward)"
         if "forward" in m.__dict__:
             return f"an instance-level forward on {path or 'the model'} (accelerate-style hook)"
+    return None
+
+
+def _held_bytes(module: torch.nn.Module) -> str | None:
+    """How much non-tensor data a deep copy of ``module`` would copy for real, when over ``MAX_COPIED_BYTES`` (or
+    ``MAX_COPIED_OBJECTS``), else None: its modules' attributes, walked (tensors and modules are not data here)."""
+    total, seen = 0, set()
+    todo: list[Any] = [v for m in module.modules() for k, v in vars(m).items()
+                       if k not in ("_parameters", "_buffers", "_modules")]
+    while todo:
+        value = todo.pop()
+        if id(value) in seen or isinstance(value, (torch.Tensor, torch.nn.Module, type)) or callable(value):
+            continue
+        seen.add(id(value))
+        if len(seen) > MAX_COPIED_OBJECTS:
+            return f"more than {MAX_COPIED_OBJECTS} objects"
+        nbytes = getattr(value, "nbytes", None)  # a numpy array, a memoryview
+        total += nbytes if isinstance(nbytes, int) else sys.getsizeof(value, 0)
+        if total > MAX_COPIED_BYTES:
+            return f"more than {MAX_COPIED_BYTES // 2**20} MiB"
+        if isinstance(value, dict):
+            todo.extend(value.keys())
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            todo.extend(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, (str, bytes, bytearray)):
+            todo.extend(vars(value).values())
     return None

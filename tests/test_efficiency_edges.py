@@ -1,0 +1,140 @@
+"""Live efficiency at its edges: inputs and models whose count would be wrong or costly; unknown, with the reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import perfmon
+
+from .conftest import wait_until
+
+
+def _settled(mon: perfmon.Monitor, model: str) -> dict[str, Any]:
+    """Resolve the samples, then wait until the model's signature is counted or known to be uncountable."""
+    mon.flush()
+    return wait_until(lambda: (e := mon.stats()["models"][model]["efficiency"]).get("samples")
+                      and not any(w.startswith("not counted yet") for w in e["unknown"]) and e,
+                      what=f"{model}'s signature to be counted or refused")
+
+
+class _SumOfLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, parts: dict[Any, torch.Tensor]) -> torch.Tensor:
+        return sum((self.lin(v).sum() for v in parts.values()), torch.zeros(()))
+
+
+def test_a_dict_with_a_key_that_cannot_be_described_is_unknown_not_undercounted(make_monitor) -> None:
+    """A dict argument with a tuple key is unknown ("a dict key of type tuple"): dropping that entry would count a
+    call with fewer tensors than the real one."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600)
+    model = mon.wrap(_SumOfLinears(), name="parts")
+    parts = {("a", 1): torch.randn(2, 8), "b": torch.randn(4, 8)}
+    with torch.no_grad():
+        for _ in range(3):
+            model(parts)
+    eff = _settled(mon, "parts")
+    assert eff["flops_per_call"] is None and eff["counted_samples"] == 0, eff
+    assert any(w == "a dict key of type tuple" for w in eff["unknown"]), eff
+
+
+class _WithTable(torch.nn.Module):
+    """A model holding data that is not a tensor (a lookup table as bytes): deepcopy would copy it for real."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.table = {"rows": bytearray(nbytes)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_model_holding_much_non_tensor_data_is_not_copied(make_monitor) -> None:
+    """A model holding more than MAX_COPIED_BYTES of non-tensor data is unknown with the reason, not deep-copied
+    (the copy would hold that memory for as long as the model lives); one holding less is counted."""
+    from perfmon.agent.flopcount import MAX_COPIED_BYTES
+
+    # Started: torch's fake-tensor imports happen in start(), not in the first count (whose time the share charges).
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600).start()
+    models = {"big": mon.wrap(_WithTable(MAX_COPIED_BYTES + 1), name="big"),
+              "small": mon.wrap(_WithTable(1024), name="small")}
+    with torch.no_grad():
+        for model in models.values():
+            for _ in range(3):
+                model(torch.ones(2, 8))
+    big, small = _settled(mon, "big"), _settled(mon, "small")
+    assert big["flops_per_call"] is None and any("of data that is not a tensor" in w for w in big["unknown"]), big
+    assert small["flops_per_call"] == 2 * 2 * 8 * 8, small
+    assert mon.stats()["flop_counting"]["counts"]["skipped"] == 1
+
+
+class _ManyParameters(torch.nn.Module):
+    """Thousands of parameters (a copy costs ~0.5 ms each), one of them used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(4)) for _ in range(4000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table[0]
+
+
+def test_the_timeout_cuts_the_copy_too(make_monitor) -> None:
+    """flop_count_timeout_seconds bounds making the fake copy (seconds holding the GIL for a model of thousands of
+    parameters), not only the fake forward: the count times out, its signature unknown with the reason."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600, flop_count_timeout_seconds=0.05)
+    model = mon.wrap(_ManyParameters(), name="many")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(4))
+    eff = _settled(mon, "many")
+    assert any(w.startswith("counting took longer than 0.05 s") for w in eff["unknown"]), eff
+    assert mon.stats()["flop_counting"]["counts"]["timeout"] == 1
+
+
+_EXIT_DURING_A_COUNT = """
+import sys, threading, torch, perfmon
+from prometheus_client import CollectorRegistry
+
+COUNTING = threading.Event()
+
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if type(x).__name__ == "FakeTensor":  # the copy's forward, on the counting thread
+            COUNTING.set()
+        for _ in range(200_000):
+            x = self.lin(x)
+        return x
+
+mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), sample_rate=1.0, warmup_calls=0, regression=None,
+                      prepare_profiler=False, log_level="error", trace_dir=sys.argv[1],
+                      flop_count_timeout_seconds=600).start()
+model = mon.wrap(Slow(), name="slow")
+with torch.no_grad():
+    model(torch.ones(1, 8))
+    model(torch.ones(1, 8))
+mon.flush()
+assert COUNTING.wait(60), "the count never started"
+sys.exit(0)  # the interpreter exits while the count runs
+"""
+
+
+def test_the_interpreter_exits_cleanly_during_a_count(tmp_path) -> None:
+    """A process that exits while a fake forward is being counted ends with its own status, promptly: the count is
+    abandoned at exit (a daemon thread killed inside torch's C++ aborted the process: SIGABRT)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_COUNT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
