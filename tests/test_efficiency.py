@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import generate_latest
+from torch.utils.flop_counter import FlopCounterMode
 
 import perfmon
 
@@ -105,7 +106,7 @@ def test_a_tiny_gpt2_prefill_is_counted_like_flopcountermode(make_monitor) -> No
                                      bos_token_id=0, eos_token_id=0)
     gpt2 = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 1000, (2, 16))
-    with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as reference:
+    with torch.no_grad(), FlopCounterMode(display=False) as reference:
         gpt2(ids)
     mon = _monitor(make_monitor)
     model = mon.wrap(gpt2, name="gpt2")
@@ -122,6 +123,34 @@ def test_a_tiny_gpt2_prefill_is_counted_like_flopcountermode(make_monitor) -> No
     assert any("DynamicCache" in why for why in decode["unknown"]), decode["unknown"]
     assert value(mon, "perfmon_model_flops_unknown_ratio", model="gpt2", stage="decode") == 1.0
     assert value(mon, "perfmon_model_flops_per_second", model="gpt2", stage="decode") is None
+
+
+def test_generate_prefill_with_its_fresh_cache_is_counted(make_monitor) -> None:
+    """generate() passes its prefill a DynamicCache it just made (empty): the prefill is counted as
+    FlopCounterMode counts the same real forward (an empty cache of the same class); decode steps stay unknown."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=1000, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    gpt2 = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(1, 1000, (2, 16))
+    seen: list[tuple[Any, dict[str, Any]]] = []
+    hook = gpt2.register_forward_pre_hook(lambda _m, a, k: seen.append((a, dict(k))), with_kwargs=True)
+    with torch.no_grad():
+        gpt2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    hook.remove()
+    args, kwargs = seen[0]  # the prefill, as generate() called it: replay it with a new empty cache of that class
+    kwargs["past_key_values"] = type(kwargs["past_key_values"])()
+    with torch.no_grad(), FlopCounterMode(display=False) as reference:
+        gpt2(*args, **kwargs)
+    mon = _monitor(make_monitor)
+    model = mon.wrap(gpt2, name="gpt2")
+    with torch.no_grad():
+        for _ in range(4):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False, pad_token_id=0)
+    eff = _counted(mon, "gpt2", "prefill")
+    assert eff["flops_per_call"] == reference.get_total_flops() > 0
+    assert _efficiency(mon, "gpt2", "decode")["counted_samples"] == 0
 
 
 class _DataDependent(torch.nn.Module):

@@ -2,8 +2,9 @@
 
 ``describe`` runs once per new input signature, on the signature's rare path (phases.py): it keeps each
 tensor's shape, dtype and device, and plain values (numbers, strings, flags, ``None``, dtypes and devices)
-as they are, looking into lists, tuples and dicts. It never keeps a reference to the caller's tensors or
-objects: anything else (a KV-cache object, a user's class) makes the description ``Opaque``, and that
+as they are, looking into lists, tuples and dicts, and an empty Hugging Face KV cache as its class (a prefill).
+It never keeps a reference to the caller's tensors or objects: anything else (a cache holding tokens, a
+user's class) makes the description ``Opaque``, and that
 signature's count is unknown rather than guessed. ``materialize`` rebuilds the arguments as empty tensors
 under the fake mode of flopcount.py (no memory, no compute).
 
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CallSpec", "Opaque", "TensorSpec", "describe", "materialize", "with_dtype"]
+__all__ = ["CallSpec", "FreshCache", "Opaque", "TensorSpec", "describe", "materialize", "with_dtype"]
 
 #: Containers looked into at most this deep and this long; beyond, the call is opaque.
 MAX_DEPTH = 4
@@ -40,6 +41,13 @@ class Opaque(NamedTuple):
     """A call perfmon cannot rebuild: why (the first argument it could not describe)."""
 
     reason: str
+
+
+class FreshCache(NamedTuple):
+    """An empty Hugging Face KV cache (a prefill's: ``generate()`` passes one it just made): rebuilt as a new,
+    empty instance of its class, which the fake forward fills with fake tensors (never the caller's)."""
+
+    cls: type
 
 
 class CallSpec(NamedTuple):
@@ -82,7 +90,21 @@ def _part(value: Any, depth: int) -> Any:
             key = next(k for k in value if not isinstance(k, _PLAIN))
             raise _Refused(f"a dict key of type {type(key).__name__}")
         return (dict, tuple((k, _part(v, depth + 1)) for k, v in value.items()))
+    if _empty_hf_cache(value):
+        return FreshCache(t)
     raise _Refused(f"argument of type {t.__name__}")
+
+
+def _empty_hf_cache(value: Any) -> bool:
+    """A transformers ``Cache`` holding no token yet (a non-empty one is a decode step's: its contents are the
+    caller's, which a description cannot keep, so that call stays opaque)."""
+    if not type(value).__module__.startswith("transformers."):
+        return False
+    length = getattr(value, "get_seq_length", None)
+    try:
+        return callable(length) and length() == 0
+    except Exception:
+        return False
 
 
 def materialize(spec: CallSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -91,6 +113,8 @@ def materialize(spec: CallSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def _build(part: Any) -> Any:
+    if isinstance(part, FreshCache):
+        return part.cls()
     if isinstance(part, TensorSpec):
         t = torch.empty(part.shape, dtype=part.dtype, device=part.device)
         return t.requires_grad_(True) if part.requires_grad else t
