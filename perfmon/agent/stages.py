@@ -151,7 +151,8 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     """``__call__`` of a model with stages: find the call's stage, then run that stage's hot path.
 
     One more Python call and the stage function per call (for Hugging Face models: a kwargs lookup
-    and the cache's ``get_seq_length()``), on models whose forwards take milliseconds.
+    and the cache's ``get_seq_length()``; inside the model's own ``generate()`` after its first forward, only
+    the kwargs lookup), on models whose forwards take milliseconds.
     """
     pick = stages.stage_fn
     generative = pick is generative_stage  # a stage= callable of the user's is always asked
