@@ -91,6 +91,32 @@ def test_gap_in_traffic_breaks_a_streak() -> None:
     assert feed(det, "m", 1, 100, lognormal(0.030), 15, rng) == []
 
 
+def test_an_active_regression_ends_when_the_model_gets_no_calls_but_not_on_a_few() -> None:
+    """A regressed model whose traffic goes (dropped for a new version) stops being active after
+    IDLE_WINDOWS_TO_END windows without a call; windows with a few calls (under min_samples) keep it active."""
+    from perfmon.captures.detector import IDLE_WINDOWS_TO_END, MAX_WINDOW_FACTOR
+
+    det = Detector(POLICY, seed=4)
+    rng = random.Random(4)
+    feed(det, "m", 8, 100, lognormal(0.010), 0, rng)
+    assert len(feed(det, "m", 2, 100, lognormal(0.030), 8, rng)) == 1
+
+    def active() -> bool:
+        return next(a for model, _, _, a, _ in det.views() if model == "m")
+
+    longest = MAX_WINDOW_FACTOR * POLICY.window_seconds  # an empty window closes after this long
+    t = 10.0
+    for _ in range(IDLE_WINDOWS_TO_END + 2):  # a trickle: 3 calls a window, too few to judge
+        feed(det, "m", longest, 3 / longest, lognormal(0.030), t, rng)
+        t += longest
+    assert active()
+    for i in range(IDLE_WINDOWS_TO_END):
+        assert active(), i
+        t += longest + 0.01
+        det.tick(int(t * S))
+    assert not active()
+
+
 def test_models_are_independent() -> None:
     """A regression of one model does not fire for another."""
     det = Detector(POLICY, seed=4)

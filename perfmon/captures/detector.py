@@ -24,26 +24,24 @@ import bisect
 import math
 import random
 import statistics
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..exceptions import ConfigError
 from ..stats.windows import quantile
-from .records import MAX_SECONDS, MAX_STEPS
+from .regression_policy import QUANTILE_LEVELS, RegressionPolicy
 from .sizes import MAX_SIZE_CLASS, class_label, size_class
 
 __all__ = ["MAX_SIZE_CLASS", "QUANTILE_LEVELS", "Detector", "Regression", "RegressionPolicy", "WindowStats",
            "class_label", "size_class"]
 
-#: Percentile names a policy may trigger on -> quantile level.
-QUANTILE_LEVELS = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
-
 _RESERVOIR = 20_000  # samples kept per window; beyond it, uniform reservoir sampling
 #: A window waiting for min_samples closes anyway after this many window_seconds (as too small).
 MAX_WINDOW_FACTOR = 6
+#: Windows in a row without a single call that end an active regression: a model dropped (a new version) or left
+#: without traffic is not regressed, and its alert should resolve. A few calls do not end it (too few to judge).
+IDLE_WINDOWS_TO_END = 3
 #: Size classes kept per series (the least recently seen goes beyond it): bounded memory and labels.
 MAX_CLASSES = 16
 #: Healthy latencies kept per size class; its reference is their median (s).
@@ -54,66 +52,6 @@ REF_SAMPLES = 512
 TAIL_SAMPLES = 5
 #: Ratios of healthy windows pooled per dominant size class: its tail percentiles' baseline is theirs.
 TAIL_POOL = 2048
-
-
-@dataclass(frozen=True, kw_only=True)
-class RegressionPolicy:
-    """When a steady-state latency regression fires an automatic capture. Units in the names."""
-
-    # Defaults sized for default sampling (1% + one call a second): at 200 calls/s a 10 s window holds
-    # ~30 samples, and a 2x step is caught within ~30 s (benchmarks/detection.py).
-    window_seconds: float = 10.0
-    ratio: float = 1.5
-    min_samples: int = 20
-    consecutive: int = 2
-    baseline_windows: int = 6
-    cooldown_seconds: float = 600.0
-    max_captures_per_hour: int = 4
-    #: A window regresses when any of these percentiles exceeds its baseline x ratio.
-    quantiles: tuple[str, ...] = ("p50", "p99")
-    #: The automatic capture: forward calls and seconds, whichever ends first.
-    capture_steps: int = 5
-    capture_max_seconds: float = 10.0
-    capture_record_shapes: bool = True
-    #: Heavy (Python stacks, allocator events): off by default for automatic captures; a warning if on.
-    capture_with_stack: bool = False
-    capture_profile_memory: bool = False
-    #: Once a model's baseline is learned, one short ``baseline`` capture of it (the reference later
-    #: regression and manual captures are compared with), taken again when older than the max age.
-    baseline_capture: bool = True
-    baseline_capture_max_age_seconds: float = 6 * 3600.0
-    baseline_captures_per_hour: int = 4
-
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"RegressionPolicy {name}={getattr(self, name)!r}: {why}")
-
-        for name in ("window_seconds", "cooldown_seconds", "capture_max_seconds", "baseline_capture_max_age_seconds"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-                raise bad(name, "must be a finite number of seconds > 0")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 1.0 < self.ratio < math.inf:
-            raise bad("ratio", "must be a number > 1")
-        for name in ("min_samples", "consecutive", "baseline_windows", "max_captures_per_hour",
-                     "baseline_captures_per_hour"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "must be an integer >= 1")
-        if isinstance(self.capture_steps, bool) or not isinstance(self.capture_steps, int) \
-                or not 1 <= self.capture_steps <= MAX_STEPS:
-            raise bad("capture_steps", f"must be an integer 1..{MAX_STEPS}")
-        # The capture's own bound (CaptureOptions): past it, every automatic capture would be refused.
-        if self.capture_max_seconds > MAX_SECONDS:
-            raise bad("capture_max_seconds", f"must be at most {MAX_SECONDS:g} seconds (a capture's bound)")
-        if not self.quantiles or any(q not in QUANTILE_LEVELS for q in self.quantiles):
-            raise bad("quantiles", f"must be a non-empty subset of {sorted(QUANTILE_LEVELS)}")
-        object.__setattr__(self, "quantiles", tuple(self.quantiles))
-        for name in ("capture_record_shapes", "capture_with_stack", "capture_profile_memory", "baseline_capture"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be true or false")
-        if self.capture_with_stack or self.capture_profile_memory:
-            warnings.warn("RegressionPolicy enables with_stack/profile_memory for automatic captures: they make "
-                          "each capture several times heavier on the serving thread", stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -207,6 +145,7 @@ class _Track:
     streak: list[WindowStats] = field(default_factory=list)
     active: bool = False
     active_classes: tuple[str, ...] = ()
+    idle: int = 0  # windows closed in a row without a single call (IDLE_WINDOWS_TO_END)
     regressions: int = 0
     last: WindowStats | None = None
     #: The last window's mix: judged samples per size class (what its baseline is computed for).
@@ -284,6 +223,9 @@ class Detector:
         values, sizes, seen = track.values, track.sizes, track.seen
         track.values, track.sizes, track.seen = [], [], 0
         p = self.policy
+        track.idle = track.idle + 1 if seen == 0 else 0
+        if track.idle >= IDLE_WINDOWS_TO_END:
+            track.active, track.active_classes = False, ()
         if seen < p.min_samples:
             track.streak.clear()
             return None
