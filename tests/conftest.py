@@ -105,6 +105,39 @@ def assert_answered_in_time(took: Sequence[float], *, typical: float, worst: flo
         assert ordered[-1] < worst, ordered
 
 
+def in_forked_child(body: Callable[[], dict[str, Any]], *, timeout: float = 60.0) -> dict[str, Any]:
+    """Run ``body`` in an ``os.fork()`` child and return the dict it returned (sent back as JSON through a pipe).
+
+    The child never returns into pytest (``os._exit``); the parent waits for it with ``timeout`` (SIGKILL past
+    it) and asserts that it exited 0, with the child's report in the message.
+    """
+    import json
+    import os
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, json.dumps(body()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    timer = threading.Timer(timeout, lambda: os.kill(pid, signal.SIGKILL))  # a hung child ends the read below
+    timer.start()
+    try:
+        with os.fdopen(r) as f:
+            child = json.loads(f.read() or "{}")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        timer.cancel()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, child)
+    return child
+
+
 def wait_until(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition",
                between: Callable[[], Any] | None = None) -> Any:
     """Poll ``predicate`` until it returns something truthy (returned), failing after ``timeout`` seconds.

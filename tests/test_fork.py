@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -10,12 +9,15 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 import perfmon
+
+from .conftest import in_forked_child
 
 CALLS = {0: 11, 1: 17, 2: 23}
 
@@ -72,28 +74,18 @@ def test_raw_fork_child_gets_fresh_counts_its_own_port_and_threads(tmp_path) -> 
     for _ in range(5):
         model(torch.ones(1, 4))
     assert mon.url.endswith(f":{base}")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report through the pipe, never return into pytest
-        code = 1
-        try:
-            for _ in range(7):
-                model(torch.ones(2, 4))
-            ok = mon.flush(timeout=5)
-            port = int(mon.url.rsplit(":", 1)[1])
-            result = {"flushed": ok, "port": port, "calls": _scrape_calls(port, "m"),
-                      "info_port": _info_port(port), "items": mon.stats()["models"]["m"]["items"],
-                      "threads": sorted(t.name for t in __import__("threading").enumerate())}
-            os.write(w, json.dumps(result).encode())
-            mon.stop()
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        child = json.loads(f.read() or "{}")
-    _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 0, child
+    def child_body() -> dict[str, Any]:
+        for _ in range(7):
+            model(torch.ones(2, 4))
+        ok = mon.flush(timeout=5)
+        port = int(mon.url.rsplit(":", 1)[1])
+        result = {"flushed": ok, "port": port, "calls": _scrape_calls(port, "m"),
+                  "info_port": _info_port(port), "items": mon.stats()["models"]["m"]["items"],
+                  "threads": sorted(t.name for t in __import__("threading").enumerate())}
+        mon.stop()
+        return result
+
+    child = in_forked_child(child_body)
     assert child["port"] == base + 1 and child["info_port"] == str(base + 1)
     assert child["calls"] == 7 and child["items"] == 14 and child["flushed"]
     assert "perfmon-resolver" in child["threads"] and "perfmon-http" in child["threads"]

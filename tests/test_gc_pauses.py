@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import collections
 import gc
-import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from time import perf_counter_ns
 from typing import Any
@@ -24,7 +22,7 @@ from perfmon.stats.windows import Windows
 from perfmon.telemetry import gcpauses
 from perfmon.telemetry.gcpauses import GcPauses
 
-from .conftest import value
+from .conftest import in_forked_child, value
 
 MS = 1_000_000
 
@@ -378,26 +376,14 @@ def test_a_forked_child_starts_from_no_pause_and_times_its_own(make_monitor) -> 
     gc.collect(2)
     assert mon.flush()
     assert (value(mon, "perfmon_gc_pause_seconds_count", generation="2") or 0) >= 1
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report through the pipe, never return into pytest
-        code = 1
-        try:
-            fresh = value(mon, "perfmon_gc_pause_seconds_count", generation="2")
-            gc.collect(2)
-            mon.flush(timeout=5)
-            result = {"fresh": fresh, "after": value(mon, "perfmon_gc_pause_seconds_count", generation="2"),
-                      "hooks": _hooks(), "installed": mon.gc_pauses.installed}
-            os.write(w, json.dumps(result).encode())
-            mon.stop()
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        child = json.loads(f.read() or "{}")
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling the child's exit, bounded by the deadline
-    assert done[0] == pid and os.WEXITSTATUS(done[1]) == 0, child
+    def child_body() -> dict[str, Any]:
+        fresh = value(mon, "perfmon_gc_pause_seconds_count", generation="2")
+        gc.collect(2)
+        mon.flush(timeout=5)
+        result = {"fresh": fresh, "after": value(mon, "perfmon_gc_pause_seconds_count", generation="2"),
+                  "hooks": _hooks(), "installed": mon.gc_pauses.installed}
+        mon.stop()
+        return result
+
+    child = in_forked_child(child_body)
     assert child == {"fresh": 0.0, "after": 1.0, "hooks": 1, "installed": True}
