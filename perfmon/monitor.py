@@ -399,7 +399,7 @@ def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
 
     counter = FlopCounter(per_minute=cfg.flop_counts_per_minute, timeout_seconds=cfg.flop_count_timeout_seconds,
                           share=cfg.flop_count_share, cpu=monitor.cpu)
-    eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples,
+    eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds,
                      peaks=functools.partial(_peaks, cfg), state_of=state_of)
     monitor.resolver.sinks.append(eff.observe)
     monitor.resolver.on_stop.append(eff.stop)  # once the resolver, which feeds the counter, has stopped

@@ -1,7 +1,9 @@
 """Live efficiency per model and stage: achieved FLOP/s and bytes/s of the sampled calls, MFU and MBU.
 
-A resolver sink (``observe``) keeps each steady sample's measured duration (device time from CUDA events on
-GPU, wall time on CPU) with its input signature. The first steady sample of a signature not counted yet hands
+A resolver sink (``observe``) adds each steady sample's measured duration (device time from CUDA events on
+GPU, wall time on CPU) to its input signature's total in the current second: reads sum a window's seconds and
+signatures (at most ``window`` seconds x the signatures seen in each), not its samples, which at 100% sampling
+were 10,000 a series to walk on every scrape and /stats. The first steady sample of a signature not counted yet hands
 it to the counter (agent/flopcount.py: its own short-lived thread, within a budget); the figures read each
 signature's count when they are read, so the samples taken before it landed count too. Read over the ``/stats`` window
 (``stats_window_seconds``):
@@ -37,14 +39,18 @@ _NO_SIGNATURE = "no input signature (signature tracking is off, or the model's s
 _NOT_YET = "not counted yet"
 
 
-class Efficiency:
-    """Per (model, stage): a ring of (end_ns, duration seconds, signature) of steady samples, and their figures."""
+#: One second of a series: (second, {signature (or None): [samples, seconds]}).
+_Second = tuple[int, dict[Any, list[float]]]
 
-    def __init__(self, counter: FlopCounter, *, window_seconds: float, max_samples: int,
+
+class Efficiency:
+    """Per (model, stage): per second, the steady samples and their seconds by signature, and their figures."""
+
+    def __init__(self, counter: FlopCounter, *, window_seconds: float,
                  peaks: Callable[[str], Peaks | None], state_of: Callable[[str, str], ModelState | None]) -> None:
         self.counter = counter
         self.window_ns = int(window_seconds * 1e9)
-        self.max_samples = max_samples
+        self._seconds_kept = int(window_seconds) + 2  # the window's seconds, the partial ones at both ends
         self._peaks_of = peaks
         self._state_of = state_of
         self._peaks: dict[str, Peaks | None] = {}
@@ -52,7 +58,7 @@ class Efficiency:
 
     def reset_after_fork(self) -> None:
         """Empty (also the initial state): the parent's samples are the parent's."""
-        self._rings: dict[tuple[str, str], collections.deque[tuple[int, float, Any]]] = {}
+        self._rings: dict[tuple[str, str], collections.deque[_Second]] = {}
         self._devices: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self.counter.reset_after_fork()
@@ -74,11 +80,19 @@ class Efficiency:
             st = self._state_of(sample.model, sample.stage)
             self.counter.submit(None if st is None else st.target, sig)  # counted on the counter's own thread
         key = (sample.model, sample.stage)
+        second = sample.end_ns // 1_000_000_000
         with self._lock:
             ring = self._rings.get(key)
             if ring is None:
-                ring = self._rings[key] = collections.deque(maxlen=self.max_samples)
-            ring.append((sample.end_ns, sample.duration_seconds, sig))
+                ring = self._rings[key] = collections.deque(maxlen=self._seconds_kept)
+            if not ring or ring[-1][0] != second:
+                ring.append((second, {}))
+            total = ring[-1][1].get(sig)
+            if total is None:
+                ring[-1][1][sig] = [1, sample.duration_seconds]
+            else:
+                total[0] += 1
+                total[1] += sample.duration_seconds
             self._devices[key] = sample.device
 
     def series(self) -> list[tuple[str, str]]:
@@ -94,36 +108,43 @@ class Efficiency:
 
     def figures(self, model: str, stage: str = "", now_ns: int | None = None) -> dict[str, Any] | None:
         """The window's figures for one series, or None when it has no steady sample kept (units in the keys)."""
-        cutoff = (perf_counter_ns() if now_ns is None else now_ns) - self.window_ns
+        cutoff = ((perf_counter_ns() if now_ns is None else now_ns) - self.window_ns) // 1_000_000_000
+        totals: dict[Any, list[float]] = {}
         with self._lock:
-            ring = self._rings.get((model, stage))
-            items = [(d, sig) for end, d, sig in ring if end >= cutoff] if ring is not None else []
+            for second, by_sig in self._rings.get((model, stage), ()):
+                if second >= cutoff:  # whole seconds: the window's oldest second counts in full
+                    for sig, (n, spent) in by_sig.items():
+                        total = totals.setdefault(sig, [0, 0.0])
+                        total[0] += n
+                        total[1] += spent
             device = self._devices.get((model, stage), "cpu")
-        if not items:
+        samples = int(sum(n for n, _ in totals.values()))
+        if not samples:
             return None
         peaks = self.peaks(device)
         seconds = utilization = 0.0
         flops = moved = counted = 0
         half = False
         unknown: dict[str, int] = {}
-        for duration, sig in items:
+        for sig, (n, spent) in totals.items():
+            n = int(n)
             count = None if sig is None else sig.count
             if type(count) is Count:
-                counted += 1
-                seconds += duration
-                flops += count.flops
-                moved += count.bytes
+                counted += n
+                seconds += spent
+                flops += n * count.flops
+                moved += n * count.bytes
                 half = half or count.half
                 if peaks is not None:
-                    utilization += count.flops / (peaks.flops_16bit if count.half else peaks.flops_32bit)
+                    utilization += n * count.flops / (peaks.flops_16bit if count.half else peaks.flops_32bit)
                 continue
             why = _NO_SIGNATURE if sig is None else _NOT_YET if count is None else \
                 count.reason if isinstance(count, Unknown) else str(count)
-            unknown[why] = unknown.get(why, 0) + 1
+            unknown[why] = unknown.get(why, 0) + n
         rate = seconds > 0
         out: dict[str, Any] = {
-            "device": device, "samples": len(items), "counted_samples": counted,
-            "unknown_ratio": (len(items) - counted) / len(items), "unknown": unknown,
+            "device": device, "samples": samples, "counted_samples": counted,
+            "unknown_ratio": (samples - counted) / samples, "unknown": unknown,
             "flops_per_call": flops / counted if counted else None,
             "bytes_per_call": moved / counted if counted else None,
             "flops_per_second": flops / seconds if rate else None,
