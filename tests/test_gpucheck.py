@@ -165,11 +165,12 @@ def test_timing_check_fails_when_perfmon_time_disagrees_with_the_reference() -> 
 
 
 def test_checks_that_need_torch_cuda_skip_on_a_fake_rig() -> None:
-    """The checks that need torch.cuda itself (overhead, allocator, NVML, capture, roofline, occupancy, compile,
-    generation) say skip rather than fail off a real GPU."""
+    """The checks that need torch.cuda itself (overhead, agent cost, allocator, NVML, capture, roofline, occupancy,
+    compile, generation) say skip rather than fail off a real GPU."""
     rig = FakeRig()
-    for fn in (gpucheck.check_overhead, gpucheck.check_allocator, gpucheck.check_nvml, gpucheck.check_capture,
-               gpucheck.check_roofline, gpucheck.check_occupancy, gpucheck.check_compile, gpucheck.check_generation):
+    for fn in (gpucheck.check_overhead, gpucheck.check_agent_cost, gpucheck.check_allocator, gpucheck.check_nvml,
+               gpucheck.check_capture, gpucheck.check_roofline, gpucheck.check_occupancy, gpucheck.check_compile,
+               gpucheck.check_generation):
         assert fn(rig).verdict == "skip"
 
 

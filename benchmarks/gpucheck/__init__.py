@@ -24,6 +24,7 @@ perfmon's logs.
     rig.py        the device: ``Rig`` (what the checks need of it) and ``TorchRig`` (torch.cuda, device 0)
     common.py     ``Check``, a quiet monitor on the rig, figures read back from its registry
     timing.py     timing truth, host vs device, no sync, overhead
+    agent_cost.py the serving thread's cost with the monitor running (stopped / unwrapped / wrapped), generate()
     pools.py      the event pool (small and default) under threads and streams, CUDA graph capture
     telemetry.py  allocator gauges and NVML against torch and nvidia-smi
     captures.py   a capture's trace holds kernels; roofline verdict and MFU
@@ -35,6 +36,7 @@ perfmon's logs.
 
 from __future__ import annotations
 
+from .agent_cost import check_agent_cost
 from .captures import check_capture, check_roofline
 from .common import Check
 from .models import check_compile, check_generation
@@ -48,7 +50,8 @@ from .timing import check_host_vs_device, check_no_sync, check_overhead, check_t
 
 __all__ = [
     "CHECKS", "EXIT_FAILED", "EXIT_NO_GPU", "EXIT_OK", "Check", "Rig", "TorchRig", "build_report",
-    "check_allocator", "check_capture", "check_compile", "check_event_pool", "check_event_pool_default",
+    "check_agent_cost", "check_allocator", "check_capture", "check_compile", "check_event_pool",
+    "check_event_pool_default",
     "check_generation", "check_graph_capture", "check_host_vs_device", "check_no_sync", "check_nvml",
     "check_occupancy", "check_overhead", "check_roofline", "check_timing_truth", "environment", "main", "run_checks",
 ]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .agent_cost import check_agent_cost
 from .captures import check_capture, check_roofline
 from .common import Check, CheckFn
 from .models import check_compile, check_generation
@@ -35,6 +36,7 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
     ("host_vs_device", check_host_vs_device),
     ("no_sync", check_no_sync),
     ("overhead", check_overhead),
+    ("agent_cost", check_agent_cost),
     ("event_pool", check_event_pool),
     ("event_pool_default", check_event_pool_default),
     ("graph_capture", check_graph_capture),
