@@ -33,7 +33,7 @@ def check_timing_truth(rig: Rig, *, quick: bool = False) -> Check:
         try:
             name = f"sleep_{ms:g}ms"
             model = mon.wrap(rig.work(ms), name=name, device=rig.device)
-            filler = rig.work(5.0)
+            filler = rig.work(50.0)
             x = rig.input()
             model(x)  # the first call of a signature is cold: keep it out of the comparison
             rig.synchronize()
@@ -42,9 +42,11 @@ def check_timing_truth(rig: Rig, *, quick: bool = False) -> Check:
             call = functools.partial(model, x)
             truth_ms = 0.0
             for _ in range(reps):
-                # A 5 ms kernel queued first keeps the device busy while the host enqueues the reference
+                # A 50 ms kernel queued first keeps the device busy while the host enqueues the reference
                 # and perfmon's events: they then run back to back, so host launch gaps (µs, which would
-                # swamp a 50 µs kernel) fall outside both pairs.
+                # swamp a 50 µs kernel) fall outside both pairs. 5 ms was not enough on a lent H100 whose
+                # every launch took 0.5-1 ms (200 tiny kernels: 110-196 ms of host time, 3 ms elsewhere):
+                # the reference then held ms of idle device, and the 1 ms size read 62% off.
                 filler(x)
                 truth_ms += ref_ms(rig, call)
             if not mon.flush(timeout=10):
