@@ -138,3 +138,38 @@ def test_the_interpreter_exits_cleanly_during_a_count(tmp_path) -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+_EXIT_WHILE_THE_COUNTER_WAITS = """
+import sys, tempfile, threading
+import torch, transformers
+from prometheus_client import CollectorRegistry
+import perfmon
+
+transformers.logging.set_verbosity_error()
+mon = perfmon.Monitor(port=None, log_level="error", registry=CollectorRegistry(), trace_dir=tempfile.mkdtemp(),
+                      sample_rate=1.0, warmup_calls=0)  # never started: no stop() at exit
+cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+model = mon.wrap(transformers.GPT2LMHeadModel(cfg).eval(), name="gpt2")
+with torch.inference_mode():
+    for n in (4, 5, 6):  # three prompt lengths: the first count spends the time budget, the others wait for it
+        for _ in range(2):
+            model.generate(torch.randint(2, 100, (1, n)), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                           pad_token_id=0)
+        mon.flush()
+print("alive" if any(t.name == "perfmon-flops" for t in threading.enumerate()) else "ended")
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_the_counter_waits_on_a_monitor_never_started() -> None:
+    """A monitor that was never started (so nothing stops it at exit) whose flush() had signatures counted: the
+    counting thread, waiting out its time budget when the script ends, is stopped at exit. It used to be left
+    alive into the interpreter's finalization, and the process died with SIGABRT after a clean run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _EXIT_WHILE_THE_COUNTER_WAITS],
+                          capture_output=True, text=True, timeout=180)
+    assert done.stdout.strip() == "alive", (done.stdout, done.stderr[-2000:])  # the case under test happened
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -32,6 +32,7 @@ data-dependent shapes), that fail, or that take longer than the timeout.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import copy
 import itertools
@@ -193,6 +194,19 @@ MAX_QUEUED = 1024
 FLOP_COUNT_BURST_SECONDS = 0.5
 
 
+#: Counters whose thread may be running: stopped at interpreter exit. A counting thread still alive when the
+#: interpreter finalizes (one waiting out its time budget, or mid-count) aborts the process (SIGABRT, "terminate
+#: called without an active exception") once torch's fake-tensor machinery has run on it; a monitor that was never
+#: started (no stop() at exit) but had samples resolved by flush() left one behind.
+_RUNNING: weakref.WeakSet[FlopCounter] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for counter in list(_RUNNING):
+        counter.stop(2.0)
+
+
 class FlopCounter:
     """Counts signatures on a thread of its own (``submit``), within two budgets: ``per_minute`` counts (a token
     bucket) and ``share`` of wall time spent counting (a bucket of seconds, ``FLOP_COUNT_BURST_SECONDS`` deep, that
@@ -260,6 +274,7 @@ class FlopCounter:
                 self._stop = threading.Event()
                 self._thread = threading.Thread(target=self._work, args=(self._stop,), name="perfmon-flops",
                                                 daemon=True)
+                _RUNNING.add(self)
                 self._thread.start()
 
     def stop(self, timeout_seconds: float) -> None:
