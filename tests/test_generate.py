@@ -294,3 +294,51 @@ def test_a_pipeline_counts_each_internal_batch_and_the_caller_side_block_times_t
     caller = stats["pipe"]
     assert caller["requests"]["ok"] == 1 and caller["generated_tokens"] == 4 * NEW
     assert caller["time_to_first_token"]["max_seconds"] == pytest.approx(took, rel=0.05, abs=0.005)
+
+
+class _Cache:
+    """A KV cache's stand-in: the widths it was fed (its length says whether a step is prefill or decode)."""
+
+    def __init__(self) -> None:
+        self.widths: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.widths)
+
+
+class _ShiftingSteps(torch.nn.Module):
+    """A generative module with a generate() of its own whose decode steps change their input's width mid-call
+    (as a loop that feeds several tokens a step at times would), against a cache that holds what it was fed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: Any = None, use_cache: bool = True) -> Any:
+        if past_key_values is not None:
+            past_key_values.widths.append(input_ids.shape[-1])
+        return self.lin(torch.ones(input_ids.shape[0], 4))
+
+    def generate(self, input_ids: torch.Tensor, widths: tuple[int, ...] = (1, 1, 2, 2, 1)) -> torch.Tensor:
+        cache = _Cache()
+        self(input_ids=input_ids, past_key_values=cache, use_cache=True)  # prefill: the cache is empty
+        for width in widths:
+            self(input_ids=torch.ones(input_ids.shape[0], width, dtype=torch.long), past_key_values=cache,
+                 use_cache=True)
+        return input_ids
+
+
+def test_decode_steps_keep_their_signatures_when_a_step_changes_shape(make_monitor) -> None:
+    """Inside a model's own generate(), a decode step takes the step before's signature only while its input
+    and keywords match: a step of another width is a signature of its own, every call is counted."""
+    mon = make_monitor(sample_rate=1.0)
+    model = mon.wrap(_ShiftingSteps(), name="steps")
+    with torch.inference_mode():
+        for _ in range(2):
+            model.generate(torch.ones(2, 3, dtype=torch.long))
+        model.generate(torch.ones(3, 3, dtype=torch.long), widths=(1, 1))  # another batch size: another one
+    assert value(mon, "perfmon_forward_calls_total", model="steps", stage="prefill") == 3
+    assert value(mon, "perfmon_forward_calls_total", model="steps", stage="decode") == 12
+    assert mon.flush()
+    decode = mon.stats()["models"]["steps"]["stages"]["decode"]
+    assert decode["input_signatures"] == 3  # 2 x 1, 2 x 2, 3 x 1

@@ -49,7 +49,7 @@ __all__ = ["Active", "GenerateCall", "generating", "tracked_generate"]
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs on this thread."""
 
-    __slots__ = ("model", "prefilled", "stamps", "timed", "verify")
+    __slots__ = ("model", "prefilled", "stamps", "step_key", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool) -> None:
         self.model = model
@@ -60,6 +60,8 @@ class Active:
         #: A generate() that takes no streamer (a custom loop): host time as each forward returns, one token
         #: per row each (what such a loop is assumed to do). None when a tap stamps the tokens.
         self.stamps: list[int] | None = None
+        #: The decode steps' signature in this call, with what it was taken from (stages.step_signature).
+        self.step_key: tuple[Any, int, Any] | None = None
 
 
 #: Per thread: the ``Active`` of the generate() call running on it (``None`` outside one).

@@ -27,7 +27,8 @@ __all__ = ["hot_path"]
 _Tensor = torch.Tensor
 
 
-def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
+def hot_path(st: ModelState, fn: Callable[..., Any], *,
+             signature_of: Callable[[tuple[Any, ...], dict[str, Any]], Hashable] = signature) -> Callable[..., Any]:
     """Build the ``__call__`` of one monitored object: the per-call hot path.
 
     ``fn(self, *args, **kwargs)`` runs the call itself: for a module, its class's own ``__call__``
@@ -37,12 +38,15 @@ def hot_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
     tracking, the signature's dict lookup and one ``next()`` on its counter (which is also how items
     are counted). Everything else is on the rare paths.
 
+    ``signature_of`` computes a call's signature when it is not the one-tensor case (``phases.signature``; the
+    decode steps of a model's own ``generate()`` take it from the step before: ``stages.step_signature``).
+
     Request spans (requests.py): while none is open in the process the call pays one attribute read
     (``hub.requests``); with one open, the context variable's read and, inside a span, ``in_request``'s
     two clock reads and compares (timed and captured calls stamp from their own clock reads).
     """
     tensor = _Tensor
-    general_signature = signature
+    general_signature = signature_of
     clock = perf_counter_ns
     items_fn = st.items_fn
     hub = st.hub

@@ -22,17 +22,22 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from time import perf_counter_ns
 from typing import Any
+
+import torch
 
 from ..faults import InternalErrors
 from .decoding import generating
 from .hotpath import hot_path
+from .phases import signature
 from .state import ModelState
 
+_Tensor = torch.Tensor
+
 __all__ = ["DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "generative_stage",
-           "is_generative", "stage_label", "staged_path"]
+           "is_generative", "stage_label", "staged_path", "step_signature"]
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -104,6 +109,8 @@ class Stages:
         self.states: dict[str, ModelState] = {}
         #: label -> that stage's hot path (read without a lock by staged_path).
         self.calls: dict[str, Callable[..., Any]] = {}
+        #: label -> the same, for the decode steps of the model's own generate() (``step_signature``).
+        self.steps: dict[str, Callable[..., Any]] = {}
         self._lock = threading.Lock()
         for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
             if st is not first:
@@ -117,6 +124,7 @@ class Stages:
             st.next_index = 0
         st.stages = self.states
         self.states[st.stage] = st
+        self.steps[st.stage] = hot_path(st, self._fn, signature_of=step_signature)
         call = self.calls[st.stage] = hot_path(st, self._fn)
         return call
 
@@ -147,6 +155,28 @@ class Stages:
             return self._register(self._make(label))
 
 
+def step_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """The signature of a decode step inside a model's own ``generate()``: the step before's, when this step has
+    its input shape and as many keywords, else computed (``phases.signature``) and kept for the next.
+
+    Each step of one ``generate()`` passes the same keywords (the cache object, flags, bookkeeping that the
+    signature leaves out) with an input of B x 1: the signature is the same every step. Computed every step it
+    cost ~1 µs in a tight loop and several µs a token inside ``generate()`` (BENCHMARKS §3b). A step whose
+    input or keywords differ (another width, a keyword added) is computed again.
+    """
+    active = generating.__dict__.get("active")
+    if active is None:
+        return signature(args, kwargs)
+    ids = kwargs.get("input_ids")
+    shape = ids.shape if ids is not None and type(ids) is _Tensor else None
+    memo: tuple[Any, int, Hashable] | None = active.step_key
+    if memo is not None and shape is not None and memo[0] == shape and memo[1] == len(kwargs):
+        return memo[2]
+    key = signature(args, kwargs)
+    active.step_key = (shape, len(kwargs), key)
+    return key
+
+
 def staged_path(stages: Stages) -> Callable[..., Any]:
     """``__call__`` of a model with stages: find the call's stage, then run that stage's hot path.
 
@@ -157,6 +187,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     pick = stages.stage_fn
     generative = pick is generative_stage  # a stage= callable of the user's is always asked
     calls = stages.calls
+    steps = stages.steps
     add = stages.add
     internal = stages.internal
     local = generating
@@ -170,11 +201,12 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 # A step after the first of this model's own generate(), against the cache it made: that cache
                 # holds the prompt, so pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
                 label = DECODE
+                call = steps.get(DECODE) or add(DECODE)  # its signature: the step before's (step_signature)
             else:
                 label = pick(args, kwargs)
                 if mine:
                     active.prefilled = True
-            call = calls.get(label) or add(label)
+                call = calls.get(label) or add(label)
         except Exception as exc:  # the stage function failed: count it, time the call under the fallback
             internal.report("stage", exc)
             call = stages.fallback
