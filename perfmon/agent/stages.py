@@ -168,6 +168,8 @@ def step_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     if active is None:
         return signature(args, kwargs)
     ids = kwargs.get("input_ids")
+    if ids is None:  # an encoder-decoder's decoder step (T5, BART): the encoder's output rides along
+        ids = kwargs.get("decoder_input_ids")
     shape = ids.shape if ids is not None and type(ids) is _Tensor else None
     memo: tuple[Any, int, Hashable] | None = active.step_key
     if memo is not None and shape is not None and memo[0] == shape and memo[1] == len(kwargs):
