@@ -8,6 +8,7 @@ import io
 import pickle
 import traceback
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -197,17 +198,37 @@ def test_torch_compile_in_both_orders_counts_every_call_with_no_graph_break(make
     assert stats["calls"] == 8 and stats["sampled"] == 8
 
 
-def test_module_compile_of_a_wrapped_model_runs_the_compiled_call_and_counts(make_monitor) -> None:
-    """module.compile() on a wrapped model: calls go through the compiled call (one graph) and still count."""
+class _Staged(torch.nn.Module):
+    """A generative-looking model (its forward takes ``past_key_values``): its calls go through stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+        return torch.relu(self.a(x))
+
+
+@pytest.mark.parametrize("make", [_Small, _Staged], ids=["plain", "staged"])
+@pytest.mark.parametrize("when", ["compile after wrap", "compile before wrap"])
+def test_module_compile_of_a_wrapped_model_runs_the_compiled_call_and_counts(make_monitor, make, when) -> None:
+    """module.compile() on a wrapped model, or wrapping a module.compile()d one: calls go through the compiled call
+    (one graph) and still count. perfmon calls ``_call_impl`` directly when it can (a frame less); a compiled call
+    needs the full ``nn.Module.__call__``, and wrapping a compiled module used to skip it (no graph at all)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     mon = make_monitor(sample_rate=1.0)
-    model = mon.wrap(_Small(), name="m")
-    reference = copy.deepcopy(model)
-    model.compile(backend="eager")
+    bare = make()
+    reference = copy.deepcopy(bare)
+    if when == "compile before wrap":
+        bare.compile(backend="eager")
+        model = mon.wrap(bare, name="m")
+    else:
+        model = mon.wrap(bare, name="m")
+        model.compile(backend="eager")
     x = torch.randn(2, 8)
     with torch.inference_mode():
         for _ in range(3):

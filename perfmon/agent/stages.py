@@ -115,7 +115,17 @@ class Stages:
         for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
             if st is not first:
                 self._register(st)
+        self._first = first.stage
         self.fallback = self._register(first)
+
+    def call_with(self, fn: Callable[..., Any]) -> None:
+        """Run every stage's calls through ``fn`` from now on (``module.compile()``: the full ``nn.Module.__call__``,
+        which runs the compiled call, instead of ``_call_impl``)."""
+        with self._lock:
+            self._fn = fn
+            for st in list(self.states.values()):
+                self._register(st)
+            self.fallback = self.calls[self._first]
 
     def _register(self, st: ModelState) -> Callable[..., Any]:
         pending = next((s.capture for s in self.states.values() if s.capture is not None), None)
