@@ -99,15 +99,28 @@ def _t5() -> Any:
 
 
 class Steps(StoppingCriteria):  # type: ignore[misc]
-    """perf_counter_ns() and input_ids' shape at every decoding step (never stops anything)."""
+    """perf_counter_ns() and input_ids' shape at every decoding step (never stops anything).
 
-    def __init__(self) -> None:
+    With ``forwards`` (the main model's ``Forwards``), only calls after a forward of it since the last one
+    recorded: assisted decoding in some transformers versions (5.17) also checks the drafts against the criteria
+    before the main model verifies them, a call that is not a step.
+    """
+
+    def __init__(self, forwards: Forwards | None = None) -> None:
         self.ns: list[int] = []
         self.shapes: list[tuple[int, ...]] = []
         self.second = threading.Event()  # set at the second step: the first step's tokens went out
+        self.forwards = forwards
+        self.seen = len(forwards.calls) if forwards is not None else 0
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        self.ns.append(perf_counter_ns())
+        now = perf_counter_ns()
+        if self.forwards is not None:
+            ran = len(self.forwards.calls)
+            if ran == self.seen:  # no forward of the main model since the last step: the drafts' check
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            self.seen = ran
+        self.ns.append(now)
         self.shapes.append(tuple(input_ids.shape))
         if len(self.ns) == 2:
             self.second.set()
@@ -386,7 +399,7 @@ def make_assistant(bare: Any) -> Any:
 def assisted(model: Any, fw: Forwards, assistant: Any, ids: torch.Tensor, new: int,
              streamer: Puts | None = None) -> tuple[Truth, list[int], Steps]:
     """Assisted generation (batch 1): each main forward yields a chunk (accepted drafts + the bonus token)."""
-    steps = Steps()
+    steps = Steps(fw)
     t0 = perf_counter_ns()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
