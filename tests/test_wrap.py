@@ -168,8 +168,19 @@ class _Small(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-@pytest.mark.parametrize("make", [_Small, lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())],
-                         ids=["user-module", "nn.Sequential"])
+class _Staged(torch.nn.Module):
+    """A generative-looking model (its forward takes ``past_key_values``): its calls go through stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+        return torch.relu(self.a(x))
+
+
+@pytest.mark.parametrize("make", [_Small, lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
+                                  _Staged], ids=["user-module", "nn.Sequential", "staged"])
 @pytest.mark.parametrize("order", ["compile(wrap(m))", "wrap(compile(m))"])
 def test_torch_compile_in_both_orders_counts_every_call_with_no_graph_break(make_monitor, make, order) -> None:
     """torch.compile around a wrapped model, or a wrapped compiled model: every call counted and timed, outputs
@@ -196,17 +207,6 @@ def test_torch_compile_in_both_orders_counts_every_call_with_no_graph_break(make
     mon.flush()
     stats = mon.stats()["models"]["m"]
     assert stats["calls"] == 8 and stats["sampled"] == 8
-
-
-class _Staged(torch.nn.Module):
-    """A generative-looking model (its forward takes ``past_key_values``): its calls go through stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
-        return torch.relu(self.a(x))
 
 
 @pytest.mark.parametrize("make", [_Small, _Staged], ids=["plain", "staged"])
