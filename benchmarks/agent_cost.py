@@ -32,12 +32,11 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import dump, machine, table
+from common import Scraper, dump, machine, table
 from prometheus_client import CollectorRegistry
 
 import perfmon
@@ -59,32 +58,6 @@ def time_calls(fn: Callable[[], Any], calls: int) -> float:
         return (time.perf_counter() - t0) / calls
     finally:
         gc.enable()
-
-
-class Scraper:
-    """GET /metrics every ``period`` seconds while the monitor serves (a Prometheus at its default cadence)."""
-
-    def __init__(self, url: Callable[[], str | None], period: float = 15.0) -> None:
-        self._url, self._period = url, period
-        self._stop = threading.Event()
-        self.scrapes = 0
-        self._thread = threading.Thread(target=self._run, name="bench-scraper", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            url = self._url()
-            if url is None:
-                continue
-            try:
-                urllib.request.urlopen(f"{url}/metrics", timeout=10).read()
-                self.scrapes += 1
-            except OSError:
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
 
 
 def agent_threads_wakes() -> dict[str, int]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import platform
+import threading
+import urllib.request
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,3 +56,30 @@ def dump(path: str | None, data: Any) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
+
+
+class Scraper:
+    """GET ``url()/metrics`` every ``period`` seconds while the monitor serves (a Prometheus at its default
+    cadence; ``url()`` None: not serving now, skipped). Stopped by ``stop()``."""
+
+    def __init__(self, url: Callable[[], str | None], period: float = 15.0) -> None:
+        self._url, self._period = url, period
+        self._stop = threading.Event()
+        self.scrapes = 0
+        self._thread = threading.Thread(target=self._run, name="bench-scraper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            url = self._url()
+            if url is None:
+                continue
+            try:
+                urllib.request.urlopen(f"{url}/metrics", timeout=10).read()
+                self.scrapes += 1
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)

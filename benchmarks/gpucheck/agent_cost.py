@@ -16,9 +16,7 @@ import copy
 import random
 import statistics
 import tempfile
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -27,35 +25,11 @@ from prometheus_client import CollectorRegistry
 
 from perfmon import Monitor
 
+from ..common import Scraper
 from .common import Check, Figure, encoder
 from .rig import Rig
 
 __all__ = ["check_agent_cost"]
-
-
-class _Scraper:
-    """GET /metrics every ``period`` seconds (Prometheus's default cadence), whatever the monitor's port."""
-
-    def __init__(self, mon: Monitor, period: float = 15.0) -> None:
-        self._mon, self._period, self._stop = mon, period, threading.Event()
-        self.scrapes = 0
-        self._thread = threading.Thread(target=self._run, name="gpucheck-scraper", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            url = self._mon.url
-            if url is None:
-                continue
-            try:
-                urllib.request.urlopen(f"{url}/metrics", timeout=10).read()
-                self.scrapes += 1
-            except OSError:
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
 
 
 class _NullStreamer:
@@ -202,7 +176,7 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
             return (time.perf_counter() - t0) / n
 
         mon.start()
-        scraper = _Scraper(mon)
+        scraper = Scraper(lambda: mon.url)
         running = True
         per_w: dict[str, list[float]] = {"unwrapped": [], "unwrapped again": [], "wrapped": []}
         per_b: dict[str, list[float]] = {"stopped": [], "stopped again": [], "running": []}
