@@ -45,7 +45,7 @@ def check_timing_truth(rig: Rig, *, quick: bool = False) -> Check:
                 # A 50 ms kernel queued first keeps the device busy while the host enqueues the reference
                 # and perfmon's events: they then run back to back, so host launch gaps (µs, which would
                 # swamp a 50 µs kernel) fall outside both pairs. 5 ms was not enough on a lent H100 whose
-                # every launch took 0.5-1 ms (200 tiny kernels: 110-196 ms of host time, 3 ms elsewhere):
+                # every launch took 0.3-1 ms (200 tiny kernels: 70-196 ms of host time, 3 ms elsewhere):
                 # the reference then held ms of idle device, and the 1 ms size read 62% off.
                 filler(x)
                 truth_ms += ref_ms(rig, call)
