@@ -403,7 +403,7 @@ def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
                      peaks=functools.partial(_peaks, cfg), state_of=state_of)
     monitor.resolver.sinks.append(eff.observe)
     monitor.resolver.on_stop.append(eff.stop)  # once the resolver, which feeds the counter, has stopped
-    monitor.registry.register(EfficiencyCollector(eff))
+    monitor.registry.register(EfficiencyCollector(eff, monitor.internal))
     return eff
 
 

@@ -173,3 +173,31 @@ def test_the_interpreter_exits_cleanly_while_the_counter_waits_on_a_monitor_neve
     assert done.stdout.strip() == "alive", (done.stdout, done.stderr[-2000:])  # the case under test happened
     assert done.returncode == 0, done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+def test_a_series_whose_figures_fail_is_left_out_of_the_scrape_and_counted() -> None:
+    """The efficiency collector fails soft: a series whose figures raise (here its device's peak lookup) is left out,
+    the fault is counted under stage "efficiency", and the scrape still carries the counting families."""
+    from time import perf_counter_ns
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from perfmon.agent.flopcount import FlopCounter
+    from perfmon.agent.records import Sample
+    from perfmon.faults import InternalErrors
+    from perfmon.metrics.efficiency import EfficiencyCollector
+    from perfmon.stats.efficiency import Efficiency
+
+    def broken_peaks(device: str) -> None:
+        raise RuntimeError(f"no table for {device}")
+
+    eff = Efficiency(FlopCounter(per_minute=1, timeout_seconds=1.0), window_seconds=60.0, peaks=broken_peaks,
+                     state_of=lambda model, stage: None)
+    eff.observe(Sample("m", "cuda:0", "steady", 0, 0.001, 0.001, perf_counter_ns()))
+    internal = InternalErrors()
+    registry = CollectorRegistry()
+    registry.register(EfficiencyCollector(eff, internal))
+    text = generate_latest(registry).decode()
+    assert 'perfmon_flop_counts_total{outcome="ok"} 0.0' in text
+    assert "perfmon_model_flops_unknown_ratio{" not in text  # the failing series is left out, not half-written
+    assert dict(internal.counts()) == {"efficiency": 1}

@@ -13,7 +13,7 @@ from time import perf_counter_ns
 from prometheus_client.core import InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..faults import count_value
+from ..faults import InternalErrors, count_value
 from ..stats.efficiency import Efficiency
 from .catalog import METRICS, _family
 
@@ -30,10 +30,12 @@ _GAUGES = {
 
 
 class EfficiencyCollector(Collector):
-    """The efficiency gauges, the peak's source, and what counting did."""
+    """The efficiency gauges, the peak's source, and what counting did; a series whose figures fail to read is
+    left out of the scrape and counted (``internal_errors{stage="efficiency"}``)."""
 
-    def __init__(self, efficiency: Efficiency) -> None:
+    def __init__(self, efficiency: Efficiency, internal: InternalErrors) -> None:
         self._efficiency = efficiency
+        self._internal = internal
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -44,7 +46,11 @@ class EfficiencyCollector(Collector):
         families = {key: _family(name) for key, name in _GAUGES.items()}
         info = InfoMetricFamily("perfmon_model_peak", METRICS["perfmon_model_peak_info"][3], labels=["model", "stage"])
         for model, stage in eff.series():
-            figures = eff.figures(model, stage, now)
+            try:
+                figures = eff.figures(model, stage, now)
+            except Exception as exc:  # the scrape goes on without this series
+                self._internal.report("efficiency", exc)
+                continue
             if figures is None:
                 continue
             for key, fam in families.items():
