@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -342,3 +343,73 @@ def test_decode_steps_keep_their_signatures_when_a_step_changes_shape(make_monit
     assert mon.flush()
     decode = mon.stats()["models"]["steps"]["stages"]["decode"]
     assert decode["input_signatures"] == 3  # 2 x 1, 2 x 2, 3 x 1
+
+
+def test_decode_steps_at_low_sampling_are_counted_exactly_with_their_items_and_signatures(make_monitor) -> None:
+    """At 1-in-1000 sampling almost every decode step of a model's own generate() takes the short path (the step
+    before's signature, no stage function): calls and items are still exact per stage, a step of another width or
+    batch still gets a signature of its own, and a step that raises is counted and reaches the caller unchanged."""
+    mon = make_monitor(sample_rate=0.001, warmup_calls=1)
+    model = mon.wrap(_ShiftingSteps(), name="steps")
+    widths = (1, 1, 1, 1, 2, 2, 1, 1, 1)
+    with torch.inference_mode():
+        for _ in range(10):
+            model.generate(torch.ones(2, 3, dtype=torch.long), widths=(1,) * len(widths))
+        for _ in range(10):  # a step of another width in the middle of the call, the short path taken before it
+            model.generate(torch.ones(2, 3, dtype=torch.long), widths=widths)
+        for _ in range(5):
+            model.generate(torch.ones(3, 3, dtype=torch.long), widths=(1,) * 6)
+    assert value(mon, "perfmon_forward_calls_total", model="steps", stage="prefill") == 25
+    assert value(mon, "perfmon_forward_calls_total", model="steps", stage="decode") == 20 * len(widths) + 5 * 6
+    # Items (the batch dimension), every stage: 20 x 2 rows, 5 x 3 rows, each a prefill and its decode steps.
+    assert value(mon, "perfmon_forward_items_total", model="steps") == 2 * 20 * (1 + len(widths)) + 3 * 5 * (1 + 6)
+    assert mon.flush()
+    decode = mon.stats()["models"]["steps"]["stages"]["decode"]
+    assert decode["input_signatures"] == 3  # 2 x 1, 2 x 2, 3 x 1
+
+    class Broken(Exception):
+        pass
+
+    def fail(module: Any, args: Any, kwargs: Any) -> None:
+        if kwargs["input_ids"].shape[0] == 2 and len(kwargs["past_key_values"].widths) == 4:
+            raise Broken("step 4")
+
+    handle = model.register_forward_pre_hook(fail, with_kwargs=True)
+    with pytest.raises(Broken, match="step 4"), torch.inference_mode():
+        model.generate(torch.ones(2, 3, dtype=torch.long), widths=widths)
+    handle.remove()
+    assert value(mon, "perfmon_forward_errors_total", model="steps", exception="Broken") == 1
+    assert value(mon, "perfmon_forward_calls_total", model="steps", stage="decode") == 20 * len(widths) + 5 * 6 + 4
+
+
+def test_decode_steps_in_a_request_span_or_under_a_capture_leave_the_short_path(make_monitor) -> None:
+    """A decode step that would take the short path still stamps an open request span, and reaches a capture armed
+    in the middle of a generate() call (every later step of the call is recorded)."""
+    mon = make_monitor(sample_rate=0.001, warmup_calls=1)
+    model = mon.wrap(_ShiftingSteps(), name="steps")
+    widths = (1,) * 8
+    ends: list[int] = []
+    model.register_forward_hook(lambda module, args, out: ends.append(time.perf_counter_ns()))
+    with torch.inference_mode():
+        for _ in range(3):
+            model.generate(torch.ones(2, 3, dtype=torch.long), widths=widths)
+        with mon.request("chat") as req:
+            del ends[:]
+            model.generate(torch.ones(2, 3, dtype=torch.long), widths=widths)
+    assert len(ends) == 1 + len(widths)
+    assert req.model == "steps" and req.model_start_ns is not None
+    assert req.model_end_ns is not None and req.model_end_ns >= ends[-1]  # the last decode step stamped the span
+
+    armed: list[dict[str, Any]] = []
+
+    def arm(module: Any, args: Any, kwargs: Any) -> None:
+        if len(kwargs["past_key_values"].widths) == 3 and not armed:  # mid-call, once the short path is taken
+            armed.append(mon.capture("steps", steps=4))
+
+    handle = model.register_forward_pre_hook(arm, with_kwargs=True)
+    with torch.inference_mode():
+        model.generate(torch.ones(2, 3, dtype=torch.long), widths=widths)
+    handle.remove()
+    meta = wait_capture(mon, armed[0]["id"], timeout=60)
+    assert meta["outcome"] == "ok", meta
+    assert meta["steps_recorded"] == 4

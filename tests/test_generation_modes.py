@@ -547,7 +547,7 @@ def test_left_padded_batch_with_a_row_ending_at_eos(make_monitor, pad: int) -> N
         return greedy_rows(m, fw, ids, mask, 10, [EndRowAt(8, 2, 4, EOS, pad)], pad, do_sample=False)[0]
 
     run(bare)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: run(model))
     assert truth.rows == [10, 10, 4, 10] * CALLS and (truth.prompt, truth.padding) == (23 * CALLS, 9 * CALLS)
@@ -571,7 +571,7 @@ def test_num_return_sequences_are_requests(make_monitor, mode: str) -> None:
         return beam(m, fw, ids, 12, 3, 3)[0]
 
     run(bare)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: run(model))
     assert truth.rows == [12] * 6 * CALLS and truth.prompt == 12 * CALLS
@@ -586,7 +586,7 @@ def test_beam_search_ttft_is_when_generate_returns(make_monitor) -> None:
     fw = Forwards(bare)
     ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(4))
     beam(bare, fw, ids, 16, 3, 1)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     model = mon.wrap(bare, name=NAME)
     truth, prefill, returned = Truth(), [], []
     for _ in range(CALLS):
@@ -610,7 +610,7 @@ def test_assisted_generation_chunks_verify_stage_and_itl(make_monitor) -> None:
     fw = Forwards(bare)
     ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(3))
     assisted(bare, fw, assistant, ids, 24)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     model = mon.wrap(bare, name=NAME)
     truth = Truth()
     seen = []
@@ -631,7 +631,7 @@ def test_encoder_decoder_counts_the_encoder_forward_as_encode(make_monitor) -> N
     enc, dec = Forwards(bare.get_encoder()), Forwards(bare, "decoder_input_ids")
     ids, mask = left_padded([5, 7], 7, 0)
     t5_run(bare, enc, dec, ids, mask, 8)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: t5_run(model, enc, dec, ids, mask, 8))
     assert truth.rows == [8, 8] * CALLS and (truth.prompt, truth.padding) == (12 * CALLS, 2 * CALLS)
@@ -650,7 +650,7 @@ def test_greedy_without_streamer_baseline(make_monitor) -> None:
         return greedy_rows(m, fw, ids, torch.ones_like(ids), 10, [Ban(EOS)], EOS, do_sample=False)[0]
 
     run(bare)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: run(model))
     assert truth.rows == [10] * 3 * CALLS and len(truth.itl) == 27 * CALLS
@@ -667,7 +667,7 @@ def _streaming_setup(make_monitor: Any) -> tuple[perfmon.Monitor, Any, Forwards,
     fw = Forwards(bare)
     ids = torch.randint(0, 99, (1, STREAM_PROMPT), generator=torch.Generator().manual_seed(6))
     greedy_rows(bare, fw, ids, torch.ones_like(ids), STREAM_NEW, [Ban(EOS)], EOS, do_sample=False)  # warm-up
-    mon = make_monitor(sample_rate=1.0).start()
+    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
     return mon, mon.wrap(bare, name=NAME), fw, ids
 
 

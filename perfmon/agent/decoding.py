@@ -44,12 +44,12 @@ from .gen_events import advance
 from .generation import Generation, GenerationTracker
 from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
-__all__ = ["Active", "GenerateCall", "generating", "tracked_generate"]
+__all__ = ["Active", "GenerateCall", "generating", "is_encoder_decoder", "tracked_generate"]
 
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs on this thread."""
 
-    __slots__ = ("model", "prefilled", "stamps", "step_key", "timed", "verify")
+    __slots__ = ("model", "prefilled", "stamps", "step", "step_key", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool) -> None:
         self.model = model
@@ -62,6 +62,9 @@ class Active:
         self.stamps: list[int] | None = None
         #: The decode steps' signature in this call, with what it was taken from (stages.step_signature).
         self.step_key: tuple[Any, int, Any] | None = None
+        #: (input shape, keyword count, signature entry, decode state, call target, timed path) of the decode steps
+        #: once their signature is warm: the steps like it take stages.staged_path's short path.
+        self.step: tuple[Any, int, Any, Any, Any, Any] | None = None
 
 
 #: Per thread: the ``Active`` of the generate() call running on it (``None`` outside one).
@@ -99,34 +102,40 @@ class _Tap:
 class GenerateCall:
     """One tracked ``generate()`` call: its requests, its tap, and how they are settled when it ends."""
 
+    __slots__ = ("active", "beam", "consumer", "decoder_len", "encoder_decoder", "eos", "internal", "k", "kwargs", "mask",
+                 "pad", "prompt_len", "requests", "rows", "tap", "tracker", "verify")
+
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
-                 name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True) -> None:
+                 name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True,
+                 encoder_decoder: bool | None = None) -> None:
         self.tracker = tracker
         self.internal = internal
-        cfg = _config(model, args, kwargs)
-        beams = int(_option(kwargs, cfg, "num_beams", 1) or 1)
-        self.k = max(1, int(_option(kwargs, cfg, "num_return_sequences", 1) or 1))
-        self.verify = (kwargs.get("assistant_model") is not None
-                       or _option(kwargs, cfg, "prompt_lookup_num_tokens", None) is not None
-                       or _option(kwargs, cfg, "assistant_early_exit", None) is not None)
-        self.beam = beams > 1 and not self.verify
-        self.eos = _token_ids(_option(kwargs, cfg, "eos_token_id", None))
-        pad = _option(kwargs, cfg, "pad_token_id", None)
+        beams, k, lookup, early_exit, eos, pad, stop_strings = _options(kwargs, _config(model, args, kwargs))
+        self.k = max(1, int(k or 1))
+        self.verify = kwargs.get("assistant_model") is not None or lookup is not None or early_exit is not None
+        self.beam = int(beams or 1) > 1 and not self.verify
+        self.eos = _token_ids(eos)
         # HF pads a row that one of its per-row criteria ended; only EOS (cut at above) and, when given, stop
         # strings or the caller's own criteria end a single row. Trailing padding is cut only then: a model
         # may well generate the pad id itself (a random T5 does: pad 0 is also its decoder start).
-        per_row = bool(kwargs.get("stopping_criteria")) or _option(kwargs, cfg, "stop_strings", None) is not None
+        per_row = bool(kwargs.get("stopping_criteria")) or stop_strings is not None
         self.pad = pad if per_row and isinstance(pad, int) and pad not in self.eos else None
-        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-        inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if encoder_decoder is None:  # known when the model was wrapped (models.py): its config's, read once
+            encoder_decoder = is_encoder_decoder(model)
+        self.encoder_decoder = encoder_decoder
+        inputs = kwargs.get("input_ids")
         if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
-        shape = tuple(getattr(inputs, "shape", ()) or ())
+            inputs = kwargs.get("inputs", args[0] if args else None)
+            if inputs is None:
+                inputs = kwargs.get("inputs_embeds")
+        shape = getattr(inputs, "shape", None) or ()
         self.rows = int(shape[0]) if len(shape) >= 2 else 1
         self.prompt_len = int(shape[1]) if len(shape) >= 2 else int(shape[0]) if len(shape) == 1 else 0
         self.mask = kwargs.get("attention_mask")
         decoder = kwargs.get("decoder_input_ids")
-        self.decoder_len = int(decoder.shape[-1]) if isinstance(decoder, torch.Tensor) and decoder.dim() else 1
+        self.decoder_len = 1
+        if decoder is not None and isinstance(decoder, torch.Tensor) and decoder.dim():
+            self.decoder_len = int(decoder.shape[-1])
         self.active = Active(model, timed, self.verify)
         streamer = kwargs.get("streamer")
         self.tap: _Tap | None = None
@@ -338,17 +347,39 @@ def _config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any
     return cfg if cfg is not None else getattr(model, "generation_config", None)
 
 
-def _option(kwargs: Mapping[str, Any], cfg: Any, key: str, default: Any) -> Any:
-    """A generation option as generate() resolves it: the call's keyword first, then the config's."""
-    if key in kwargs and kwargs[key] is not None:
-        return kwargs[key]
-    value = getattr(cfg, key, default) if cfg is not None else default
-    return default if value is None else value
+#: The generation options GenerateCall reads (``_options``), in its order.
+_OPTIONS = ("num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "assistant_early_exit", "eos_token_id",
+            "pad_token_id", "stop_strings")
+
+
+def _options(kwargs: Mapping[str, Any], cfg: Any) -> list[Any]:
+    """The generation options of ``_OPTIONS`` as generate() resolves them: the call's keyword first, then the
+    config's (None where neither sets one). A GenerationConfig keeps its options in its ``__dict__``: read there,
+    the seven cost one dict lookup each instead of an attribute lookup through the class."""
+    own = getattr(cfg, "__dict__", None)
+    if not isinstance(own, dict):
+        own = {}
+    out = []
+    for key in _OPTIONS:
+        value = kwargs.get(key)
+        if value is None:
+            value = own.get(key)
+            if value is None and cfg is not None and key not in own:
+                value = getattr(cfg, key, None)
+        out.append(value)
+    return out
+
+
+def is_encoder_decoder(model: Any) -> bool:
+    """True for an encoder-decoder model (T5, BART): its config says so."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def _token_ids(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
+    if type(value) is int:  # the common case first: isinstance(x, torch.Tensor) is a metaclass check (~0.2 µs)
+        return frozenset((value,))
     if isinstance(value, torch.Tensor):
         return frozenset(int(v) for v in value.reshape(-1).tolist())
     if isinstance(value, int):

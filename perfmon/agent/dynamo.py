@@ -10,8 +10,8 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from .hotpath import hot_path
-from .stages import staged_path
+from .hotpath import hot_path, sampled_path
+from .stages import decode_due, staged_path
 
 __all__ = ["mark_for_dynamo"]
 
@@ -81,5 +81,7 @@ def _inner_code(fn: Any, name: str = "__call__") -> types.CodeType:
 
 
 #: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them (a call in a
-#: request span runs the hot path inside ``in_request``).
-_HOT_CODES = (_inner_code(hot_path), _inner_code(hot_path, "in_request"), _inner_code(staged_path))
+#: request span runs inside ``in_request``, a timed or captured one inside ``sampled``, a forward of the model's own
+#: generate() inside ``in_generate`` or ``decode_due``).
+_HOT_CODES = (_inner_code(hot_path), _inner_code(hot_path, "in_request"), _inner_code(sampled_path, "sampled"),
+              _inner_code(staged_path), _inner_code(staged_path, "in_generate"), decode_due.__code__)

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .phases import batch_of, signature, work_of
+from .phases import Signature, batch_of, signature, work_of
 from .requests import current
 from .state import ModelState, Token
 
-__all__ = ["hot_path"]
+__all__ = ["hot_path", "sampled_path"]
 
 _Tensor = torch.Tensor
 
@@ -52,6 +52,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
     hub = st.hub
     name = st.name
     span_of = current.get
+    sampled = sampled_path(st, fn)
 
     def in_request(span: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An unsampled call in a request span's context: the call, with the span's model stamps around it.
@@ -74,13 +75,6 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
             last = span.model_end_ns
             if last is None or t1 > last:
                 span.model_end_ns = t1
-
-    def stamp(span: Any, t0: int, t1: int) -> None:
-        """A timed or captured call in a request span: the same stamps, from its own clock reads."""
-        try:
-            span.model_call(t0, t1, name)
-        except Exception as exc:
-            hub.internal.report("requests", exc)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # A request span is open somewhere in the process (Hub.requests): is this call in one?
@@ -127,12 +121,46 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
             except BaseException as exc:
                 st.error(exc)
                 raise
+        return sampled(self, args, kwargs, n, token, entry, items, span)
+
+    return __call__
+
+
+def _work(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    try:
+        return work_of(args, kwargs)
+    except Exception:
+        return None
+
+
+def sampled_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Build the rest of a call the hot path decided to time or to hand to a pending capture.
+
+    ``sampled(self, args, kwargs, n, token, entry, items, span)`` runs call ``n`` with ``token`` (``st.due(n)``: a
+    ``Token``, or the capture controller), ``entry`` its ``Signature`` or None, ``items`` what the user's ``items``
+    callable gave or None, ``span`` the request span it runs in or None. A frame apart from ``hot_path``'s ``__call__``:
+    the 1 call in 1/sample_rate pays it; the decode steps of a model's own ``generate()`` come here too (stages.py).
+    """
+    clock = perf_counter_ns
+    items_fn = st.items_fn
+    hub = st.hub
+    name = st.name
+
+    def stamp(span: Any, t0: int, t1: int) -> None:
+        """A timed or captured call in a request span: the span's model stamps, from the call's own clock reads."""
+        try:
+            span.model_call(t0, t1, name)
+        except Exception as exc:
+            hub.internal.report("requests", exc)
+
+    def sampled(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, token: Any, entry: Signature | None,
+                items: int | None, span: Any) -> Any:
         if token.__class__ is not tuple:  # a capture is pending: the controller runs the call
             t0 = clock()
             try:
                 # The call's work goes with it: a comparison lines captures up by size (compare_basis).
                 work = items if items_fn is not None else entry.work if entry is not None else _work(args, kwargs)
-                return token.call(st, fn, (self, *args), kwargs, work)  # type: ignore[union-attr]
+                return token.call(st, fn, (self, *args), kwargs, work)
             except BaseException as exc:
                 st.error(exc)
                 raise
@@ -169,11 +197,4 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
             stamp(span, t0, t1)
         return out
 
-    return __call__
-
-
-def _work(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    try:
-        return work_of(args, kwargs)
-    except Exception:
-        return None
+    return sampled

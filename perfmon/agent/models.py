@@ -17,7 +17,7 @@ import torch
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
 from .batching import BatchTokens, ContinuousBatching
-from .decoding import GenerateCall
+from .decoding import GenerateCall, is_encoder_decoder
 from .generation import GenerationTracker
 from .span import UNTRACKED, Span, Untracked
 from .stages import ENCODE, PREFILL, Stages, generative_stage, is_generative
@@ -128,6 +128,7 @@ class Models:
         calls_of_generate = itertools.count()
         generations = self._generations
         internal = self._hub.internal
+        encoder_decoder = is_encoder_decoder(model)
 
         def requests(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], streamable: bool
                      ) -> GenerateCall | None:
@@ -135,7 +136,8 @@ class Models:
                 return None  # its requests are tracked there, by id (batching.py), not counted twice
             # The first generate() call, then one in 1/sample_rate, has every step timed.
             timed = next(calls_of_generate) % every == 0
-            return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable)
+            return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable,
+                                encoder_decoder=encoder_decoder)
 
         built: list[Stages] = []
 

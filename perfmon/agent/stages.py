@@ -30,13 +30,13 @@ import torch
 
 from ..faults import InternalErrors
 from .decoding import generating
-from .hotpath import hot_path
-from .phases import signature
+from .hotpath import hot_path, sampled_path
+from .phases import Signature, signature
 from .state import ModelState
 
 _Tensor = torch.Tensor
 
-__all__ = ["DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "generative_stage",
+__all__ = ["DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "decode_due", "generative_stage",
            "is_generative", "stage_label", "staged_path", "step_signature"]
 
 PREFILL = "prefill"
@@ -111,6 +111,9 @@ class Stages:
         self.calls: dict[str, Callable[..., Any]] = {}
         #: label -> the same, for the decode steps of the model's own generate() (``step_signature``).
         self.steps: dict[str, Callable[..., Any]] = {}
+        #: The decode stage's call target and timed path (``hotpath.sampled_path``), for ``Active.step``.
+        self.decode: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        self.hub = first.hub
         self._lock = threading.Lock()
         for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
             if st is not first:
@@ -135,8 +138,28 @@ class Stages:
         st.stages = self.states
         self.states[st.stage] = st
         self.steps[st.stage] = hot_path(st, self._fn, signature_of=step_signature)
+        if st.stage == DECODE:
+            self.decode = (self._fn, sampled_path(st, self._fn))
         call = self.calls[st.stage] = hot_path(st, self._fn)
         return call
+
+    def remember(self, active: Any) -> None:
+        """After a decode step through the hot path: let the next steps of this ``generate()`` like it take the short
+        path (``Active.step``), once its signature is warm. Not with an ``items`` callable (it sees every call) or
+        without signature tracking (the signature's calls are how a step's items are counted)."""
+        try:
+            memo = active.step_key
+            st = self.states.get(DECODE)
+            decode = self.decode
+            if memo is None or memo[0] is None or st is None or decode is None or st.items_fn is not None:
+                return
+            sigs = st.sigs
+            entry = sigs.get(memo[2]) if sigs is not None else None
+            if entry is None or entry.warm_left or entry.evicted_ns:
+                return
+            active.step = (memo[0], memo[1], entry, st, decode[0], decode[1])
+        except Exception as exc:
+            self.internal.report("stage", exc)
 
     def state(self, label: str) -> ModelState:
         """The state of stage ``label``, made if new (a stage timed by a hot path of its own: the encoder's)."""
@@ -193,8 +216,8 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     """``__call__`` of a model with stages: find the call's stage, then run that stage's hot path.
 
     One more Python call and the stage function per call (for Hugging Face models: a kwargs lookup
-    and the cache's ``get_seq_length()``; inside the model's own ``generate()`` after its first forward, only
-    the kwargs lookup), on models whose forwards take milliseconds.
+    and the cache's ``get_seq_length()``), on models whose forwards take milliseconds. Inside the model's own
+    ``generate()``: ``in_generate``.
     """
     pick = stages.stage_fn
     generative = pick is generative_stage  # a stage= callable of the user's is always asked
@@ -202,29 +225,28 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     steps = stages.steps
     add = stages.add
     internal = stages.internal
+    hub = stages.hub
     local = generating
+    tensor = _Tensor
 
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def in_generate(active: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A forward inside this model's own ``generate()`` that ``__call__``'s short path did not take: find its stage
+        (decode against the cache this call made, without asking the stage function), run that stage's hot path,
+        and let the next decode steps take the short path (``Stages.remember``)."""
         label = None
-        active: Any = local.__dict__.get("active")
-        mine = active is not None and active.model is self
         try:
-            if mine and generative and active.prefilled and kwargs.get("past_key_values") is not None:
-                # A step after the first of this model's own generate(), against the cache it made: that cache
-                # holds the prompt, so pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
+            if generative and active.prefilled and kwargs.get("past_key_values") is not None:
+                # A step after the first, against the cache this generate() made: that cache holds the prompt, so
+                # pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
                 label = DECODE
                 call = steps.get(DECODE) or add(DECODE)  # its signature: the step before's (step_signature)
             else:
                 label = pick(args, kwargs)
-                if mine:
-                    active.prefilled = True
+                active.prefilled = True
                 call = calls.get(label) or add(label)
         except Exception as exc:  # the stage function failed: count it, time the call under the fallback
             internal.report("stage", exc)
             call = stages.fallback
-        if not mine:
-            return call(self, *args, **kwargs)
-        # Inside this model's own generate() (decoding.py: its tokens are counted there, not here).
         if active.verify and label == DECODE:  # assisted/speculative: a step against the cache verifies drafts
             label = VERIFY
             call = calls.get(VERIFY) or add(VERIFY)
@@ -232,11 +254,70 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
             st = stages.states.get(label)  # type: ignore[arg-type]
             if st is not None:
                 st.next_index = 0
-        stamps = active.stamps
-        if stamps is None:
-            return call(self, *args, **kwargs)
         out = call(self, *args, **kwargs)
-        stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
+        stamps = active.stamps
+        if stamps is not None:
+            stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
+        if label == DECODE and not active.timed:
+            stages.remember(active)
         return out
 
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        active: Any = local.__dict__.get("active")
+        if active is not None and active.model is self:  # inside this model's own generate()
+            # The short path of a decode step like the one before (Active.step: its input shape, as many keywords, a
+            # cache, the step before's signature still warm in the table): count the call and its signature's calls,
+            # and call the forward. No stage function, no signature, no second keyword hop: ~0.5 µs a step in a tight
+            # loop against ~1.6 through in_generate. The call in 1/sample_rate (and a pending capture) is timed as the
+            # hot path would (decode_due). An open request span, a timed request (Active.timed), assisted decoding and a
+            # step whose inputs differ go through in_generate.
+            step = active.step
+            if step is not None and not hub.requests:
+                shape, keywords, entry, st, fn, sampled = step
+                ids = kwargs.get("input_ids")
+                if ids is None:  # an encoder-decoder's decoder step (T5, BART)
+                    ids = kwargs.get("decoder_input_ids")
+                if (type(ids) is tensor and len(kwargs) == keywords and ids.shape == shape and not entry.warm_left
+                        and not entry.evicted_ns and kwargs.get("past_key_values") is not None):
+                    n = next(st.calls)
+                    next(entry.calls)
+                    if n >= st.next_index:
+                        out = decode_due(st, fn, sampled, n, entry, self, args, kwargs)
+                    else:
+                        try:
+                            out = fn(self, *args, **kwargs)
+                        except BaseException as exc:
+                            st.error(exc)
+                            raise
+                    stamps = active.stamps
+                    if stamps is not None:  # a custom generate loop: each forward is a token of each row
+                        stamps.append(perf_counter_ns())
+                    return out
+            return in_generate(active, self, args, kwargs)
+        try:
+            label = pick(args, kwargs)
+            call = calls.get(label) or add(label)
+        except Exception as exc:  # the stage function failed: count it, time the call under the fallback
+            internal.report("stage", exc)
+            call = stages.fallback
+        return call(self, *args, **kwargs)
+
     return __call__
+
+
+def decode_due(st: ModelState, fn: Callable[..., Any], sampled: Callable[..., Any], n: int, entry: Signature, self: Any,
+         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A decode step of ``in_generate``'s short path that reached the sampling index: time it (or hand it to a
+    pending capture) as the hot path would."""
+    try:
+        token = st.due(n)
+    except Exception as exc:
+        st.hub.internal.report("instrument", exc)
+        token = None
+    if token is not None:
+        return sampled(self, args, kwargs, n, token, entry, None, None)
+    try:
+        return fn(self, *args, **kwargs)
+    except BaseException as exc:
+        st.error(exc)
+        raise
