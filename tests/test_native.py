@@ -65,6 +65,22 @@ def test_native_buckets_stay_bounded_by_halving_resolution() -> None:
     assert expected == nb.counts
 
 
+def test_observe_many_counts_as_observe_one_by_one() -> None:
+    """A request's inter-token gaps are folded in one loop (observe_many): the same buckets, zero count and schema as
+    observing them one at a time, weights (chunks of tokens) included, through a halving of the resolution."""
+    rng = random.Random(2)
+    runs = [[rng.lognormvariate(-6, 3) for _ in range(rng.randint(1, 64))] for _ in range(400)]
+    runs.append([0.0, math.inf, 1e-3, -1.0])
+    one, many = native.NativeBuckets(), native.NativeBuckets()
+    for i, run in enumerate(runs):
+        weights = [rng.randint(1, 4) for _ in run] if i % 3 == 0 else None
+        for j, v in enumerate(run):
+            one.observe(v, 1 if weights is None else weights[j])
+        many.observe_many(run, weights)
+    assert many.schema == one.schema < native.SCHEMA  # the spread forced at least one halving
+    assert many.zero_count == one.zero_count and many.counts == one.counts
+
+
 def test_spans_and_deltas_round_trip() -> None:
     """Spans (absolute first offset, then gaps) and deltas rebuild the populated buckets exactly."""
     counts = {-140: 3, -139: 1, -137: 5, -120: 2, 4: 1}

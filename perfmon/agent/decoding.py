@@ -102,8 +102,8 @@ class _Tap:
 class GenerateCall:
     """One tracked ``generate()`` call: its requests, its tap, and how they are settled when it ends."""
 
-    __slots__ = ("active", "beam", "consumer", "decoder_len", "encoder_decoder", "eos", "internal", "k", "kwargs", "mask",
-                 "pad", "prompt_len", "requests", "rows", "tap", "tracker", "verify")
+    __slots__ = ("active", "beam", "consumer", "decoder_len", "encoder_decoder", "eos", "internal", "k", "kwargs",
+                 "mask", "pad", "prompt_len", "requests", "rows", "tap", "tracker", "verify")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
                  name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True,

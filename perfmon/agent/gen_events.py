@@ -34,6 +34,7 @@ __all__ = [
     "GenerationEvent",
     "GenerationSink",
     "RequestDone",
+    "TokenRun",
     "TokenTiming",
     "advance",
     "check_name",
@@ -92,7 +93,17 @@ class RequestDone(NamedTuple):
     end_ns: int
 
 
-GenerationEvent = TokenTiming | RequestDone
+class TokenRun(NamedTuple):
+    """The inter-token observations of one request's timeline at once (a tracked generate() call's): one event for
+    its tokens after the first, so the sinks fold them in a loop of their own rather than an event each."""
+
+    model: str
+    seconds: list[float]  # each observation's gap (a chunk's gap divided by its tokens)
+    tokens: list[int] | None  # each observation's weight (the tokens of its chunk); None: 1 each
+    end_ns: list[int]  # perf_counter_ns() when each was handed over
+
+
+GenerationEvent = TokenTiming | TokenRun | RequestDone
 #: A stage that consumes a batch of generation events (resolver thread).
 GenerationSink = Callable[[list[GenerationEvent]], None]
 
@@ -133,13 +144,26 @@ def events_of(rec: tuple[Any, ...]) -> Iterator[GenerationEvent]:
         if upto <= 0:
             return
         yield TokenTiming(name, "ttft", (times[0] - start) / 1e9, 1, times[0])
+        if upto == 1:
+            return
+        if sizes is None:  # one token a step
+            ends = times[1:upto]
+            yield TokenRun(name, [(t - prev) / 1e9 for prev, t in zip(times, ends)], None, ends)
+            return
+        seconds: list[float] = []
+        weights: list[int] = []
+        ends = []
         prev = times[0]
         for i in range(1, upto):
             t = times[i]
-            n = 1 if sizes is None else sizes[i]
+            n = sizes[i]
             if n > 0:
-                yield TokenTiming(name, "itl", (t - prev) / 1e9 / n, n, t)
+                seconds.append((t - prev) / 1e9 / n)
+                weights.append(n)
+                ends.append(t)
                 prev = t
+        if seconds:
+            yield TokenRun(name, seconds, weights, ends)
     else:
         _, _, duration_ns, output, end, outcome, prompt = rec
         yield RequestDone(name, outcome, duration_ns / 1e9, prompt, output, end)

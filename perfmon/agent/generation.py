@@ -46,6 +46,7 @@ from .gen_events import (
     GenerationEvent,
     GenerationSink,
     RequestDone,
+    TokenRun,
     TokenTiming,
     advance,
     check_name,
@@ -77,6 +78,7 @@ __all__ = [
     "GenerationEvent",
     "GenerationTracker",
     "RequestDone",
+    "TokenRun",
     "TokenTiming",
 ]
 
@@ -424,7 +426,14 @@ class GenerationTracker:
 
         with self._rings_lock:
             for ev in events:
-                if isinstance(ev, TokenTiming):
+                if isinstance(ev, TokenRun):
+                    if ev.tokens is None:
+                        ring(ev.model, "itl").extend(zip(ev.end_ns, ev.seconds))
+                    else:  # a chunk's n tokens are n observations, as in the histogram
+                        itl = ring(ev.model, "itl")
+                        for end, seconds, n in zip(ev.end_ns, ev.seconds, ev.tokens):
+                            itl.extend(itertools.repeat((end, seconds), min(n, cap)))
+                elif isinstance(ev, TokenTiming):
                     if ev.tokens == 1:
                         ring(ev.model, ev.kind).append((ev.end_ns, ev.seconds))
                     else:  # a chunk's n tokens are n observations, as in the histogram

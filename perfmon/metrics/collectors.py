@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from ..agent.batching import BatchTokens
 from ..agent.generation import DROP_REASONS as GENERATION_DROP_REASONS
-from ..agent.generation import GenerationEvent, GenerationTracker, TokenTiming
+from ..agent.generation import GenerationEvent, GenerationTracker, TokenRun, TokenTiming
 from ..agent.records import Sample, split_key
 from ..agent.streams import OUTCOMES
 from ..captures.controller import CaptureController
@@ -264,19 +264,26 @@ class GenerationCollector(Collector):
         self._hists = {}
         self._lock = threading.Lock()
 
-    def _add(self, name: str, model: str, value: float, weight: int = 1) -> None:
+    def _hist(self, name: str, model: str) -> _Histogram:
         """Lock held."""
         h = self._hists.get((name, model))
         if h is None:
             h = self._hists[(name, model)] = _Histogram(GENERATION_HISTOGRAMS[name], self._les[name],
                                                         native=name in NATIVE_GENERATION)
-        h.observe(value, weight=weight)
+        return h
+
+    def _add(self, name: str, model: str, value: float, weight: int = 1) -> None:
+        """Lock held."""
+        self._hist(name, model).observe(value, weight=weight)
 
     def observe(self, events: list[GenerationEvent]) -> None:
         """Sink: a batch of generation events into the histograms (resolver thread)."""
         with self._lock:
             for event in events:
-                if isinstance(event, TokenTiming):
+                if isinstance(event, TokenRun):  # a request's inter-token gaps, folded in one loop
+                    self._hist("perfmon_inter_token_latency_seconds", event.model).observe_many(event.seconds,
+                                                                                                event.tokens)
+                elif isinstance(event, TokenTiming):
                     if event.kind == "ttft":
                         self._add("perfmon_time_to_first_token_seconds", event.model, event.seconds)
                     else:

@@ -71,6 +71,23 @@ class _Histogram:
                 self.exemplars = [None] * len(self.counts)
             self.exemplars[i] = exemplar
 
+    def observe_many(self, values: list[float], weights: list[int] | None = None) -> None:
+        """``observe`` each of ``values`` (``weights[i]`` times each; None: once), in one loop: a request's
+        inter-token gaps (~0.2 µs a value here against ~1 µs through ``observe``)."""
+        bounds, counts = self.bounds, self.counts
+        total = 0.0
+        if weights is None:
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
+                total += value
+        else:
+            for value, weight in zip(values, weights, strict=True):
+                counts[bisect_left(bounds, value)] += weight
+                total += value * weight
+        self.sum += total
+        if self.native is not None:
+            self.native.observe_many(values, weights)
+
     def row(self, labels: tuple[str, ...]) -> HistogramRow:
         """A copy of the counts for a scrape (the caller holds the lock that guards ``observe``)."""
         return HistogramRow(labels, self.bounds, self.labels, list(self.counts), self.sum,

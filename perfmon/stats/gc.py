@@ -89,7 +89,7 @@ class GcView:
                 kind, seconds = "ttft", ev.seconds
             elif isinstance(ev, RequestDone):
                 kind, seconds = "request", ev.duration_seconds
-            else:  # pragma: no cover - the two event kinds
+            else:  # a request's inter-token gaps (TokenRun): only TTFTs and requests are marked
                 continue
             _, gen = self.pauses.overlap(ev.end_ns - round(seconds * 1e9), ev.end_ns)
             rows.append((ev.model, (ev.end_ns, kind, seconds, gen)))
