@@ -128,7 +128,7 @@ class GenerateCall:
             inputs = kwargs.get("inputs", args[0] if args else None)
             if inputs is None:
                 inputs = kwargs.get("inputs_embeds")
-        shape = getattr(inputs, "shape", None) or ()
+        shape: Any = getattr(inputs, "shape", None) or ()
         self.rows = int(shape[0]) if len(shape) >= 2 else 1
         self.prompt_len = int(shape[1]) if len(shape) >= 2 else int(shape[0]) if len(shape) == 1 else 0
         self.mask = kwargs.get("attention_mask")
