@@ -13,8 +13,9 @@ the agent's own threads shows. So this times the serving thread itself:
 
 Each round runs every variant once in a shuffled order (they share the machine's noise); the figure is
 the median over rounds of each variant's time per call divided by the same round's ``stopped`` one, with
-the 25th-75th percentiles. Then a ``generate()`` of a tiny random GPT-2 wrapped vs a bare twin (µs per
-generated token) and the per-call cost on Linear(64, 64), both with the monitor running. Agent threads'
+the 25th-75th percentiles. Then a ``generate()`` of a tiny random GPT-2 wrapped vs a bare twin, with a second
+bare twin as the A/A (µs per generated token, quantile differences, and what the resolver spends draining a
+request's records, per token), and the per-call cost on Linear(64, 64), both with the monitor running. Agent threads'
 wakes per second (voluntary context switches, which include waits for the GIL) are read from /proc.
 
     python benchmarks/agent_cost.py [--rounds 24] [--calls 3000] [--json out.json]
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.util
 import random
 import statistics
 import tempfile
@@ -80,11 +82,80 @@ def pct(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
+def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str, Any]:
+    """µs a generated token that a wrapped tiny GPT-2's ``generate()`` adds over a bare twin, the monitor running.
+
+    Each round runs one ``generate()`` of each variant (bare, a second bare twin for the A/A, wrapped) in a shuffled
+    order. A request's time only gains from noise, so the figures are differences of the variants' quantiles
+    (q10, q25, the median) over the rounds, per token, beside the same for the A/A. Then what the resolver spends
+    draining a request's records (its TTFT, its inter-token gaps, its end), per token: on a GIL-bound server that is
+    the serving thread's time too, and the interleaved rounds see it only when a tick falls inside one.
+    """
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
+                     eos_token_id=1)
+    base = GPT2LMHeadModel(cfg).eval()
+    variants = {"bare": copy.deepcopy(base), "bare twin (A/A)": copy.deepcopy(base),
+                "wrapped": mon.wrap(copy.deepcopy(base), name="gpt2_tiny")}
+    ids = torch.randint(2, 1000, (1, 8))
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+
+    def run(model: Any) -> float:
+        gc.disable()
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter_ns()
+                model.generate(ids, **kw)
+                return (time.perf_counter_ns() - t0) / 1e3
+        finally:
+            gc.enable()
+
+    for _ in range(5):
+        for model in variants.values():
+            run(model)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        order = list(variants)
+        random.shuffle(order)
+        for k in order:
+            times[k].append(run(variants[k]))
+    for v in times.values():
+        v.sort()
+    qs = {"q10": 0.10, "q25": 0.25, "median": 0.5}
+    bare = times["bare"]
+    rows, result = [], {"bare_us_per_token": bare[len(bare) // 2] / new, "rounds": rounds, "tokens": new}
+    for k in ("bare twin (A/A)", "wrapped"):
+        added = {q: (times[k][int(f * rounds)] - bare[int(f * rounds)]) / new for q, f in qs.items()}
+        rows.append([k, *(f"{v:+.2f}" for v in added.values())])
+        result[k] = added
+    # The resolver's share: drain records like these requests' (a TTFT, 31 gaps, an end) and time it.
+    tracker = mon.generations
+    drain = []
+    for _ in range(5):
+        for _ in range(200):
+            g = tracker.start("gpt2_tiny_drain")
+            t0 = g.start_ns
+            tracker.settle(g, [t0 + 800_000 * (i + 1) for i in range(new)], None, new, new, 8)
+            tracker.finish_at(g, "ok", t0 + 800_000 * (new + 1))
+        t0 = time.perf_counter_ns()
+        tracker.drain()
+        drain.append((time.perf_counter_ns() - t0) / 1e3 / 200 / new)
+    result["resolver_us_per_token"] = min(drain)
+    rows.append(["the resolver's drain", "", "", f"+{min(drain):.2f}"])
+    print(f"\ngenerate(), tiny GPT-2 (2 layers, d=64), {new} new tokens, 1% sampling, monitor running, {rounds} "
+          f"rounds: bare {result['bare_us_per_token']:.1f} µs/token; µs a token added (quantile differences):\n")
+    print(table(["variant", "q10", "q25", "median"], rows))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--calls", type=int, default=3000, help="calls per variant per round (~1 s)")
-    ap.add_argument("--gen-rounds", type=int, default=16)
+    ap.add_argument("--gen-rounds", type=int, default=120)
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -157,45 +228,12 @@ def main() -> None:
           "interleaved rounds\n")
     print(table(["variant", "µs/call", "added µs (median)", "vs stopped", "p25..p75"], rows))
 
-    # generate(): a tiny random GPT-2, wrapped at 1% vs a bare twin, the monitor running.
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
+    # generate(): a tiny random GPT-2, wrapped at 1% vs a bare twin (and a second bare twin: the A/A), the monitor
+    # running (its resolver drains the requests' records at its 1 s tick, on the serving thread's GIL).
+    if importlib.util.find_spec("transformers") is None:
         print("\n(transformers not installed: generate() skipped)")
     else:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
-                         eos_token_id=1)
-        g_bare = GPT2LMHeadModel(cfg).eval()
-        g_wrapped = mon.wrap(copy.deepcopy(g_bare), name="gpt2_tiny")
-        ids = torch.randint(2, 1000, (1, 8))
-        kw = {"max_new_tokens": 32, "min_new_tokens": 32, "do_sample": False, "pad_token_id": 0}
-
-        def gen(model: Any) -> Callable[[], Any]:
-            def run() -> Any:
-                with torch.inference_mode():
-                    return model.generate(ids, **kw)
-            return run
-
-        for _ in range(3):
-            time_calls(gen(g_bare), 3)
-            time_calls(gen(g_wrapped), 3)
-        gb, gw = [], []
-        for _ in range(args.gen_rounds):
-            pair = [("bare", gen(g_bare)), ("wrapped", gen(g_wrapped))]
-            random.shuffle(pair)
-            for name, fn in pair:
-                (gb if name == "bare" else gw).append(time_calls(fn, 10) / 32)
-        diffs = [(w - b) * 1e6 for w, b in zip(gw, gb)]
-        lo, med, hi = pct(diffs)
-        ratio = statistics.median(w / b for w, b in zip(gw, gb))
-        print(f"\ngenerate(), tiny GPT-2 (2 layers, d=64), 32 new tokens, 1% sampling, {args.gen_rounds} rounds: "
-              f"bare {statistics.median(gb) * 1e6:.1f} µs/token, added **{med:+.2f} µs/token** "
-              f"(p25..p75 {lo:+.2f}..{hi:+.2f}), {(ratio - 1) * 100:+.2f}%")
-        out["generate"] = {"bare_us_per_token": statistics.median(gb) * 1e6, "added_us_per_token": med,
-                           "p25": lo, "p75": hi, "ratio": ratio}
+        out["generate"] = generate_cost(mon, args.gen_rounds)
 
     # The per-call hot path on a tiny model, the monitor running.
     lb, lw = [], []
