@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from time import perf_counter_ns
 from typing import Any
 
@@ -47,9 +47,10 @@ from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 __all__ = ["Active", "GenerateCall", "generating", "is_encoder_decoder", "tracked_generate"]
 
 class Active:
-    """What ``staged_path`` needs while a monitored model's ``generate()`` runs on this thread."""
+    """What ``staged_path`` needs while a monitored model's ``generate()`` runs in this context."""
 
-    __slots__ = ("model", "prefilled", "stamps", "step", "step_key", "timed", "verify")
+    __slots__ = ("entry", "fn", "keywords", "model", "numel", "prefilled", "sampled", "span", "stamps", "state",
+                 "step_key", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool) -> None:
         self.model = model
@@ -62,13 +63,24 @@ class Active:
         self.stamps: list[int] | None = None
         #: The decode steps' signature in this call, with what it was taken from (stages.step_signature).
         self.step_key: tuple[Any, int, Any] | None = None
-        #: (input shape, keyword count, signature entry, decode state, call target, timed path) of the decode steps
-        #: once their signature is warm: the steps like it take stages.staged_path's short path.
-        self.step: tuple[Any, int, Any, Any, Any, Any] | None = None
+        #: The decode steps' short path (stages.staged_path), set by ``Stages.remember`` once their signature is warm:
+        #: the signature's entry (None: no short path), the input's element count and the keyword count a step must
+        #: have to take it, the decode stage's state, its call target and timed path (hotpath.sampled_path), and the
+        #: request span of the caller's context (stamped when the call ends: the short path does not stamp it).
+        #: Slots of this one object, which a step reads anyway: the fewer objects a step touches, the fewer cache
+        #: misses it pays after the model's forward ran (BENCHMARKS §3b).
+        self.entry: Any = None
+        self.numel = 0
+        self.keywords = 0
+        self.state: Any = None
+        self.fn: Any = None
+        self.sampled: Any = None
+        self.span: Any = None
 
 
-#: Per thread: the ``Active`` of the generate() call running on it (``None`` outside one).
-generating = threading.local()
+#: The ``Active`` of the generate() call running in this context (``None`` outside one). A context variable rather
+#: than a thread-local: ``get()`` is ~16 ns against ~50 for a thread-local's dictionary, once per forward.
+generating: ContextVar[Active | None] = ContextVar("perfmon_generating", default=None)
 
 
 class _Tap:
@@ -79,16 +91,19 @@ class _Tap:
 
     __slots__ = ("inner", "prompt_seen", "times", "values")
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, *, keep: bool = True) -> None:
         self.inner = inner
         self.prompt_seen = False
         self.times: list[int] = []  # perf_counter_ns() of each step's put
-        self.values: list[torch.Tensor] = []  # its tokens (host tensors: HF copies them for any streamer)
+        #: Its tokens (host tensors: HF copies them for any streamer), when the call needs them (several rows, each
+        #: cut at its own EOS; assisted steps' sizes); None for one plain sequence.
+        self.values: list[torch.Tensor] | None = [] if keep else None
 
     def put(self, value: Any) -> None:
         if self.prompt_seen:
             self.times.append(perf_counter_ns())
-            self.values.append(value)
+            if self.values is not None:
+                self.values.append(value)
         else:
             self.prompt_seen = True  # generate() puts the prompt first
         if self.inner is not None:
@@ -162,7 +177,8 @@ class GenerateCall:
         if not streamable:
             self.active.stamps = []
         elif not self.beam:
-            self.tap = _Tap(streamer)
+            # One sequence without assisted steps needs only the times (_count): no token values kept.
+            self.tap = _Tap(streamer, keep=len(self.requests) > 1 or self.verify)
             kwargs["streamer"] = self.tap
         self.kwargs = kwargs
 
@@ -171,6 +187,12 @@ class GenerateCall:
     def end(self, outcome: str, out: Any = None) -> None:
         """Settle the requests: on this thread when every value needed is on the host, else on the resolver."""
         now = perf_counter_ns()
+        span = self.active.span
+        if span is not None:  # the decode steps' short path left the caller's request span to this: the model ends now
+            try:
+                span.model_call(now, now, None)
+            except Exception as exc:
+                self.internal.report("requests", exc)
         sequences = None
         if self.beam and outcome == OK:
             sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
@@ -191,7 +213,7 @@ class GenerateCall:
             self.internal.report("generation", exc)
         if self.tap is not None:  # let the caller's streamer (and the step tensors) go with the call
             self.tap.inner = None
-            self.tap.values = []
+            self.tap.values = None
         for g in self.requests:
             try:
                 if self.consumer is not None and self.consumer.g is g:
@@ -226,7 +248,7 @@ class GenerateCall:
             return
         tap = self.tap
         times = tap.times if tap is not None else []
-        values = tap.values if tap is not None else []
+        values = (tap.values or []) if tap is not None else []
         if not times:
             for i, g in enumerate(requests):
                 self.tracker.settle(g, [], None, 0, 0, prompts[i])
@@ -301,7 +323,7 @@ def tracked_generate(generate: Callable[..., Any],
 
     @functools.wraps(generate)
     def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if generating.__dict__.get("active") is not None:  # nested (an assistant's own): the outer call tracks
+        if generating.get() is not None:  # nested (an assistant's own): the outer call tracks
             return generate(self, *args, **kwargs)
         try:
             call: GenerateCall | None = start(self, args, dict(kwargs), streamable)
@@ -310,18 +332,18 @@ def tracked_generate(generate: Callable[..., Any],
             call = None
         if call is None:
             return generate(self, *args, **kwargs)
-        generating.active = call.active
+        token = generating.set(call.active)
         try:
             out = generate(self, *args, **call.kwargs)
         except Exception:
-            generating.active = None
+            generating.reset(token)
             _end(call, ERROR, None, internal)
             raise
         except BaseException:
-            generating.active = None
+            generating.reset(token)
             _end(call, CANCELLED, None, internal)
             raise
-        generating.active = None
+        generating.reset(token)
         _end(call, OK, out, internal)
         return out
 

@@ -32,6 +32,7 @@ from ..faults import InternalErrors
 from .decoding import generating
 from .hotpath import hot_path, sampled_path
 from .phases import Signature, signature
+from .requests import current as requests_current
 from .state import ModelState
 
 _Tensor = torch.Tensor
@@ -145,8 +146,9 @@ class Stages:
 
     def remember(self, active: Any) -> None:
         """After a decode step through the hot path: let the next steps of this ``generate()`` like it take the short
-        path (``Active.step``), once its signature is warm. Not with an ``items`` callable (it sees every call) or
-        without signature tracking (the signature's calls are how a step's items are counted)."""
+        path (``Active.entry``), once its signature is warm. Not with an ``items`` callable (it sees every call) or
+        without signature tracking (the signature's calls are how a step's items are counted). A request span open
+        in the caller's context is kept on ``Active``: the call stamps it when it ends (``GenerateCall.end``)."""
         try:
             memo = active.step_key
             st = self.states.get(DECODE)
@@ -157,7 +159,12 @@ class Stages:
             entry = sigs.get(memo[2]) if sigs is not None else None
             if entry is None or entry.warm_left or entry.evicted_ns:
                 return
-            active.step = (memo[0], memo[1], entry, st, decode[0], decode[1])
+            active.span = requests_current.get() if self.hub.requests else None
+            active.numel = memo[0].numel()
+            active.keywords = memo[1]
+            active.state = st
+            active.fn, active.sampled = decode
+            active.entry = entry
         except Exception as exc:
             self.internal.report("stage", exc)
 
@@ -197,7 +204,7 @@ def step_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     cost ~1 µs in a tight loop and several µs a token inside ``generate()`` (BENCHMARKS §3b). A step whose
     input or keywords differ (another width, a keyword added) is computed again.
     """
-    active = generating.__dict__.get("active")
+    active = generating.get()
     if active is None:
         return signature(args, kwargs)
     ids = kwargs.get("input_ids")
@@ -225,8 +232,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
     steps = stages.steps
     add = stages.add
     internal = stages.internal
-    hub = stages.hub
-    local = generating
+    current_active = generating.get
     tensor = _Tensor
 
     def in_generate(active: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -263,29 +269,31 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         return out
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        active: Any = local.__dict__.get("active")
+        active = current_active()
         if active is not None and active.model is self:  # inside this model's own generate()
-            # The short path of a decode step like the one before (Active.step: its input shape, as many keywords, a
-            # cache, the step before's signature still warm in the table): count the call and its signature's calls,
-            # and call the forward. No stage function, no signature, no second keyword hop: ~0.5 µs a step in a tight
-            # loop against ~1.6 through in_generate. The call in 1/sample_rate (and a pending capture) is timed as the
-            # hot path would (decode_due). An open request span, a timed request (Active.timed), assisted decoding and a
-            # step whose inputs differ go through in_generate.
-            step = active.step
-            if step is not None and not hub.requests:
-                shape, keywords, entry, st, fn, sampled = step
+            # The short path of a decode step like the one before (Active.entry: a step with as many input elements
+            # and keywords and a cache, the step before's signature still warm in the table): count the call and its
+            # signature's calls, and call the forward. No stage function, no signature, no second keyword hop: ~0.5
+            # µs a step in a tight loop against ~1.6 through in_generate. The call in 1/sample_rate (and every call
+            # while a capture is armed) is timed as the hot path would (decode_due). A timed request (Active.timed),
+            # assisted decoding and a step whose inputs differ go through in_generate.
+            entry = active.entry
+            if entry is not None:
                 ids = kwargs.get("input_ids")
                 if ids is None:  # an encoder-decoder's decoder step (T5, BART)
                     ids = kwargs.get("decoder_input_ids")
-                if (type(ids) is tensor and len(kwargs) == keywords and ids.shape == shape and not entry.warm_left
-                        and not entry.evicted_ns and kwargs.get("past_key_values") is not None):
+                # The element count, not the shape: an int compare, no torch.Size made and compared (~0.3 µs a step
+                # in generate()); within one call a step of another batch or width has another count.
+                if (type(ids) is tensor and len(kwargs) == active.keywords and ids.numel() == active.numel
+                        and not entry.warm_left and not entry.evicted_ns and kwargs.get("past_key_values") is not None):
+                    st = active.state
                     n = next(st.calls)
                     next(entry.calls)
                     if n >= st.next_index:
-                        out = decode_due(st, fn, sampled, n, entry, self, args, kwargs)
+                        out = decode_due(st, active.fn, active.sampled, n, entry, self, args, kwargs)
                     else:
                         try:
-                            out = fn(self, *args, **kwargs)
+                            out = active.fn(self, *args, **kwargs)
                         except BaseException as exc:
                             st.error(exc)
                             raise
