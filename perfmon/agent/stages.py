@@ -112,7 +112,8 @@ class Stages:
         self.calls: dict[str, Callable[..., Any]] = {}
         #: label -> the same, for the decode steps of the model's own generate() (``step_signature``).
         self.steps: dict[str, Callable[..., Any]] = {}
-        #: The decode stage's call target and timed path (``hotpath.sampled_path``), for ``Active.step``.
+        #: The decode stage's call target and timed path (``hotpath.sampled_path``), for the decode short path
+        #: (``remember`` puts them on ``Active``).
         self.decode: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         self.hub = first.hub
         self._lock = threading.Lock()
@@ -324,8 +325,8 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
 
 
 def decode_due(st: ModelState, fn: Callable[..., Any], sampled: Callable[..., Any], n: int, entry: Signature, self: Any,
-         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A decode step of ``in_generate``'s short path that reached the sampling index: time it (or hand it to a
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A decode step on ``staged_path``'s short path that reached the sampling index: time it (or hand it to a
     pending capture) as the hot path would."""
     try:
         token = st.due(n)
