@@ -8,7 +8,8 @@ The model is a tiny randomly initialised GPT-2 (built from a config: nothing is 
 "text" is token ids, one per line. What perfmon sees:
 
 - the wrapped model's forward calls, split ``stage="prefill"`` (the prompt) and ``stage="decode"`` (one
-  token against the KV cache), recognised from ``past_key_values`` without configuration;
+  token against the KV cache), recognised from the KV cache argument (``past_key_values``, or ``cache`` from
+  transformers 5.24) without configuration;
 - each response as one generation request (``monitor.stream``): time to first token and inter-token
   latency as the client gets them, prompt and generated tokens, and the outcome — ``ok``, ``error``, or
   ``cancelled`` when the client goes away mid-stream (the stream's task is cancelled).
@@ -20,6 +21,7 @@ perfmon's routes are mounted under /perfmon (``/perfmon/metrics``, ``/perfmon/st
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -61,11 +63,16 @@ app = FastAPI(title="perfmon streaming generation example", lifespan=lifespan)
 app.mount("/perfmon", monitor.asgi_app)
 
 
+#: The KV cache's keyword and output field: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
+#: still works there, with a warning every call).
+CACHE = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _step(ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
     """One forward (prefill without a cache, decode with one) and the greedy next token."""
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits[:, -1:].argmax(-1), out.past_key_values
+        out = model(input_ids=ids, use_cache=True, **{CACHE: cache})
+        return out.logits[:, -1:].argmax(-1), out[CACHE]
 
 
 async def decode(ids: torch.Tensor, new_tokens: int) -> AsyncIterator[int]:

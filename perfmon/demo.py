@@ -13,6 +13,7 @@ calls split into prefill and decode; requests give TTFT, inter-token latency and
 
 from __future__ import annotations
 
+import inspect
 import random
 import signal
 import sys
@@ -214,6 +215,10 @@ def _generation_requests(monitor: Monitor, model: Any, device: str) -> Requests:
         def end(self) -> None:
             pass
 
+    # transformers 5.24 renamed the KV cache's keyword (and output field) ``past_key_values`` to ``cache``; the old
+    # name still works there but warns every call.
+    cache_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
     def decode_loop(ids: torch.Tensor, new: int) -> Iterator[int]:
         """A hand-written loop against the KV cache, one token per step, as a custom server runs it."""
         out = model(input_ids=ids, use_cache=True)  # prefill
@@ -221,7 +226,7 @@ def _generation_requests(monitor: Monitor, model: Any, device: str) -> Requests:
             token = out.logits[:, -1:].argmax(-1)
             yield int(token)
             if i + 1 < new:
-                out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)  # decode
+                out = model(input_ids=token, use_cache=True, **{cache_key: out[cache_key]})  # decode
 
     def request(rng: random.Random, elapsed: float) -> None:
         prompt = rng.choice(PROMPT_LENGTHS)

@@ -266,7 +266,7 @@ class Monitor(RequestApi, CaptureApi):
         processes: None (default) the first dimension of the first tensor argument (needs
         ``track_signatures``), a callable ``(args, kwargs) -> int | (effective, padded)`` in your units (e.g.
         tokens, padding excluded), False nothing. ``stage`` splits a generative model's calls into series
-        (``prefill``/``decode``): None (default) for a ``forward`` taking ``past_key_values`` (see
+        (``prefill``/``decode``): None (default) for a ``forward`` taking a KV cache (``past_key_values``; see
         ``perfmon.agent.stages``), a callable ``(args, kwargs) -> str`` (at most 8 labels), False one stage.
         """
         return self.models.wrap(model, name=name, device=device, items=items, stage=stage)

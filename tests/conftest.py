@@ -39,6 +39,20 @@ def make_monitor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
         m.stop()
 
 
+def cache_key(model: Any) -> str:
+    """The keyword (and output field) a transformers model's forward takes its KV cache under, taken from the
+    installed version, not from perfmon: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def kv_cache_of(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a forward hook saw (under either name: transformers 5.24 renamed ``past_key_values``)."""
+    cache = kwargs.get("past_key_values")
+    return cache if cache is not None else kwargs.get("cache")
+
+
 def value(monitor: perfmon.Monitor, name: str, **labels: str) -> float | None:
     """One sample's value from the monitor's registry (``stage`` defaults to "": a model with one stage)."""
     from perfmon.metrics.catalog import METRICS

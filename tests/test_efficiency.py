@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import perfmon
 
-from .conftest import value, wait_until
+from .conftest import cache_key, value, wait_until
 
 
 def _timed_calls(model: Any, x: torch.Tensor, n: int) -> list[float]:
@@ -114,7 +114,7 @@ def test_a_tiny_gpt2_prefill_is_counted_like_flopcountermode(make_monitor) -> No
         for _ in range(4):
             out = model(ids)
         for _ in range(4):
-            model(ids[:, :1], past_key_values=out.past_key_values)
+            model(ids[:, :1], **{cache_key(gpt2): out[cache_key(gpt2)]})
     eff = _counted(mon, "gpt2", "prefill")
     assert eff["flops_per_call"] == reference.get_total_flops() > 0
     assert value(mon, "perfmon_model_flops_per_second", model="gpt2", stage="prefill") > 0
@@ -139,7 +139,8 @@ def test_generate_prefill_with_its_fresh_cache_is_counted(make_monitor) -> None:
         gpt2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
     hook.remove()
     args, kwargs = seen[0]  # the prefill, as generate() called it: replay it with a new empty cache of that class
-    kwargs["past_key_values"] = type(kwargs["past_key_values"])()
+    key = cache_key(gpt2)
+    kwargs[key] = type(kwargs[key])()
     with torch.no_grad(), FlopCounterMode(display=False) as reference:
         gpt2(*args, **kwargs)
     mon = _monitor(make_monitor)

@@ -329,6 +329,66 @@ class _ShiftingSteps(torch.nn.Module):
         return input_ids
 
 
+class _NewCacheName(torch.nn.Module):
+    """A decoder with transformers 5.24's keywords: the KV cache comes as ``cache`` (with ``use_cache``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    class Cache:
+        """5.24's caches are ``Cache`` objects: their length is ``get_seq_length()``."""
+
+        def __init__(self) -> None:
+            self.length = 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+    def forward(self, input_ids: torch.Tensor, cache: Any = None, use_cache: bool = True) -> Any:
+        if isinstance(cache, self.Cache):
+            cache.length += input_ids.shape[-1]
+        return self.lin(torch.ones(input_ids.shape[0], 4))
+
+    def generate(self, input_ids: torch.Tensor, steps: int = 6) -> torch.Tensor:
+        cache = self.Cache()
+        for i in range(steps):
+            self(input_ids=input_ids if i == 0 else input_ids[:, :1], cache=cache, use_cache=True)
+        return input_ids
+
+
+class _CacheIsSomethingElse(torch.nn.Module):
+    """A forward with a ``cache`` argument but no ``use_cache``: not a Hugging Face decoder (the name is common)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: Any = None) -> Any:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.001])
+def test_the_kv_cache_under_transformers_5_24s_name_splits_prefill_and_decode(make_monitor, sample_rate) -> None:
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``: a forward taking ``cache`` and ``use_cache`` is a
+    decoder, its own generate()'s steps are split prefill/decode and counted exactly whether timed or on the short
+    path; a module whose ``cache`` argument is something else keeps one stage; a step given under ``cache`` an object
+    that is no KV cache (continuous batching's paged cache) is not a decode step on that account."""
+    mon = make_monitor(sample_rate=sample_rate, warmup_calls=1)
+    model = mon.wrap(_NewCacheName(), name="new")
+    with torch.inference_mode():
+        for _ in range(8):
+            model.generate(torch.ones(2, 3, dtype=torch.long), steps=6)
+        model(input_ids=torch.ones(2, 1, dtype=torch.long), cache=object(), use_cache=True)  # a paged-like cache
+    assert value(mon, "perfmon_forward_calls_total", model="new", stage="prefill") == 8 + 1
+    assert value(mon, "perfmon_forward_calls_total", model="new", stage="decode") == 8 * 5
+    assert mon.flush()
+    assert mon.stats()["generation"]["new"]["requests"]["ok"] == 8 * 2
+    other = mon.wrap(_CacheIsSomethingElse(), name="other")
+    other(torch.ones(2, 4), cache={"k": 1})
+    assert value(mon, "perfmon_forward_calls_total", model="other") == 1
+
+
 def test_decode_steps_keep_their_signatures_when_a_step_changes_shape(make_monitor) -> None:
     """Inside a model's own generate(), a decode step takes the step before's signature only while its input
     and keywords match: a step of another width is a signature of its own, every call is counted."""

@@ -43,7 +43,7 @@ import torch
 
 import perfmon
 
-from .conftest import value, wait_until
+from .conftest import kv_cache_of, value, wait_until
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,7 +153,7 @@ class Forwards:
 
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get(self.key, args[0] if args else None)
-        cache = kwargs.get("past_key_values")
+        cache = kv_cache_of(kwargs)
         cached = cache.get_seq_length() if cache is not None and hasattr(cache, "get_seq_length") else 0
         self.calls.append((int(ids.shape[-1]) if ids is not None else -1, int(cached)))
 
@@ -375,7 +375,7 @@ class Disagree:
         assistant.register_forward_hook(self._post, with_kwargs=True)
 
     def _pre(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = kv_cache_of(kwargs)
         self.length = kwargs["input_ids"].shape[1] + (cache.get_seq_length() if cache is not None else 0)
 
     def _post(self, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:

@@ -7,7 +7,7 @@ What transformers does (5.x, ``generation/continuous_batching/``): ``model.init_
 (also behind ``generate_batch`` and ``continuous_batching_context_manager``) returns a manager whose own
 thread loops ``prepare_next_batch`` (the scheduler picks request chunks) -> one forward,
 ``model(**batch_data)`` with every request's tokens flattened into ``input_ids`` of shape ``(1, N)`` and
-a paged ``cache=`` (no ``past_key_values``: the prefill/decode rule of stages.py sees a prefill) ->
+a paged ``cache=`` (no KV cache to the prefill/decode rule of stages.py: it sees a prefill) ->
 ``update_batch``, which publishes each request's output (``GenerationOutput``: its id and every token
 so far) through ``output_router.deliver_batch`` to the output queue or an async handler. Requests
 enter through ``input_queue.put`` in ``add_request``; a cancelled one is dropped by the scheduler's

@@ -49,8 +49,8 @@ __all__ = ["Active", "GenerateCall", "generating", "is_encoder_decoder", "tracke
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs in this context."""
 
-    __slots__ = ("entry", "fn", "keywords", "model", "numel", "prefilled", "sampled", "span", "stamps", "state",
-                 "step_key", "timed", "verify")
+    __slots__ = ("cache_key", "entry", "fn", "keywords", "model", "numel", "prefilled", "sampled", "span", "stamps",
+                 "state", "step_key", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool) -> None:
         self.model = model
@@ -65,13 +65,15 @@ class Active:
         self.step_key: tuple[Any, int, Any] | None = None
         #: The decode steps' short path (stages.staged_path), set by ``Stages.remember`` once their signature is warm:
         #: the signature's entry (None: no short path), the input's element count and the keyword count a step must
-        #: have to take it, the decode stage's state, its call target and timed path (hotpath.sampled_path), and the
-        #: request span of the caller's context (stamped when the call ends: the short path does not stamp it).
-        #: Slots of this one object, which a step reads anyway: the fewer objects a step touches, the fewer cache
-        #: misses it pays after the model's forward ran (BENCHMARKS §3b).
+        #: have to take it, the keyword its cache comes under (stages.CACHE_KWARGS), the decode stage's state, its
+        #: call target and timed path (hotpath.sampled_path), and the request span of the caller's context (stamped
+        #: when the call ends: the short path does not stamp it). Slots of this one object, which a step reads
+        #: anyway: the fewer objects a step touches, the fewer cache misses it pays after the model's forward ran
+        #: (BENCHMARKS §3b).
         self.entry: Any = None
         self.numel = 0
         self.keywords = 0
+        self.cache_key = "past_key_values"
         self.state: Any = None
         self.fn: Any = None
         self.sampled: Any = None

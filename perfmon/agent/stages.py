@@ -7,9 +7,10 @@ prompt lengths of the traffic, so a model with stages gets one set of series per
 (``stage="prefill"`` / ``stage="decode"``); cold vs steady stays orthogonal.
 
 Hugging Face-style models are recognised without configuration: a forward that accepts
-``past_key_values`` is generative, and a call is a decode step when it is given a cache that already
-holds tokens (``Cache.get_seq_length() > 0``, or a non-empty legacy tuple), or, without a cache, a
-``cache_position`` of one token. Reading a cache's length is host-side bookkeeping (a tensor shape),
+``past_key_values`` (transformers before 5.24), or ``cache`` with ``use_cache`` (5.24 renamed it), is
+generative, and a call is a decode step when it is given a cache that already holds tokens
+(``Cache.get_seq_length() > 0``, or a non-empty legacy tuple), or, without a cache, a ``cache_position``
+of one token. Reading a cache's length is host-side bookkeeping (a tensor shape),
 never a device sync. Any other model has one stage; ``wrap(stage=callable)`` labels custom loops.
 
 A model with stages gets a ``ModelState`` and a hot path per stage (``Stages``), and a ``__call__``
@@ -37,8 +38,8 @@ from .state import ModelState
 
 _Tensor = torch.Tensor
 
-__all__ = ["DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "decode_due", "generative_stage",
-           "is_generative", "stage_label", "staged_path", "step_signature"]
+__all__ = ["CACHE_KWARGS", "DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "decode_due",
+           "generative_stage", "is_generative", "kv_cache", "stage_label", "staged_path", "step_signature"]
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -53,20 +54,42 @@ MAX_STAGES = 8
 StageFn = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
 
 
+#: The keywords a Hugging Face-style forward takes its KV cache under: ``past_key_values`` (transformers before
+#: 5.24, and callers still using the deprecated name) and ``cache`` (5.24 on; its ``generate()`` passes this one).
+CACHE_KWARGS = ("past_key_values", "cache")
+
+
 def is_generative(module: Any) -> bool:
-    """True for a module whose ``forward`` takes ``past_key_values`` (a Hugging Face-style decoder)."""
+    """True for a module whose ``forward`` takes a KV cache (a Hugging Face-style decoder): ``past_key_values``, or
+    ``cache`` together with ``use_cache`` (the pair transformers 5.24 on declares; ``cache`` alone is too common a
+    name to mean a KV cache)."""
     forward = getattr(module, "forward", None)
     if forward is None:
         return False
     try:
-        return "past_key_values" in inspect.signature(forward).parameters
+        params = inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return False
+    return "past_key_values" in params or ("cache" in params and "use_cache" in params)
+
+
+def kv_cache(kwargs: Mapping[str, Any]) -> Any:
+    """The KV cache a forward call was given (``CACHE_KWARGS``), or None.
+
+    Under ``cache`` only a cache object (one with ``get_seq_length``) or a legacy tuple counts: continuous batching
+    passes its paged cache there, which holds no sequence length (batching.py labels those steps)."""
+    cache = kwargs.get("past_key_values")
+    if cache is not None:
+        return cache
+    cache = kwargs.get("cache")
+    if cache is not None and (hasattr(cache, "get_seq_length") or isinstance(cache, (tuple, list))):
+        return cache
+    return None
 
 
 def generative_stage(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
     """``decode`` for a step against a KV cache that already holds tokens, else ``prefill``."""
-    cache = kwargs.get("past_key_values")
+    cache = kv_cache(kwargs)
     if cache is not None:
         length = getattr(cache, "get_seq_length", None)
         if length is not None:
@@ -164,6 +187,8 @@ class Stages:
             entry = st.sigs.get(step_signature(args, kwargs))
             if entry is None or entry.warm_left or entry.evicted_ns:
                 return False
+            # The keyword this call's steps pass their cache under (CACHE_KWARGS): the short path reads that one.
+            active.cache_key = "past_key_values" if kwargs.get("past_key_values") is not None else "cache"
             active.span = requests_current.get() if self.hub.requests else None
             active.numel = ids.numel()
             active.keywords = len(kwargs)
@@ -249,7 +274,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         label = None
         short = False
         try:
-            if generative and active.prefilled and kwargs.get("past_key_values") is not None:
+            if generative and active.prefilled and kv_cache(kwargs) is not None:
                 # A step after the first, against the cache this generate() made: that cache holds the prompt, so
                 # pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
                 label = DECODE
@@ -296,7 +321,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 # The element count, not the shape: an int compare, no torch.Size made and compared (~0.3 µs a step
                 # in generate()); within one call a step of another batch or width has another count.
                 if (type(ids) is tensor and len(kwargs) == active.keywords and ids.numel() == active.numel
-                        and not entry.warm_left and not entry.evicted_ns and kwargs.get("past_key_values") is not None):
+                        and not entry.warm_left and not entry.evicted_ns and kwargs.get(active.cache_key) is not None):
                     st = active.state
                     n = next(st.calls)
                     next(entry.calls)
