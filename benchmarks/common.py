@@ -58,6 +58,48 @@ def dump(path: str | None, data: Any) -> None:
             json.dump(data, f, indent=1)
 
 
+class ScraperProcess:
+    """GET ``url/metrics`` every ``period`` seconds from a child process, as Prometheus does from its own: the
+    scrape's client costs the serving process's GIL nothing (an in-process ``Scraper`` thread would be charged to
+    the agent). ``url`` is fixed (give the monitor a fixed ``port``); a refused scrape (the monitor stopped) is
+    skipped. Stopped by ``stop()``; bounded by ``limit`` seconds even if never stopped."""
+
+    _CHILD = (
+        "import sys, time, urllib.request\n"
+        "url, period, limit = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])\n"
+        "end = time.monotonic() + limit\n"
+        "while time.monotonic() + period < end:\n"
+        "    time.sleep(period)\n"
+        "    try:\n"
+        "        urllib.request.urlopen(url, timeout=10).read()\n"
+        "        print('ok', flush=True)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+
+    def __init__(self, url: str, period: float = 15.0, limit: float = 3600.0) -> None:
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen([sys.executable, "-c", self._CHILD, f"{url}/metrics", str(period), str(limit)],
+                                      stdout=subprocess.PIPE, text=True)
+        self.scrapes = 0
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=15)
+        self.scrapes = out.count("ok")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Scraper:
     """GET ``url()/metrics`` every ``period`` seconds while the monitor serves (a Prometheus at its default
     cadence; ``url()`` None: not serving now, skipped). Stopped by ``stop()``."""

@@ -103,19 +103,10 @@ def build(make: Callable[[], torch.nn.Module]) -> tuple[dict[str, Callable[..., 
         monitors.append(mon)
         return mon.wrap(make(), name="m", items=items)  # type: ignore[no-any-return]
 
-    def without_trampoline() -> Callable[..., Any]:
-        # torch's own modules get a one-frame forward of perfmon's so torch.compile compiles them
-        # (wrap._compilable_forward); a user-defined model never has it. Remove it to show both.
-        model = monitored(1e-9, True)
-        if "forward" in vars(type(model)):
-            delattr(type(model), "forward")
-        return model
-
     variants = {
         "bare": make(),
         "perfmon unsampled, signatures off": monitored(1e-9, False),
         "perfmon unsampled (signatures on)": monitored(1e-9, True),
-        "perfmon unsampled, as for a user-defined module (no compile frame)": without_trampoline(),
         "perfmon unsampled, signatures on, items off": monitored(1e-9, True, items=False),
         "perfmon 1% sampling": monitored(0.01, True),
         "perfmon 5% sampling": monitored(0.05, True),

@@ -78,6 +78,27 @@ def test_user_exceptions_pass_through_unchanged(make_monitor) -> None:
     assert caught.value is err
 
 
+
+def test_a_builtin_modules_forward_runs_with_no_frame_in_front_and_shows_torchs_source(make_monitor) -> None:
+    """A wrapped torch module (nn.Linear) runs torch's own forward code called straight from ``_call_impl`` (no
+    trampoline frame: it cost every call ~100 ns), and a traceback through it shows torch's source lines."""
+    import linecache
+
+    mon = make_monitor()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="linear")
+    assert type(model).forward.__code__.co_code == torch.nn.Linear.forward.__code__.co_code
+    torch_file = torch.nn.Linear.forward.__code__.co_filename
+    for _ in range(3):  # cold (timed) and steady calls alike
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as caught:
+            model(torch.randn(2, 5))
+        frames = traceback.extract_tb(caught.value.__traceback__)
+        names = [f.name for f in frames]
+        at = names.index("forward")
+        assert names[at - 1] == "_call_impl"  # torch's own caller, nothing of perfmon's between
+        forward = frames[at]
+        assert forward.filename.endswith(torch_file) and forward.lineno is not None
+        assert forward.line and forward.line == linecache.getline(torch_file, forward.lineno).strip()
+
 def test_module_api_is_preserved(make_monitor) -> None:
     """eval/train/to/state_dict/attributes/isinstance/containers work on the wrapped module, and stay monitored."""
     mon = make_monitor()
