@@ -62,7 +62,8 @@ class ScraperProcess:
     """GET ``url/metrics`` every ``period`` seconds from a child process, as Prometheus does from its own: the
     scrape's client costs the serving process's GIL nothing (an in-process ``Scraper`` thread would be charged to
     the agent). ``url`` is fixed (give the monitor a fixed ``port``); a refused scrape (the monitor stopped) is
-    skipped. Stopped by ``stop()``; bounded by ``limit`` seconds even if never stopped."""
+    skipped. Stopped by ``stop()`` (then ``scrapes`` and ``times``: the ``time.time()`` each ended); bounded by
+    ``limit`` seconds even if never stopped."""
 
     _CHILD = (
         "import sys, time, urllib.request\n"
@@ -72,7 +73,7 @@ class ScraperProcess:
         "    time.sleep(period)\n"
         "    try:\n"
         "        urllib.request.urlopen(url, timeout=10).read()\n"
-        "        print('ok', flush=True)\n"
+        "        print('ok', time.time(), flush=True)\n"
         "    except OSError:\n"
         "        pass\n"
     )
@@ -84,11 +85,14 @@ class ScraperProcess:
         self._proc = subprocess.Popen([sys.executable, "-c", self._CHILD, f"{url}/metrics", str(period), str(limit)],
                                       stdout=subprocess.PIPE, text=True)
         self.scrapes = 0
+        #: time.time() of each scrape answered, once stopped
+        self.times: list[float] = []
 
     def stop(self) -> None:
         self._proc.terminate()
         out, _ = self._proc.communicate(timeout=15)
-        self.scrapes = out.count("ok")
+        self.times = [float(line.split()[1]) for line in out.splitlines() if line.startswith("ok ")]
+        self.scrapes = len(self.times)
 
 
 def free_port() -> int:

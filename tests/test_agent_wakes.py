@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import torch
 
@@ -49,3 +50,23 @@ def test_the_resolver_wakes_for_the_next_sampling_floor(make_monitor) -> None:
     (st,) = mon.models.states()
     assert st.next_index > 0  # not armed: its floor is still ahead
     assert mon.resolver.floor_due_ns == st.last_sample_ns + int(0.4e9)
+
+
+def test_an_idle_http_loop_sleeps_until_a_socket_wants_it(make_monitor) -> None:
+    """No connection held, nothing queued: the HTTP loop sleeps until a socket (it used to wake every second to
+    check deadlines that no connection had); a request still gets its answer at once, and the loop sleeps again."""
+    mon = make_monitor(port=0).start()
+
+    def wakes() -> float:
+        return value(mon, "perfmon_agent_wakeups_total", thread="http") or 0
+
+    wait_until(lambda: wakes() >= 1, timeout=10, what="the HTTP loop's first turn")
+    t0 = time.monotonic()
+    wait_until(lambda: time.monotonic() - t0 >= 0.5, timeout=10, what="start-up settled")
+    first = wakes()
+    t0 = time.monotonic()
+    wait_until(lambda: time.monotonic() - t0 >= 2.5, timeout=10, what="2.5 s")  # a span to count over
+    assert wakes() == first  # the old loop: 2-3 wakes here
+    with urllib.request.urlopen(f"{mon.url}/healthz", timeout=10) as response:
+        assert response.status == 200
+    assert wakes() > first

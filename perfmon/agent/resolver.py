@@ -41,7 +41,7 @@ class Resolver:
         states: Callable[[], Iterable[ModelState]] = tuple,
         log: Any = None,
         on_tick: Callable[[int], None] | None = None,
-        device_refresh_seconds: float = 1.0,
+        device_refresh_seconds: float = 10.0,
         idle_seconds: float = 1.0,
     ) -> None:
         #: How long the thread sleeps when no device event is in flight (seconds): housekeeping's cadence.
@@ -60,6 +60,9 @@ class Resolver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: How often each model's device is re-read and dropped samples are logged (ns). ``.to()``, ``.cuda()``...
+        #: relabel at once (wrap._apply_then_relabel): this only catches moves that bypass ``_apply`` (a parameter
+        #: reassigned), and walking every stage's parameters each second was ~40% of an idle wake's work.
         self._refresh_ns = int(device_refresh_seconds * 1e9)
         #: perf_counter_ns when the next model's sampling floor falls due (None: none pending).
         self.floor_due_ns: int | None = None

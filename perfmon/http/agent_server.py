@@ -53,9 +53,6 @@ __all__ = ["MAX_CONNECTIONS", "AgentServer"]
 MAX_CONNECTIONS = 128
 #: CPU seconds the budget lets the server spend at once (one large render or trace download).
 BUDGET_BURST_SECONDS = 0.1
-#: The loop waits at most this long for a socket (connection deadlines are checked when it wakes);
-#: idle, it wakes once a second. stop() wakes it at once.
-_IDLE_SECONDS = 1.0
 #: Longest sleep while paused for the budget (the pause time is counted in these slices).
 _PAUSE_SLICE_SECONDS = 0.1
 #: New connections taken per loop turn (the rest wait in the kernel's queue for the next turn).
@@ -203,9 +200,12 @@ class AgentServer:
             lane_spent = time.thread_time() - c0  # charged to the lane, not to triage
             self.shedding.paused_seconds += time.monotonic() - t0
         else:
-            timeout = _IDLE_SECONDS if work is None else min(work, _PAUSE_SLICE_SECONDS)
-            if self._conns and timeout > 0:
-                timeout = max(0.0, min(timeout, min(c.deadline for c in self._conns) - time.monotonic()))
+            # Idle, the loop sleeps until a socket or its next connection deadline (None: no connection, no work):
+            # a wake is a GIL hand-off the serving thread pays for (docs/design.md, "What the agent costs").
+            timeout = None if work is None else min(work, _PAUSE_SLICE_SECONDS)
+            if self._conns and (timeout is None or timeout > 0):
+                until = max(0.0, min(c.deadline for c in self._conns) - time.monotonic())
+                timeout = until if timeout is None else min(timeout, until)
             t0 = time.monotonic()
             events = self._conns.selector.select(timeout)
             if work is not None and work > 0:  # requests waited for the budget meanwhile
