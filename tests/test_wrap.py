@@ -78,7 +78,6 @@ def test_user_exceptions_pass_through_unchanged(make_monitor) -> None:
     assert caught.value is err
 
 
-
 def test_a_builtin_modules_forward_runs_with_no_frame_in_front_and_shows_torchs_source(make_monitor) -> None:
     """A wrapped torch module (nn.Linear) runs torch's own forward code called straight from ``_call_impl`` (no
     trampoline frame: it cost every call ~100 ns), and a traceback through it shows torch's source lines."""
@@ -98,6 +97,7 @@ def test_a_builtin_modules_forward_runs_with_no_frame_in_front_and_shows_torchs_
         forward = frames[at]
         assert forward.filename.endswith(torch_file) and forward.lineno is not None
         assert forward.line and forward.line == linecache.getline(torch_file, forward.lineno).strip()
+
 
 def test_module_api_is_preserved(make_monitor) -> None:
     """eval/train/to/state_dict/attributes/isinstance/containers work on the wrapped module, and stay monitored."""
