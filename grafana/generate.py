@@ -476,8 +476,12 @@ def overview() -> dict[str, Any]:
          "{{instance}} HTTP paused (budget spent)"),
         (f"sum by (instance, reason) (rate(perfmon_agent_http_refused_total{{{BASE}}}[{RATE}]))",
          "{{instance}} HTTP refused/s: {{reason}}"),
+        (f"sum by (instance, thread) (rate(perfmon_agent_wakeups_total{{{BASE}}}[{RATE}]))",
+         "{{instance}} wakes/s: {{thread}}"),
     ], "short", description="CPU seconds per second of perfmon's own threads; the share of time its HTTP server "
-        "paused because it spent its CPU budget (http_cpu_budget), and connections it refused or cut, by reason.")
+        "paused because it spent its CPU budget (http_cpu_budget), and connections it refused or cut, by reason; "
+        "wakes per second of each thread (each takes the GIL from a GIL-bound serving thread: an idle agent wakes "
+        "~1 a second; alert: PerfmonAgentWakingOften).")
     # Only agents with trace_store set export these; elsewhere the two panels stay empty.
     b.panel("Trace uploads (trace_store)", [
         (f"sum by (instance, outcome) (rate(perfmon_trace_uploads_total{{{BASE}}}[{RATE}]))",
