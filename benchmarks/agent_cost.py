@@ -18,15 +18,18 @@ bare twin as the A/A (µs per generated token, quantile differences, and what th
 request's records, per token), and the per-call cost on Linear(64, 64), both with the monitor running. Agent threads'
 wakes per second (voluntary context switches, which include waits for the GIL) are read from /proc.
 
-The percentages above are differences of ~1 s timings on a shared host, spread ±2-3% even in a quiet hour: a
+The percentages above are differences of ~1 s timings on a shared host, spread ±2-7% even in a quiet hour: a
 ±0.1% target cannot be read off them. So the background's cost is also given as a bound built from figures the
 host's noise cannot hide: a fourth variant runs the stopped loop beside a plain thread waking every 1 ms (a large
 effect, ~+5%), which prices one background switch in serving time; each agent thread's cost is then at most its
 switches (wakes and GIL waits, from /proc) times that price plus the CPU time it spent beyond the calibration thread's
-own CPU a switch (work it could do holding the GIL), over the time the loop ran with the monitor running. The wrapped
-model's bound adds the per-call path measured on Linear(64, 64) (the difference of the minima: noise only adds to a
-time) over the loop's time a call. The scraper is a child process, as Prometheus is another process: a
-scraping thread in this one would charge its own GIL time to the agent.
+own CPU a switch (work it could do holding the GIL), over the time the loop ran in that variant. The HTTP thread's
+work is the scrapes (idle, it sleeps until a socket): its cost a scrape, over the scrapes that fell in the running
+variants, is charged at one every 15 s. The wrapped model's bound adds the per-call path measured on Linear(64, 64)
+(the difference of the minima: noise only adds to a time) over the loop's time a call. The scraper is a child
+process, as Prometheus is another process: a scraping thread in this one would charge its own GIL time to the agent.
+The bound assumes an agent thread's switch costs the serving thread what a do-nothing thread's does; the cache its
+work evicts is not priced beyond that.
 
     python benchmarks/agent_cost.py [--rounds 24] [--calls 3000] [--json out.json]
 
