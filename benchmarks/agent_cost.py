@@ -253,13 +253,12 @@ def main() -> None:
             t0, w0, before = time.perf_counter(), time.time(), agent_threads(prefix)
             per[variant].append(time_calls(call, args.calls))
             after = agent_threads(prefix)
-            if running:
-                windows.append((w0, time.time()))
             if waker is not None:
                 waker.stop()
                 waker_switches = sum(after[k][0] - before[k][0] for k in after.keys() & before.keys())
                 waker_cpu = sum(after[k][1] - before[k][1] for k in after.keys() & before.keys())
             if running:  # the agent's threads while the loop ran (wrapped: its drains are the resolver's work too)
+                windows.append((w0, time.time()))
                 wake_seconds[variant] += time.perf_counter() - t0
                 for name in after.keys() & before.keys():
                     w = wakes[variant].setdefault(name, [0, 0])

@@ -84,15 +84,18 @@ class ScraperProcess:
 
         self._proc = subprocess.Popen([sys.executable, "-c", self._CHILD, f"{url}/metrics", str(period), str(limit)],
                                       stdout=subprocess.PIPE, text=True)
-        self.scrapes = 0
         #: time.time() of each scrape answered, once stopped
         self.times: list[float] = []
+
+    @property
+    def scrapes(self) -> int:
+        """Scrapes answered (known once stopped)."""
+        return len(self.times)
 
     def stop(self) -> None:
         self._proc.terminate()
         out, _ = self._proc.communicate(timeout=15)
         self.times = [float(line.split()[1]) for line in out.splitlines() if line.startswith("ok ")]
-        self.scrapes = len(self.times)
 
 
 def free_port() -> int:

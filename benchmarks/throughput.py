@@ -14,7 +14,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,16 +22,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import dump, machine, table
+from common import dump, free_port, machine, table
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"tokens": [[0.01] * 64] * 16}).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(enabled: bool) -> tuple[subprocess.Popen[bytes], int, int]:
