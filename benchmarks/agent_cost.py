@@ -13,9 +13,9 @@ the agent's own threads shows. So this times the serving thread itself:
 
 Each round runs every variant once in a shuffled order (they share the machine's noise); the figure is
 the median over rounds of each variant's time per call divided by the same round's ``stopped`` one, with
-the 25th-75th percentiles. Then a ``generate()`` of a tiny random GPT-2 wrapped vs a bare twin, with a second
-bare twin as the A/A (µs per generated token, quantile differences, and what the resolver spends draining a
-request's records, per token), and the per-call cost on Linear(64, 64), both with the monitor running. Agent threads'
+the 25th-75th percentiles. Then a ``generate()`` of one tiny random GPT-2 wrapped vs unwrapped, with a second
+unwrapped variant as the A/A (µs per generated token, quantile differences, and what the resolver spends draining
+a request's records, per token), and the per-call cost on Linear(64, 64), both with the monitor running. Agent threads'
 wakes per second (voluntary context switches, which include waits for the GIL) are read from /proc.
 
 The percentages above are differences of ~1 s timings on a shared host, spread ±2-7% even in a quiet hour: a
@@ -120,13 +120,17 @@ def pct(values: list[float]) -> tuple[float, float, float]:
 
 
 def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str, Any]:
-    """µs a generated token that a wrapped tiny GPT-2's ``generate()`` adds over a bare twin, the monitor running.
+    """µs a generated token that wrapping a tiny GPT-2 adds to its ``generate()``, the monitor running.
 
-    Each round runs one ``generate()`` of each variant (bare, a second bare twin for the A/A, wrapped) in a shuffled
-    order. A request's time only gains from noise, so the figures are differences of the variants' quantiles
-    (q10, q25, the median) over the rounds, per token, beside the same for the A/A. Then what the resolver spends
-    draining a request's records (its TTFT, its inter-token gaps, its end), per token: on a GIL-bound server that is
-    the serving thread's time too, and the interleaved rounds see it only when a tick falls inside one.
+    One model, wrapped and unwrapped between variants (``Monitor.unwrap`` restores its class): a twin copy puts
+    its weights elsewhere in memory, a difference of its own (two bare twins differed by ±9 µs a token; the same
+    model unwrapped twice, the A/A here, by ±3). Each round runs the variants (bare, bare again for the A/A,
+    wrapped) in a shuffled order, each one ``generate()`` after its switch (its cold calls, a new wrap's first
+    request timed in full) and one measured. A request's time only gains from noise, so the figures are
+    differences of the variants' quantiles (q10, q25, the median) over the rounds, per token, beside the same for
+    the A/A. Then what the resolver spends draining a request's records (its TTFT, its inter-token gaps, its end),
+    per token: on a GIL-bound server that is the serving thread's time too, and the interleaved rounds see it only
+    when a tick falls inside one.
     """
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -134,54 +138,65 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
     transformers.logging.set_verbosity_error()
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
                      eos_token_id=1)
-    base = GPT2LMHeadModel(cfg).eval()
-    variants = {"bare": copy.deepcopy(base), "bare twin (A/A)": copy.deepcopy(base),
-                "wrapped": mon.wrap(copy.deepcopy(base), name="gpt2_tiny")}
+    model = GPT2LMHeadModel(cfg).eval()
+    variants = ("bare", "bare again (A/A)", "wrapped")
     ids = torch.randint(2, 1000, (1, 8))
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    wrapped = False
 
-    def run(model: Any) -> float:
+    def run(variant: str) -> float:
+        nonlocal wrapped
+        want = variant == "wrapped"
+        if want and not wrapped:
+            mon.wrap(model, name="gpt2_tiny")  # the same name again: its counters continue
+        elif wrapped and not want:
+            mon.unwrap(model)
+        wrapped = want
         gc.disable()
         try:
             with torch.inference_mode():
+                model.generate(ids, **kw)  # after the switch: not measured
                 t0 = time.perf_counter_ns()
                 model.generate(ids, **kw)
                 return (time.perf_counter_ns() - t0) / 1e3
         finally:
             gc.enable()
 
-    for _ in range(5):
-        for model in variants.values():
-            run(model)
+    for _ in range(3):
+        for variant in variants:
+            run(variant)
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         order = list(variants)
         random.shuffle(order)
         for k in order:
-            times[k].append(run(variants[k]))
+            times[k].append(run(k))
+    if wrapped:
+        mon.unwrap(model)
     for v in times.values():
         v.sort()
     qs = {"q10": 0.10, "q25": 0.25, "median": 0.5}
     bare = times["bare"]
     rows, result = [], {"bare_us_per_token": bare[len(bare) // 2] / new, "rounds": rounds, "tokens": new}
-    for k in ("bare twin (A/A)", "wrapped"):
+    for k in variants[1:]:
         added = {q: (times[k][int(f * rounds)] - bare[int(f * rounds)]) / new for q, f in qs.items()}
         rows.append([k, *(f"{v:+.2f}" for v in added.values())])
         result[k] = added
-    # The resolver's share: drain records like these requests' (a TTFT, 31 gaps, an end) and time it.
+    # The resolver's share: settle requests like these (their token times, their end: what a returned generate()
+    # call hands over) and drain their records (a TTFT, 31 gaps, an end), timed together.
     tracker = mon.generations
     drain = []
     for _ in range(5):
-        for _ in range(200):
-            g = tracker.start("gpt2_tiny_drain")
-            t0 = g.start_ns
-            tracker.settle(g, [t0 + 800_000 * (i + 1) for i in range(new)], None, new, new, 8)
-            tracker.finish_at(g, "ok", t0 + 800_000 * (new + 1))
+        starts = [tracker.start("gpt2_tiny_drain") for _ in range(200)]
         t0 = time.perf_counter_ns()
+        for g in starts:
+            s = g.start_ns
+            tracker.settle(g, [s + 800_000 * (i + 1) for i in range(new)], None, new, new, 8)
+            tracker.finish_at(g, "ok", s + 800_000 * (new + 1))
         tracker.drain()
         drain.append((time.perf_counter_ns() - t0) / 1e3 / 200 / new)
     result["resolver_us_per_token"] = min(drain)
-    rows.append(["the resolver's drain", "", "", f"+{min(drain):.2f}"])
+    rows.append(["the resolver's settling and drain", "", "", f"+{min(drain):.2f}"])
     print(f"\ngenerate(), tiny GPT-2 (2 layers, d=64), {new} new tokens, 1% sampling, monitor running, {rounds} "
           f"rounds: bare {result['bare_us_per_token']:.1f} µs/token; µs a token added (quantile differences):\n")
     print(table(["variant", "q10", "q25", "median"], rows))
@@ -284,7 +299,7 @@ def main() -> None:
           "interleaved rounds\n")
     print(table(["variant", "µs/call", "added µs (median)", "vs stopped", "p25..p75"], rows))
 
-    # generate(): a tiny random GPT-2, wrapped at 1% vs a bare twin (and a second bare twin: the A/A), the monitor
+    # generate(): one tiny random GPT-2, wrapped at 1% vs unwrapped (and unwrapped again: the A/A), the monitor
     # running (its resolver drains the requests' records at its 1 s tick, on the serving thread's GIL).
     if importlib.util.find_spec("transformers") is None:
         print("\n(transformers not installed: generate() skipped)")

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from . import process
 from ._version import __version__
+from .agent import streams
 from .agent.clocks import CudaBackend, NoCuda, TorchCuda
 from .agent.dynamo import mark_for_dynamo
 from .agent.exemplars import OTEL, TraceReader
@@ -315,9 +316,10 @@ class Monitor(RequestApi, CaptureApi):
     def stream(self, iterable: Any, *, name: str, prompt_tokens: int | None = None,
                tokens: Callable[[Any], int] | None = None) -> Any:
         """Yield ``iterable``'s items unchanged (sync or async), timing them as one generation request under
-        ``model=name``; each item is one token, or ``tokens(item)`` (outcomes: ``GenerationTracker.stream``).
+        ``model=name``; each item is one token, or ``tokens(item)`` (outcomes: ``perfmon.agent.streams.stream``).
         """
-        return self.generations.stream(iterable, name=name, prompt_tokens=prompt_tokens, tokens=tokens)
+        return streams.stream(self.generations.start, self.internal, iterable, name=name, prompt_tokens=prompt_tokens,
+                              tokens=tokens)
 
     def flush(self, timeout: float = 2.0) -> bool:
         """Resolve every sample taken so far, waiting up to ``timeout`` seconds for the device (for tests,

@@ -473,3 +473,21 @@ def test_decode_steps_in_a_request_span_or_under_a_capture_leave_the_short_path(
     meta = wait_capture(mon, armed[0]["id"], timeout=60)
     assert meta["outcome"] == "ok", meta
     assert meta["steps_recorded"] == 4
+
+
+def test_a_returned_generate_is_settled_off_its_thread_and_every_read_sees_it(make_monitor) -> None:
+    """With the monitor running, a generate() call hands the settling of its requests (token counts, timelines, the
+    outcome) to the resolver's next pass instead of doing it between two model calls on the request thread; a read
+    right after the call returns (a scrape, /stats) still counts it exactly, whether or not that pass has run."""
+    mon = make_monitor().start()
+    model = mon.wrap(_gpt2(), name="gpt2")
+    handed_over = 0
+    for i in range(1, 4):
+        _generate(model, batch=1)
+        # The resolver's pass (once a second) may run between the return and this read; three calls in a row
+        # all meeting one is not a realistic schedule.
+        handed_over += len(mon.generations.deferred)
+        assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="ok") == i
+        assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == i * NEW
+        assert mon.stats()["generation"]["gpt2"]["in_flight"] == 0
+    assert handed_over >= 1

@@ -382,3 +382,36 @@ def test_generation_exposition_passes_promtool(make_monitor) -> None:
     assert mon.flush()
     result = promtool_check(generate_latest(mon.registry))
     assert result.returncode == 0 and not result.stdout.strip(), (result.stdout + result.stderr).decode()
+
+
+def test_deferred_work_waits_for_a_drain_or_a_read_and_is_bounded() -> None:
+    """``defer(wake=False)``: kept for the resolver's next pass, run by any read before it (names, stats, live), each
+    piece once; refused (the caller runs it now) while nothing drains or when a queue's worth waits."""
+    import threading
+
+    from perfmon.agent.generation import GenerationTracker
+    from perfmon.faults import InternalErrors
+
+    running = [True]
+    wakes: list[int] = []
+    tracker = GenerationTracker(internal=InternalErrors(), timing=lambda: running[0], queue_size=8,
+                                wake=lambda: wakes.append(1))
+    ran: list[tuple[str, int]] = []
+    for read in ("names", "stats", "live", "drain"):
+        assert tracker.defer(lambda read=read: ran.append((read, threading.get_ident())), wake=False)
+        assert ran == [] and wakes == []  # not run, and the resolver not woken for one piece
+        getattr(tracker, read)()
+        assert ran == [(read, threading.get_ident())]
+        getattr(tracker, read)()
+        assert len(ran) == 1  # once
+        ran.clear()
+    for i in range(8):
+        assert tracker.defer(lambda: ran.append(("bound", 0)), wake=False)
+        assert len(wakes) == i  # from the second piece on a quarter of 8 waits: each defer wakes the resolver
+    assert not tracker.defer(lambda: ran.append(("bound", 0)), wake=False)  # a queue's worth waits: run it now
+    tracker.names()
+    assert len(ran) == 8
+    running[0] = False  # the monitor stopped: no resolver pass is coming
+    assert not tracker.defer(lambda: None, wake=False)
+    assert tracker.defer(lambda: ran.append(("device", 0)))  # wake=True (device values): kept, and wakes
+    assert len(wakes) == 8

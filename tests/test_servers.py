@@ -145,7 +145,8 @@ def test_gunicorn_preload_workers_count_exactly_respawn_and_exit_cleanly(tmp_pat
                             what="the master's and three workers' agents")
         assert proc.pid in agents  # the master started one too (before the fork)
         workers = set(agents) - {proc.pid}
-        assert workers == set(_booted(log))
+        # A worker's agent can answer before gunicorn's "Booting worker" line for it reaches the log (CI saw it).
+        wait_until(lambda: set(_booted(log)) == workers, timeout=30, what="a boot line for each agent's worker")
         wait_until(lambda: _try(f"http://127.0.0.1:{app_port}/whoami"), timeout=30, what="gunicorn to serve")
         sent = 0
         for _ in range(60):

@@ -7,8 +7,8 @@
 
 Times are host time (``perf_counter_ns``) at which a token was handed to the caller: what a user of a
 streaming endpoint sees. Counts (requests by outcome, prompt and generated tokens) are exact at any
-moment: ``itertools.count`` objects (and one int under a lock) read at scrape time. Percentiles and
-histogram updates happen on the resolver thread, never on the request thread.
+moment: ``itertools.count`` objects (and one int under a lock) read at scrape time (``defer``'s work done
+first). Percentiles and histogram updates happen on the resolver thread, never on the request thread.
 
 Bounds: the record queue holds at most ``generation_queue_size`` records (a full queue drops the
 record, counted ``reason="queue_full"``); at most ``max_live_generations`` requests are timed at once
@@ -57,14 +57,8 @@ from .streams import (
     CANCELLED,
     OK,
     OUTCOMES,
-    Consumer,
-    async_stream,
-    is_streamer,
-    measuring,
     outcome_of,
-    sync_stream,
     token_count,
-    watch_consumer,
 )
 
 __all__ = [
@@ -189,8 +183,7 @@ class Generation:
             pass
 
     def __repr__(self) -> str:
-        return (f"<Generation {self.name!r} tokens={self.tokens} "
-                f"outcome={self.outcome or 'in flight'}>")
+        return f"<Generation {self.name!r} tokens={self.tokens} outcome={self.outcome or 'in flight'}>"
 
 
 class GenerationTracker:
@@ -224,8 +217,7 @@ class GenerationTracker:
         #: so an abandoned one is still garbage-collected (and ends as cancelled).
         self._live: dict[int, tuple[GenerationCounts, int]] = {}
         self.queue: collections.deque[tuple[Any, ...]] = collections.deque()
-        #: Work a request thread handed over because it needs device values (a generate() on CUDA whose
-        #: returned sequences must be read to count tokens): run by drain() on the resolver thread.
+        #: Work the request thread handed over (``defer``): run by drain() or a read (``settle_pending``).
         self.deferred: collections.deque[Callable[[], None]] = collections.deque()
         self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
         self._rings_lock = threading.Lock()
@@ -327,51 +319,38 @@ class GenerationTracker:
             else:
                 self.queue.append((g._counts, TIMELINE, g.start_ns, times, sizes, upto))
 
-    def defer(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the resolver thread (its next pass, woken now); it must not raise."""
-        self.deferred.append(work)
-        if self.wake is not None:
+    def defer(self, work: Callable[[], None], *, wake: bool = True) -> bool:
+        """Run ``work`` off the request thread: on the resolver's next pass, woken now (``wake``: work that needs device
+        values), or at the next read (a scrape, /stats). Without ``wake``, a returned generate() call's settling, which
+        costs 3-5x as much cold between two model calls as in the resolver's batch (BENCHMARKS §3b): False, nothing
+        kept, while the monitor is stopped (nothing drains) or a queue's worth waits; the caller runs it now."""
+        deferred = self.deferred
+        if not wake and (len(deferred) >= self.queue_size or not self._timing()):
+            return False
+        deferred.append(work)
+        if (wake or len(deferred) >= self.wake_at) and self.wake is not None:
             self.wake()
+        return True
 
-    def _count_of(self, n: Any) -> int:
-        """A token count other than 1, checked (the slow path of token())."""
+    def settle_pending(self) -> None:
+        """Run the work handed over (``defer``) now, on any thread: each piece once. Never raises."""
+        deferred = self.deferred
+        while deferred:
+            try:
+                work = deferred.popleft()
+            except IndexError:  # another thread took the last one
+                break
+            try:
+                work()
+            except Exception as exc:
+                self._internal.report("generation", exc)
+
+    def _count_of(self, n: Any) -> int:  # a token count other than 1, checked: token()'s slow path
         try:
             return token_count(n)
         except Exception as exc:
             self._internal.report("generation", exc)
             return 1
-
-    # -- streams ------------------------------------------------------------------------------
-
-    def stream(self, iterable: Any, *, name: str, prompt_tokens: int | None = None,
-               tokens: Callable[[Any], int] | None = None) -> Any:
-        """Yield ``iterable``'s items unchanged, timing them as one generation request (``Monitor.stream``).
-
-        The request starts now; each item is one token, or ``tokens(item)`` tokens (text chunks; 0 records
-        nothing; a failing callable is an internal error and counts 1). Exhaustion ends it ``ok``, an
-        exception from the iterable ``error`` (re-raised unchanged), ``close()``, a consumer that breaks out,
-        or garbage collection before the end ``cancelled``. An async iterable gives an async generator
-        (``async for``; task cancellation counts as ``cancelled``). Times are seconds of host time at which
-        each item is handed to the consumer. Over a streamer its caller iterates (``TextIteratorStreamer``),
-        the stream and a tracked ``generate()`` feeding that streamer are one request, whichever starts
-        first (``streams.watch_consumer``): the generate() call counts its tokens, the stream its outcome.
-        """
-        if tokens is not None and not callable(tokens):
-            raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
-        sync = hasattr(iterable, "__iter__")
-        if not sync and not hasattr(iterable, "__aiter__"):
-            raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
-        request: Any = None
-        if is_streamer(iterable):
-            # The request a tracked generate() over this streamer opened, or a new one it will feed if it
-            # starts after this (in its thread): counted once either way.
-            request = watch_consumer(iterable, lambda: Consumer(self.start(name, prompt_tokens)))
-        if request is None:
-            request = self.start(name, prompt_tokens)
-        measure = measuring(tokens, self._internal)
-        if sync:
-            return sync_stream(iter(iterable), request, measure)
-        return async_stream(iterable.__aiter__(), request, measure)
 
     # -- resolver thread ----------------------------------------------------------------------
 
@@ -380,16 +359,7 @@ class GenerationTracker:
 
         Works in batches (one lock per batch and stage, not per record): ~1 µs a record on this machine.
         """
-        deferred = self.deferred
-        while deferred:
-            try:
-                work = deferred.popleft()
-            except IndexError:  # pragma: no cover - only the resolver pops
-                break
-            try:
-                work()
-            except Exception as exc:
-                self._internal.report("generation", exc)
+        self.settle_pending()
         queue = self.queue
         done = 0
         while queue:
@@ -446,15 +416,18 @@ class GenerationTracker:
     # -- reading ------------------------------------------------------------------------------
 
     def names(self) -> list[GenerationCounts]:
-        """Every name's counts, in registration order."""
+        """Every name's counts, in registration order, every returned generate() call settled first (``defer``)."""
+        self.settle_pending()
         return list(self._names.values())
 
     def live(self) -> int:
         """Requests being timed now (in the live table)."""
+        self.settle_pending()
         return len(self._live)
 
     def stats(self, now_ns: int | None = None, started_ns: int | None = None) -> dict[str, Any]:
         """Per name, for /stats: exact counts, and exact percentiles (seconds) over the stats window."""
+        self.settle_pending()  # the live table without the calls that have returned
         now = perf_counter_ns() if now_ns is None else now_ns
         cutoff = now - self.window_ns
         if started_ns is not None:

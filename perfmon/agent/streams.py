@@ -16,10 +16,11 @@ from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from time import perf_counter_ns
 from typing import Any, TypeVar
 
+from ..exceptions import ConfigError
 from ..faults import InternalErrors
 
 __all__ = ["CANCELLED", "ERROR", "OK", "OUTCOMES", "Consumer", "Request", "async_stream", "is_streamer",
-           "measuring", "outcome_of", "sync_stream", "token_count", "watch_consumer"]
+           "measuring", "outcome_of", "stream", "sync_stream", "token_count", "watch_consumer"]
 
 T = TypeVar("T")
 
@@ -33,6 +34,38 @@ OUTCOMES = (OK, ERROR, CANCELLED)
 #: What a stream adaptor drives: a ``Generation`` (its ``token`` and ``finish``). ``Any``, not a
 #: ``Protocol``: a Protocol class carries typing's own functions, which mark_for_dynamo would then mark.
 Request = Any
+
+
+def stream(start: Callable[[str, int | None], Request], internal: InternalErrors, iterable: Any, *, name: str,
+           prompt_tokens: int | None = None, tokens: Callable[[Any], int] | None = None) -> Any:
+    """Yield ``iterable``'s items unchanged, timing them as one generation request (``Monitor.stream``), which
+    ``start(name, prompt_tokens)`` opens (``GenerationTracker.start``).
+
+    The request starts now; each item is one token, or ``tokens(item)`` tokens (text chunks; 0 records
+    nothing; a failing callable is an internal error and counts 1). Exhaustion ends it ``ok``, an
+    exception from the iterable ``error`` (re-raised unchanged), ``close()``, a consumer that breaks out,
+    or garbage collection before the end ``cancelled``. An async iterable gives an async generator
+    (``async for``; task cancellation counts as ``cancelled``). Times are seconds of host time at which
+    each item is handed to the consumer. Over a streamer its caller iterates (``TextIteratorStreamer``),
+    the stream and a tracked ``generate()`` feeding that streamer are one request, whichever starts
+    first (``watch_consumer``): the generate() call counts its tokens, the stream its outcome.
+    """
+    if tokens is not None and not callable(tokens):
+        raise ConfigError(f"tokens={tokens!r}: expected a callable item -> int, or None (one token per item)")
+    sync = hasattr(iterable, "__iter__")
+    if not sync and not hasattr(iterable, "__aiter__"):
+        raise ConfigError(f"cannot stream {type(iterable).__name__!r}: it is neither iterable nor async iterable")
+    request: Any = None
+    if is_streamer(iterable):
+        # The request a tracked generate() over this streamer opened, or a new one it will feed if it
+        # starts after this (in its thread): counted once either way.
+        request = watch_consumer(iterable, lambda: Consumer(start(name, prompt_tokens)))
+    if request is None:
+        request = start(name, prompt_tokens)
+    measure = measuring(tokens, internal)
+    if sync:
+        return sync_stream(iter(iterable), request, measure)
+    return async_stream(iterable.__aiter__(), request, measure)
 
 
 def sync_stream(it: Iterator[T], g: Request, measure: Callable[[T], int] | None) -> Generator[T, None, None]:
