@@ -305,6 +305,16 @@ def main() -> None:
         print("\n(transformers not installed: generate() skipped)")
     else:
         out["generate"] = generate_cost(mon, args.gen_rounds)
+        # The same with one new token: what a request costs apart from its tokens (opening and settling it, the
+        # prefill's stage and signature), so the per-token figure above splits into a request's share and a step's.
+        one = out["generate_one_token"] = generate_cost(mon, 2 * args.gen_rounds, new=1)
+        many, n = out["generate"], out["generate"]["tokens"]
+        split = {q: (one["wrapped"][q], (many["wrapped"][q] * n - one["wrapped"][q]) / (n - 1))
+                 for q in ("q10", "q25")}
+        out["generate_split"] = {q: {"request_us": a, "token_us": b} for q, (a, b) in split.items()}
+        print(f"\nSo a request adds {split['q10'][0]:+.1f} / {split['q25'][0]:+.1f} µs (q10 / q25) and each token "
+              f"after its first {split['q10'][1]:+.2f} / {split['q25'][1]:+.2f}: at {n} tokens the request's share "
+              f"is {split['q25'][0] / n:+.2f} µs a token.")
 
     # The per-call hot path on a tiny model, the monitor running.
     lb, lw = [], []
