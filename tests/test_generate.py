@@ -486,7 +486,7 @@ def test_a_returned_generate_is_settled_off_its_thread_and_every_read_sees_it(ma
         _generate(model, batch=1)
         # The resolver's pass (once a second) may run between the return and this read; three calls in a row
         # all meeting one is not a realistic schedule.
-        handed_over += len(mon.generations.deferred)
+        handed_over += len(mon.generations.pending)
         assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="ok") == i
         assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == i * NEW
         assert mon.stats()["generation"]["gpt2"]["in_flight"] == 0

@@ -386,7 +386,8 @@ def test_generation_exposition_passes_promtool(make_monitor) -> None:
 
 def test_deferred_work_waits_for_a_drain_or_a_read_and_is_bounded() -> None:
     """``defer(wake=False)``: kept for the resolver's next pass, run by any read before it (names, stats, live), each
-    piece once; refused (the caller runs it now) while nothing drains or when a queue's worth waits."""
+    piece once; refused (the caller runs it now) while nothing drains or when a queue's worth waits. Device work
+    (``wake=True``) waits for the resolver's drain, whatever reads come first."""
     import threading
 
     from perfmon.agent.generation import GenerationTracker
@@ -413,5 +414,11 @@ def test_deferred_work_waits_for_a_drain_or_a_read_and_is_bounded() -> None:
     assert len(ran) == 8
     running[0] = False  # the monitor stopped: no resolver pass is coming
     assert not tracker.defer(lambda: None, wake=False)
+    ran.clear()
     assert tracker.defer(lambda: ran.append(("device", 0)))  # wake=True (device values): kept, and wakes
     assert len(wakes) == 8
+    tracker.names()
+    tracker.stats()
+    assert ran == []  # a read never runs device work (it may wait for the device): the resolver's drain does
+    tracker.drain()
+    assert ran == [("device", 0)]

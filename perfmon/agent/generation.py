@@ -217,8 +217,10 @@ class GenerationTracker:
         #: so an abandoned one is still garbage-collected (and ends as cancelled).
         self._live: dict[int, tuple[GenerationCounts, int]] = {}
         self.queue: collections.deque[tuple[Any, ...]] = collections.deque()
-        #: Work the request thread handed over (``defer``): run by drain() or a read (``settle_pending``).
+        #: Work the request thread handed over (``defer``): that needs device values, run by drain() on the resolver
+        #: (a read there may wait for the device: never on a scrape's thread); host work, by drain() or any read.
         self.deferred: collections.deque[Callable[[], None]] = collections.deque()
+        self.pending: collections.deque[Callable[[], None]] = collections.deque()
         self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
         self._rings_lock = threading.Lock()
 
@@ -320,30 +322,37 @@ class GenerationTracker:
                 self.queue.append((g._counts, TIMELINE, g.start_ns, times, sizes, upto))
 
     def defer(self, work: Callable[[], None], *, wake: bool = True) -> bool:
-        """Run ``work`` off the request thread: on the resolver's next pass, woken now (``wake``: work that needs device
-        values), or at the next read (a scrape, /stats). Without ``wake``, a returned generate() call's settling, which
-        costs 3-5x as much cold between two model calls as in the resolver's batch (BENCHMARKS §3b): False, nothing
-        kept, while the monitor is stopped (nothing drains) or a queue's worth waits; the caller runs it now."""
-        deferred = self.deferred
-        if not wake and (len(deferred) >= self.queue_size or not self._timing()):
-            return False
-        deferred.append(work)
-        if (wake or len(deferred) >= self.wake_at) and self.wake is not None:
+        """Run ``work`` off the request thread. ``wake``: work that needs device values, on the resolver's next pass,
+        woken now. Without it, host work (a returned generate() call's settling, 3-5x as costly cold between two
+        model calls as in the resolver's batch: BENCHMARKS §3b) at that pass, unwoken, or the next read (a scrape,
+        /stats); False, nothing kept, while the monitor is stopped (nothing drains) or a queue's worth waits: the
+        caller runs it now."""
+        if wake:
+            self.deferred.append(work)
+        else:
+            pending = self.pending
+            if len(pending) >= self.queue_size or not self._timing():
+                return False
+            pending.append(work)
+            if len(pending) < self.wake_at:
+                return True
+        if self.wake is not None:
             self.wake()
         return True
 
-    def settle_pending(self) -> None:
-        """Run the work handed over (``defer``) now, on any thread: each piece once. Never raises."""
-        deferred = self.deferred
-        while deferred:
-            try:
-                work = deferred.popleft()
-            except IndexError:  # another thread took the last one
-                break
-            try:
-                work()
-            except Exception as exc:
-                self._internal.report("generation", exc)
+    def settle_pending(self, *, device: bool = False) -> None:
+        """Run the host work handed over (``defer(wake=False)``) now, on any thread, each piece once, and with
+        ``device`` (the resolver) the device work too. Never raises."""
+        for queue in (self.deferred, self.pending) if device else (self.pending,):
+            while queue:
+                try:
+                    work = queue.popleft()
+                except IndexError:  # another thread took the last one
+                    break
+                try:
+                    work()
+                except Exception as exc:
+                    self._internal.report("generation", exc)
 
     def _count_of(self, n: Any) -> int:  # a token count other than 1, checked: token()'s slow path
         try:
@@ -359,7 +368,7 @@ class GenerationTracker:
 
         Works in batches (one lock per batch and stage, not per record): ~1 µs a record on this machine.
         """
-        self.settle_pending()
+        self.settle_pending(device=True)
         queue = self.queue
         done = 0
         while queue:
