@@ -261,7 +261,7 @@ def test_capture_view_shows_the_baseline_comparison_and_escapes_op_names(browser
             super().__init__()
             self.lin = torch.nn.Linear(8, 8)
             self.extra = False
-            # ~0.3-0.5 ms of cdist: well above the comparison's floors (2% of the baseline call) even when a
+            # ~0.5-0.7 ms of cdist: well above the comparison's floors (2% of the baseline call) even when a
             # loaded machine makes the baseline's tiny linear read 1.4 ms a call (CI did; cdist on two rows,
             # 25 us, then read "same").
             self.points = torch.randn(384, 8)
