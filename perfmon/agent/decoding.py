@@ -202,14 +202,16 @@ class GenerateCall:
         if mask is not None and not isinstance(mask, torch.Tensor):
             mask = None
         # isinstance(x, torch.Tensor) and a generator cost ~1 µs a call here: the common case (no mask, no beams) skips
+        def settle() -> None:
+            self._settle(outcome, now, sequences, mask)
+
         if ((sequences is not None and sequences.device.type != "cpu")
                 or (mask is not None and mask.device.type != "cpu")):
-            self.tracker.defer(lambda: self._settle(outcome, now, sequences, mask))
-        elif self.consumer is not None or not self.tracker.defer(lambda: self._settle(outcome, now, sequences, mask),
-                                                                wake=False):
+            self.tracker.defer(settle)  # device values: read on the resolver, woken now
+        elif self.consumer is not None or not self.tracker.defer(settle, wake=False):
             # A streamer's consumer ends with what this call produced: settled now. Otherwise the next drain or read
             # settles it (~20 µs a call here, in situ, against a few µs in the resolver's batch).
-            self._settle(outcome, now, sequences, mask)
+            settle()
 
     def _settle(self, outcome: str, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         try:
