@@ -252,6 +252,23 @@ def test_recent_gives_the_split_of_a_time_range(make_monitor) -> None:
     assert stats["models"]["rec"]["model"]["count"] == 4
 
 
+def test_a_stats_read_between_the_resolvers_drains_shows_the_split_of_every_counted_request(make_monitor) -> None:
+    """/stats settles the queued records itself: with no resolver running (a monitor not started), the split
+    covers every request the exact counts do, and the histograms get each request once."""
+    mon = make_monitor()
+    lin = _linear(mon, "unsettled")
+    for _ in range(3):
+        with mon.request() as span:
+            span.enqueued()
+            _busy(0.001)
+            lin(torch.randn(2, 4))
+    stats = mon.stats()["requests"]["models"]["unsettled"]
+    assert stats["requests"]["ok"] == 3
+    assert stats["queue"]["count"] == 3 and stats["queue"]["p50_seconds"] >= 0.001
+    assert mon.stats()["requests"]["models"]["unsettled"]["total"]["count"] == 3  # a second read: nothing twice
+    assert value(mon, "perfmon_request_duration_seconds_count", model="unsettled") == 3
+
+
 def test_request_names_are_checked_and_bounded(make_monitor) -> None:
     """A bad span name or one past max_models raises ConfigError at request(); the buckets are the documented grid."""
     mon = make_monitor(max_models=2).start()

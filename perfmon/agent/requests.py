@@ -368,7 +368,12 @@ class RequestTracker:
         return {part: summarize([row[i] for row in rows]) for i, part in enumerate((*PARTS, "total"), start=1)}
 
     def stats(self, now_ns: int | None = None, started_ns: int | None = None) -> dict[str, Any]:
-        """For /stats: open spans, and per ``model`` label exact counts and the split over the stats window."""
+        """For /stats: open spans, and per ``model`` label exact counts and the split over the stats window.
+
+        Settles the record queue first (on the reading thread, each record once), so that the split covers every
+        request the counts do: a page read between the resolver's drains would otherwise show counts with no
+        split."""
+        self.drain()
         now = perf_counter_ns() if now_ns is None else now_ns
         cutoff = now - self.window_ns if started_ns is None else max(now - self.window_ns, started_ns)
         models = {}
