@@ -164,6 +164,24 @@ def test_sampling_floor_times_a_call_after_a_quiet_period(make_monitor) -> None:
     assert hist_count(mon, "lin", "steady") == 1
 
 
+def test_call_sampler_times_the_first_call_a_share_and_one_per_floor() -> None:
+    """CallSampler (which generate() calls get their tokens timed): the first call; at rate 1 every call; at a rate
+    no run reaches, none until the floor has passed since the last timed call, then that one; the share is the
+    rate on average (a jittered stride: mean 1/rate)."""
+    from perfmon.agent.sampling import CallSampler
+
+    every = CallSampler(1.0, 3600.0)
+    assert all(every.due(i) for i in range(50))
+    rare = CallSampler(1e-9, 1.0)
+    s = 1_000_000_000
+    assert rare.due(0)
+    assert not any(rare.due(t) for t in range(1, s, s // 100))  # within the floor: not one
+    assert rare.due(s) and not rare.due(s + 1) and rare.due(2 * s + 1)
+    tenth = CallSampler(0.1, 3600.0, seed=7)
+    share = sum(tenth.due(i) for i in range(20_000)) / 20_000
+    assert 0.09 < share < 0.11, share
+
+
 def test_errors_counted_by_class_with_a_cap(make_monitor) -> None:
     """Exceptions are counted by class name; beyond the cap they are labelled 'other'."""
     mon = make_monitor(max_exception_labels=2)

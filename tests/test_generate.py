@@ -80,22 +80,26 @@ def test_generate_counts_every_forward_split_prefill_decode(make_monitor) -> Non
     assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == 3 * (NEW - 1)
 
 
-def test_generate_is_tracked_as_requests_with_ttft_and_itl(make_monitor) -> None:
-    """A monitored model's own generate() counts one request per sequence, its prompt and generated tokens,
-    one TTFT per request and one ITL per later token."""
-    mon = make_monitor(sample_rate=0.01)
+@pytest.mark.parametrize("rate", [1.0, 1e-6])
+def test_generate_is_tracked_as_requests_with_ttft_and_itl(make_monitor, rate: float) -> None:
+    """A monitored model's own generate() counts one request per sequence, its prompt and generated tokens;
+    a call whose tokens are timed (every one at generation_sample_rate=1, else the first and a sample) gives one
+    TTFT per request and one ITL per later token."""
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=rate, sample_floor_seconds=3600.0)
     model = mon.wrap(_gpt2(), name="gpt2")
-    for _ in range(2):
+    for _ in range(4):
         _generate(model, batch=3)
     mon.flush()
     mon.generations.drain()
-    assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="ok") == 6
-    assert value(mon, "perfmon_prompt_tokens_total", model="gpt2") == 6 * PROMPT
-    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == 6 * NEW
-    assert value(mon, "perfmon_time_to_first_token_seconds_count", model="gpt2") == 6
-    assert value(mon, "perfmon_inter_token_latency_seconds_count", model="gpt2") == 6 * (NEW - 1)
+    timed = 12 if rate == 1.0 else 3  # at 1e-6 (a stride of 1 .. 2e6 - 1 calls) and a floor of an hour: the first
+    assert value(mon, "perfmon_generation_requests_total", model="gpt2", outcome="ok") == 12
+    assert value(mon, "perfmon_prompt_tokens_total", model="gpt2") == 12 * PROMPT
+    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == 12 * NEW
+    assert value(mon, "perfmon_time_to_first_token_seconds_count", model="gpt2") == timed
+    assert value(mon, "perfmon_inter_token_latency_seconds_count", model="gpt2") == timed * (NEW - 1)
+    assert value(mon, "perfmon_generation_output_tokens_count", model="gpt2") == 12  # every request's length
     gen = mon.stats()["generation"]["gpt2"]
-    assert gen["time_to_first_token"]["count"] == 6 and gen["time_to_first_token"]["p50_seconds"] > 0
+    assert gen["time_to_first_token"]["count"] == timed and gen["time_to_first_token"]["p50_seconds"] > 0
 
 
 def test_generate_with_a_streamer_and_a_failing_generate(make_monitor) -> None:
@@ -491,3 +495,59 @@ def test_a_returned_generate_is_settled_off_its_thread_and_every_read_sees_it(ma
         assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == i * NEW
         assert mon.stats()["generation"]["gpt2"]["in_flight"] == 0
     assert handed_over >= 1
+
+
+def test_beam_search_over_a_prompt_of_embeddings_counts_the_new_tokens(make_monitor) -> None:
+    """A decoder-only prompt given as inputs_embeds alone: generate() returns the new tokens alone, and beam search
+    (read from the returned sequences) counts all of them, the prompt's real tokens apart."""
+    mon = make_monitor()
+    model = mon.wrap(_gpt2(), name="gpt2")
+    ids = torch.randint(0, 99, (1, PROMPT))
+    with torch.inference_mode():
+        embeds = model.get_input_embeddings()(ids)
+        out = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                             min_new_tokens=NEW, num_beams=2, do_sample=False)
+    assert out.shape == (1, NEW)  # no prompt in it
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["generated_tokens"] == NEW and gen["prompt_tokens"] == PROMPT
+
+
+@pytest.mark.parametrize("rate", [1.0, 1e-6])
+def test_a_call_that_raises_counts_the_tokens_its_caller_received(make_monitor, rate: float) -> None:
+    """generate() raising at its 4th stop check: without a streamer of the caller's no token reached the caller (its
+    request counts none, timed or not); with one, the tokens the streamer got. The exception passes unchanged."""
+
+    class Boom(RuntimeError):
+        pass
+
+    class RaiseAt(transformers.StoppingCriteria):  # type: ignore[misc]
+        def __init__(self, step: int) -> None:
+            self.step, self.seen = step, 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            self.seen += 1
+            if self.seen == self.step:
+                raise Boom("step 4")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    class Count(transformers.generation.streamers.BaseStreamer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.puts = 0
+
+        def put(self, value: Any) -> None:
+            self.puts += 1
+
+        def end(self) -> None:
+            pass
+
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=rate, sample_floor_seconds=3600.0)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    _generate(model, batch=1)  # the first call (timed either way)
+    for streamer in (None, Count()):
+        with pytest.raises(Boom):
+            _generate(model, batch=1, stopping_criteria=transformers.StoppingCriteriaList([RaiseAt(4)]),
+                      streamer=streamer)
+    assert streamer is not None and streamer.puts >= 3  # the prompt, then the tokens handed out before the raise
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["requests"] == {"ok": 1, "error": 2, "cancelled": 0}
+    assert gen["generated_tokens"] == NEW + streamer.puts - 1

@@ -34,7 +34,7 @@ import statistics
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter_ns
 from typing import Any
 
@@ -267,7 +267,7 @@ def check(mon: perfmon.Monitor, truth: Truth, *, ok: int | None = None, cancelle
           timing: bool = True) -> dict[str, Any]:
     """Every number perfmon has for model "m" against the truth: counts exact, TTFT / ITL p50 near."""
     gen = gen_stats(mon)
-    requests = len(truth.ttft) if ok is None else ok + cancelled
+    requests = len(truth.rows) if ok is None else ok + cancelled
     ok = requests - cancelled if ok is None else ok
     observed = {
         "requests": gen["requests"],
@@ -547,7 +547,8 @@ def test_left_padded_batch_with_a_row_ending_at_eos(make_monitor, pad: int) -> N
         return greedy_rows(m, fw, ids, mask, 10, [EndRowAt(8, 2, 4, EOS, pad)], pad, do_sample=False)[0]
 
     run(bare)  # warm-up
-    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
+    # Every call's tokens timed; the forwards of calls after the first: untimed.
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=1.0).start()
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: run(model))
     assert truth.rows == [10, 10, 4, 10] * CALLS and (truth.prompt, truth.padding) == (23 * CALLS, 9 * CALLS)
@@ -571,7 +572,8 @@ def test_num_return_sequences_are_requests(make_monitor, mode: str) -> None:
         return beam(m, fw, ids, 12, 3, 3)[0]
 
     run(bare)  # warm-up
-    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
+    # Sampling: every call's tokens timed; beam search times its calls' tokens anyway (their time is the return).
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=1.0 if mode == "sample" else None).start()
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: run(model))
     assert truth.rows == [12] * 6 * CALLS and truth.prompt == 12 * CALLS
@@ -631,7 +633,8 @@ def test_encoder_decoder_counts_the_encoder_forward_as_encode(make_monitor) -> N
     enc, dec = Forwards(bare.get_encoder()), Forwards(bare, "decoder_input_ids")
     ids, mask = left_padded([5, 7], 7, 0)
     t5_run(bare, enc, dec, ids, mask, 8)  # warm-up
-    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
+    # Every call's tokens timed; the forwards of calls after the first: untimed.
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=1.0).start()
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: t5_run(model, enc, dec, ids, mask, 8))
     assert truth.rows == [8, 8] * CALLS and (truth.prompt, truth.padding) == (12 * CALLS, 2 * CALLS)
@@ -650,11 +653,78 @@ def test_greedy_without_streamer_baseline(make_monitor) -> None:
         return greedy_rows(m, fw, ids, torch.ones_like(ids), 10, [Ban(EOS)], EOS, do_sample=False)[0]
 
     run(bare)  # warm-up
-    mon = make_monitor(sample_rate=0.01).start()  # generate() calls after the first: untimed
+    # Every call's tokens timed; the forwards of calls after the first: untimed.
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=1.0).start()
     model = mon.wrap(bare, name=NAME)
     truth = repeat(lambda: run(model))
     assert truth.rows == [10] * 3 * CALLS and len(truth.itl) == 27 * CALLS
     assert truth.forwards == {"prefill": CALLS, "decode": 9 * CALLS}
+    check(mon, truth)
+
+
+#: Only the first call of a model has its tokens timed: a generation sample rate whose stride is drawn from
+#: 1 .. 2e6 - 1 calls (no test reaches it), and a floor of an hour.
+FIRST_CALL_TIMED = {"sample_rate": 0.01, "generation_sample_rate": 1e-6, "sample_floor_seconds": 3600.0}
+
+
+def timed_first(runs: list[Truth]) -> Truth:
+    """The truth perfmon should give when only the first call's tokens are timed: every call's counts, the first
+    call's TTFT and ITL."""
+    truth = Truth()
+    for i, t in enumerate(runs):
+        truth.add(t if i == 0 else replace(t, ttft=[], itl=[]))
+    return truth
+
+
+def embeds_run(model: Any, fw: Forwards, ids: torch.Tensor, new: int, eos_at: int) -> Truth:
+    """One decoder-only prompt given as embeddings only: generate() returns the new tokens alone (no prompt)."""
+    steps = Steps()
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        embeds = model.get_input_embeddings()(ids)
+        t0 = perf_counter_ns()
+        out = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             logits_processor=LogitsProcessorList([EndRowAt(0, 0, eos_at, EOS, EOS)]),
+                             stopping_criteria=StoppingCriteriaList([steps]))
+    ran = fw.take()
+    assert out.shape == (1, eos_at) and int(out[0, -1]) == EOS  # the new tokens alone, up to the EOS
+    truth = Truth(rows=[eos_at], prompt=ids.shape[1], forwards={"prefill": 1, "decode": len(ran) - 1},
+                  ttft=[(steps.ns[0] - t0) / 1e9], itl=gaps(steps.ns))
+    assert len(ran) == len(steps.ns) == eos_at
+    return truth
+
+
+@pytest.mark.parametrize("scenario", ["rows", "one", "t5", "embeds"])
+def test_calls_not_sampled_count_every_token_exactly_and_time_none(make_monitor, scenario: str) -> None:
+    """Calls whose tokens are not sampled get no perfmon streamer: what generate() returns says their tokens.
+    Against the truth, with only the first call timed: every request, token, prompt token and padding token
+    exact; TTFT and ITL only for the first call's. "rows": a left-padded batch whose row 2 emits EOS as its 4th
+    token (each row cut at its own EOS); "one": one sequence ending at EOS at its 5th (its length); "t5": the
+    returned sequences start with the decoder's start token; "embeds": a prompt of embeddings only, returned as
+    the new tokens alone."""
+    bare = _t5() if scenario == "t5" else _gpt2(pad=0)
+    fw = enc = Forwards(bare) if scenario != "t5" else Forwards(bare, "decoder_input_ids")
+    if scenario == "t5":
+        enc = Forwards(bare.get_encoder())
+    ids, mask = left_padded([3, 5, 7, 8], 8, 0)
+    one = torch.randint(2, 99, (1, 6), generator=torch.Generator().manual_seed(6))
+
+    def run(m: Any) -> Truth:
+        if scenario == "rows":
+            return greedy_rows(m, fw, ids, mask, 10, [EndRowAt(8, 2, 4, EOS, 0)], 0, do_sample=False)[0]
+        if scenario == "one":
+            return greedy_rows(m, fw, one, torch.ones_like(one), 10, [EndRowAt(6, 0, 5, EOS, 0)], 0)[0]
+        if scenario == "t5":
+            return t5_run(m, enc, fw, ids[2:], mask[2:], 8)
+        return embeds_run(m, fw, one, 10, 5)
+
+    run(bare)  # warm-up
+    mon = make_monitor(**FIRST_CALL_TIMED).start()
+    model = mon.wrap(bare, name=NAME)
+    runs = [run(model) for _ in range(CALLS)]
+    truth = timed_first(runs)
+    rows = {"rows": [10, 10, 4, 10], "one": [5], "t5": [8, 8], "embeds": [5]}[scenario]
+    assert truth.rows == rows * CALLS and len(truth.ttft) == len(rows)
     check(mon, truth)
 
 

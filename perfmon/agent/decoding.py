@@ -120,11 +120,14 @@ class GenerateCall:
     """One tracked ``generate()`` call: its requests, its tap, and how they are settled when it ends."""
 
     __slots__ = ("active", "beam", "consumer", "decoder_len", "encoder_decoder", "eos", "internal", "k", "kwargs",
-                 "mask", "pad", "prompt_len", "requests", "rows", "tap", "tracker", "verify")
+                 "mask", "pad", "prompt_len", "requests", "rows", "start", "tap", "tracker", "verify")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
                  name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True,
-                 encoder_decoder: bool | None = None) -> None:
+                 encoder_decoder: bool | None = None, timeline: bool = True) -> None:
+        """``timed``: every forward of the call is timed. ``timeline``: its tokens are timed (TTFT, inter-token
+        latency) through perfmon's streamer; without it (a call not sampled, with no streamer of the caller's and
+        no assistant) the call's tokens are counted from what it returns, at no cost a step."""
         self.tracker = tracker
         self.internal = internal
         beams, k, lookup, early_exit, eos, pad, stop_strings = _options(kwargs, _config(model, args, kwargs))
@@ -141,10 +144,12 @@ class GenerateCall:
             encoder_decoder = is_encoder_decoder(model)
         self.encoder_decoder = encoder_decoder
         inputs = kwargs.get("input_ids")
+        embeds = False
         if inputs is None:
             inputs = kwargs.get("inputs", args[0] if args else None)
             if inputs is None:
                 inputs = kwargs.get("inputs_embeds")
+                embeds = inputs is not None
         shape: Any = getattr(inputs, "shape", None) or ()
         self.rows = int(shape[0]) if len(shape) >= 2 else 1
         self.prompt_len = int(shape[1]) if len(shape) >= 2 else int(shape[0]) if len(shape) == 1 else 0
@@ -153,6 +158,9 @@ class GenerateCall:
         self.decoder_len = 1
         if decoder is not None and isinstance(decoder, torch.Tensor) and decoder.dim():
             self.decoder_len = int(decoder.shape[-1])
+        # Where the generated tokens start in the sequences generate() returns: after the decoder's start tokens
+        # (encoder-decoder), after the prompt, or at 0 when a decoder-only prompt came as embeddings only.
+        self.start = self.decoder_len if encoder_decoder else 0 if embeds else self.prompt_len
         self.active = Active(model, timed, self.verify)
         streamer = kwargs.get("streamer")
         self.tap: _Tap | None = None
@@ -178,7 +186,7 @@ class GenerateCall:
             self.requests = [tracker.start(name) for _ in range(rows)]
         if not streamable:
             self.active.stamps = []
-        elif not self.beam:
+        elif not self.beam and (timeline or streamer is not None or self.verify):
             # One sequence without assisted steps needs only the times (_count): no token values kept.
             self.tap = _Tap(streamer, keep=len(self.requests) > 1 or self.verify)
             kwargs["streamer"] = self.tap
@@ -196,14 +204,21 @@ class GenerateCall:
             except Exception as exc:
                 self.internal.report("requests", exc)
         sequences = None
-        if self.beam and outcome == OK:
+        counted = None
+        if outcome == OK and (self.beam or (self.tap is None and self.active.stamps is None)):
+            # Beam search, or a call not timed: the tokens are in what it returned.
             sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            if sequences is not None and not self.beam and len(self.requests) == 1:
+                # One sequence stops right after its EOS (or its own stop): its length says how many tokens the
+                # caller received. A shape, host metadata: no value read, no device sync.
+                counted = max(0, int(sequences.shape[-1]) - self.start)
+                sequences = None
         mask = self.mask
         if mask is not None and not isinstance(mask, torch.Tensor):
             mask = None
         # isinstance(x, torch.Tensor) and a generator cost ~1 µs a call here: the common case (no mask, no beams) skips
         def settle() -> None:
-            self._settle(outcome, now, sequences, mask)
+            self._settle(outcome, now, sequences, mask, counted)
 
         if ((sequences is not None and sequences.device.type != "cpu")
                 or (mask is not None and mask.device.type != "cpu")):
@@ -213,9 +228,10 @@ class GenerateCall:
             # settles it (~20 µs a call here, in situ, against a few µs in the resolver's batch).
             settle()
 
-    def _settle(self, outcome: str, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+    def _settle(self, outcome: str, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None,
+                counted: int | None) -> None:
         try:
-            self._count(now, sequences, mask)
+            self._count(outcome, now, sequences, mask, counted)
         except Exception as exc:  # never the caller's problem: the requests still end, with what was known
             self.internal.report("generation", exc)
         if self.tap is not None:  # let the caller's streamer (and the step tensors) go with the call
@@ -230,7 +246,8 @@ class GenerateCall:
             except Exception as exc:
                 self.internal.report("generation", exc)
 
-    def _count(self, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+    def _count(self, outcome: str, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None,
+               counted: int | None) -> None:
         requests = self.requests
         counts = requests[0]._counts if requests else None
         # Prompt tokens: real ones per input row, padding apart; each request records its row's.
@@ -241,12 +258,17 @@ class GenerateCall:
         if counts is not None:
             self.tracker.add_prompt(counts, sum(real), max(0, self.prompt_len * len(real) - sum(real)))
         prompts = [real[min(i // self.k, len(real) - 1)] for i in range(len(requests))] if real else []
-        if sequences is not None:  # beam search: everything arrives when generate() returns
-            start = self.decoder_len if self.encoder_decoder else self.prompt_len
-            rows = sequences[:, start:].tolist()
+        if sequences is not None:  # beam search, or an untimed call of several rows: cut each row at its EOS
+            rows = sequences[:, self.start:].tolist()
             for i, g in enumerate(requests):
                 n = self._cut(rows[i]) if i < len(rows) else 0
-                self.tracker.settle(g, [now], [n], 1 if n else 0, n, prompts[i])
+                if self.beam:  # everything arrives when generate() returns: that is its tokens' time
+                    self.tracker.settle(g, [now], [n], 1 if n else 0, n, prompts[i])
+                else:
+                    self.tracker.settle(g, [], None, 0, n, prompts[i])
+            return
+        if counted is not None:  # an untimed call of one sequence: its tokens, no times
+            self.tracker.settle(requests[0], [], None, 0, counted, prompts[0])
             return
         stamps = self.active.stamps
         if stamps:  # a custom generate loop: each forward one token per row, no token values to cut at
@@ -256,6 +278,8 @@ class GenerateCall:
         tap = self.tap
         times = tap.times if tap is not None else []
         values = (tap.values or []) if tap is not None else []
+        if outcome != OK and tap is not None and tap.inner is None:
+            times = []  # a failed call with no streamer of the caller's handed no token to the caller
         if not times:
             for i, g in enumerate(requests):
                 self.tracker.settle(g, [], None, 0, 0, prompts[i])

@@ -10,6 +10,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from ..exceptions import ConfigError, WrapError
 from .batching import BatchTokens, ContinuousBatching
 from .decoding import GenerateCall, is_encoder_decoder
 from .generation import GenerationTracker
+from .sampling import CallSampler
 from .span import UNTRACKED, Span, Untracked
 from .stages import ENCODE, PREFILL, Stages, generative_stage, is_generative
 from .state import Hub, ModelState
@@ -126,6 +128,9 @@ class Models:
 
         every = max(1, round(1 / self.config.sample_rate))
         calls_of_generate = itertools.count()
+        cfg = self.config
+        timelines = CallSampler(cfg.generation_sample_rate or cfg.sample_rate, cfg.sample_floor_seconds)
+        clock = perf_counter_ns
         generations = self._generations
         internal = self._hub.internal
         encoder_decoder = is_encoder_decoder(model)
@@ -136,8 +141,10 @@ class Models:
                 return None  # its requests are tracked there, by id (batching.py), not counted twice
             # The first generate() call, then one in 1/sample_rate, has every step timed.
             timed = next(calls_of_generate) % every == 0
+            # Its tokens timed (TTFT, ITL) when sampled, and always when every forward of it is.
+            timeline = timelines.due(clock()) or timed
             return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable,
-                                encoder_decoder=encoder_decoder)
+                                encoder_decoder=encoder_decoder, timeline=timeline)
 
         built: list[Stages] = []
 

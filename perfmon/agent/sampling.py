@@ -8,9 +8,10 @@ background: when a model has had no timed call for ``floor_seconds``, the resolv
 
 from __future__ import annotations
 
+import itertools
 import random
 
-__all__ = ["Sampler"]
+__all__ = ["CallSampler", "Sampler"]
 
 
 class Sampler:
@@ -41,3 +42,29 @@ class Sampler:
     def floor_due(self, last_sample_ns: int, now_ns: int) -> bool:
         """True when the model has gone ``floor_seconds`` without a timed call."""
         return now_ns - last_sample_ns >= self.floor_ns
+
+
+class CallSampler:
+    """Which of a model's own ``generate()`` calls get their tokens timed: the first, then 1 in N with the
+    ``Sampler``'s jittered stride, and at least one per ``floor_seconds``.
+
+    Asked once per call on the request thread (a counter, compares): a call, not a step, so the floor compares
+    the call's own clock read rather than waiting for the resolver. Unlocked: two threads racing may time one
+    call more or one fewer, never change a count.
+    """
+
+    def __init__(self, rate: float, floor_seconds: float, *, seed: int | None = None) -> None:
+        self._sampler = Sampler(rate, floor_seconds, seed=seed)
+        self._calls = itertools.count()
+        self._next = 0
+        self._last_ns: int | None = None
+
+    def due(self, now_ns: int) -> bool:
+        """Whether the call starting at ``now_ns`` (``perf_counter_ns``) is timed."""
+        index = next(self._calls)
+        last = self._last_ns
+        if index >= self._next or last is None or self._sampler.floor_due(last, now_ns):
+            self._next = self._sampler.next_index(index)
+            self._last_ns = now_ns
+            return True
+        return False
