@@ -182,21 +182,24 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
         added = {q: (times[k][int(f * rounds)] - bare[int(f * rounds)]) / new for q, f in qs.items()}
         rows.append([k, *(f"{v:+.2f}" for v in added.values())])
         result[k] = added
-    # The resolver's share: settle requests like these (their token times, their end: what a returned generate()
-    # call hands over) and drain their records (a TTFT, 31 gaps, an end), timed together.
+    # The resolver's share: settle requests like these (what a returned generate() call hands over: a timed call's
+    # token times and end, an untimed one's token count and end) and drain their records (a TTFT, 31 gaps, an end;
+    # or the end alone), timed together.
     tracker = mon.generations
-    drain = []
-    for _ in range(5):
-        starts = [tracker.start("gpt2_tiny_drain") for _ in range(200)]
-        t0 = time.perf_counter_ns()
-        for g in starts:
-            s = g.start_ns
-            tracker.settle(g, [s + 800_000 * (i + 1) for i in range(new)], None, new, new, 8)
-            tracker.finish_at(g, "ok", s + 800_000 * (new + 1))
-        tracker.drain()
-        drain.append((time.perf_counter_ns() - t0) / 1e3 / 200 / new)
-    result["resolver_us_per_token"] = min(drain)
-    rows.append(["the resolver's settling and drain", "", "", f"+{min(drain):.2f}"])
+    for kind, timed in (("timed", True), ("untimed", False)):
+        drain = []
+        for _ in range(5):
+            starts = [tracker.start("gpt2_tiny_drain") for _ in range(200)]
+            t0 = time.perf_counter_ns()
+            for g in starts:
+                s = g.start_ns
+                times = [s + 800_000 * (i + 1) for i in range(new)] if timed else []
+                tracker.settle(g, times, None, len(times), new, 8)
+                tracker.finish_at(g, "ok", s + 800_000 * (new + 1))
+            tracker.drain()
+            drain.append((time.perf_counter_ns() - t0) / 1e3 / 200 / new)
+        result[f"resolver_{kind}_us_per_token"] = min(drain)
+        rows.append([f"the resolver's settling and drain, a {kind} call", "", "", f"+{min(drain):.2f}"])
     print(f"\ngenerate(), tiny GPT-2 (2 layers, d=64), {new} new tokens, 1% sampling, monitor running, {rounds} "
           f"rounds: bare {result['bare_us_per_token']:.1f} µs/token; µs a token added (quantile differences):\n")
     print(table(["variant", "q10", "q25", "median"], rows))

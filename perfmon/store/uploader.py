@@ -298,9 +298,11 @@ class TraceUploader:
             if ok:
                 self.failures = 0
                 self.retry_at = 0.0
-                self.stats.uploads["ok"] += 1
-                self.stats.last_ok = self.clock()
-                self._scan()  # refresh the spool gauges
+                try:
+                    self._scan()  # refresh the spool gauges first: a reader that sees the upload counted sees it
+                finally:  # gone from the spool too (the stats are read without the lock)
+                    self.stats.uploads["ok"] += 1
+                    self.stats.last_ok = self.clock()
                 return 0.0
             self.failures += 1
             self.stats.uploads["failed"] += 1
