@@ -186,7 +186,7 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
     # token times and end, an untimed one's token count and end) and drain their records (a TTFT, 31 gaps, an end;
     # or the end alone), timed together.
     tracker = mon.generations
-    for kind, timed in (("timed", True), ("untimed", False)):
+    for kind, timed in (("a timed", True), ("an untimed", False)):
         drain = []
         for _ in range(5):
             starts = [tracker.start("gpt2_tiny_drain") for _ in range(200)]
@@ -198,8 +198,8 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
                 tracker.finish_at(g, "ok", s + 800_000 * (new + 1))
             tracker.drain()
             drain.append((time.perf_counter_ns() - t0) / 1e3 / 200 / new)
-        result[f"resolver_{kind}_us_per_token"] = min(drain)
-        rows.append([f"the resolver's settling and drain, a {kind} call", "", "", f"+{min(drain):.2f}"])
+        result[f"resolver_{kind.split()[-1]}_us_per_token"] = min(drain)
+        rows.append([f"the resolver's settling and drain, {kind} call", "", "", f"+{min(drain):.2f}"])
     print(f"\ngenerate(), tiny GPT-2 (2 layers, d=64), {new} new tokens, 1% sampling, monitor running, {rounds} "
           f"rounds: bare {result['bare_us_per_token']:.1f} µs/token; µs a token added (quantile differences):\n")
     print(table(["variant", "q10", "q25", "median"], rows))
