@@ -551,3 +551,36 @@ def test_a_call_that_raises_counts_the_tokens_its_caller_received(make_monitor, 
     gen = mon.stats()["generation"]["gpt2"]
     assert gen["requests"] == {"ok": 1, "error": 2, "cancelled": 0}
     assert gen["generated_tokens"] == NEW + streamer.puts - 1
+
+
+def test_a_generate_of_its_own_that_takes_a_streamer_keeps_the_tap_on_every_call(make_monitor) -> None:
+    """A model whose generate() is not transformers' (remote code, a user's) may return anything: whatever the
+    generation sample rate, every call gets perfmon's streamer, and its requests count the tokens it put."""
+
+    class OwnLoop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids: torch.Tensor, past_key_values: Any = None, use_cache: bool = True) -> Any:
+            return self.lin(torch.ones(input_ids.shape[0], 4))
+
+        def generate(self, input_ids: torch.Tensor, streamer: Any = None, steps: int = 4) -> list[str]:
+            if streamer is not None:
+                streamer.put(input_ids)  # the prompt first, as transformers does
+            for _ in range(steps):
+                self(input_ids=input_ids[:, :1])
+                if streamer is not None:
+                    streamer.put(torch.ones(1, dtype=torch.long))
+            if streamer is not None:
+                streamer.end()
+            return ["text"]  # no sequences to count from
+
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=1e-6, sample_floor_seconds=3600.0)
+    model = mon.wrap(OwnLoop(), name="own")
+    for _ in range(3):
+        assert model.generate(torch.ones(1, 3, dtype=torch.long)) == ["text"]
+    mon.generations.drain()
+    gen = mon.stats()["generation"]["own"]
+    assert gen["requests"]["ok"] == 3 and gen["generated_tokens"] == 12
+    assert gen["time_to_first_token"]["count"] == 3

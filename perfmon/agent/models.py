@@ -134,6 +134,11 @@ class Models:
         generations = self._generations
         internal = self._hub.internal
         encoder_decoder = is_encoder_decoder(model)
+        # Transformers' own generate() (GenerationMixin's, or a model class's in transformers) returns the sequences
+        # (a tensor or an output with ``sequences``): an untimed call counts its tokens there. Another generate()
+        # (remote code, a user's) may return anything: every call of it keeps the tap, which counts what it puts.
+        own = getattr(type(model), "generate", None)
+        returns_sequences = str(getattr(own, "__module__", "")).startswith("transformers.")
 
         def requests(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], streamable: bool
                      ) -> GenerateCall | None:
@@ -142,7 +147,7 @@ class Models:
             # The first generate() call, then one in 1/sample_rate, has every step timed.
             timed = next(calls_of_generate) % every == 0
             # Its tokens timed (TTFT, ITL) when sampled, and always when every forward of it is.
-            timeline = timelines.due(clock()) or timed
+            timeline = timelines.due(clock()) or timed or not returns_sequences
             return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable,
                                 encoder_decoder=encoder_decoder, timeline=timeline)
 

@@ -161,12 +161,11 @@ class TraceUploader:
     ``clock`` (monotonic seconds), ``jitter`` (0..1) and ``fs`` (an fsspec filesystem, with ``root``) are
     injectable, so tests drive ``step()`` by hand. ``backoff_initial_seconds`` doubles per consecutive
     failure up to ``backoff_max_seconds``; ``poll_seconds`` is how often the spool is rescanned when idle
-    (a capture saved in this process wakes the thread at once; the rescan finds other processes' captures).
-    The thread's CPU seconds are added to ``cpu`` as ``thread="upload"``.
-    An attempt ends by ``timeout_seconds`` plus its bodies at ``MIN_BYTES_PER_SECOND`` (``StoreCalls``, with
-    ``max_abandoned_calls``). Idle, every ``orphan_sweep_seconds`` (jittered), traces without metadata written
-    over ``orphan_grace_seconds`` ago (``wall``: Unix seconds) are removed: at least 2 timeouts, the default
-    hour outlasts the largest capture's attempt (256 MiB: ~5 min), so an upload in flight is never removed.
+    (a capture saved here wakes the thread at once; the rescan finds other processes' captures). The thread's CPU
+    seconds are added to ``cpu`` as ``thread="upload"``. An attempt ends by ``timeout_seconds`` plus its bodies at
+    ``MIN_BYTES_PER_SECOND`` (``StoreCalls``, with ``max_abandoned_calls``). Idle, every ``orphan_sweep_seconds``
+    (jittered), traces without metadata written over ``orphan_grace_seconds`` ago (``wall``: Unix seconds) are
+    removed: at least 2 timeouts; the default hour outlasts the largest attempt (256 MiB: ~5 min), in flight or not.
     """
 
     def __init__(self, store: TraceStore, url: str, *, internal: InternalErrors | None = None, log: Any = None,
