@@ -165,7 +165,7 @@ class TraceUploader:
     seconds are added to ``cpu`` as ``thread="upload"``. An attempt ends by ``timeout_seconds`` plus its bodies at
     ``MIN_BYTES_PER_SECOND`` (``StoreCalls``, with ``max_abandoned_calls``). Idle, every ``orphan_sweep_seconds``
     (jittered), traces without metadata written over ``orphan_grace_seconds`` ago (``wall``: Unix seconds) are
-    removed: at least 2 timeouts; the default hour outlasts the largest attempt (256 MiB: ~5 min), in flight or not.
+    removed (at least 2 timeouts: no upload in flight is; the default hour outlasts a 256 MiB capture's ~5 min).
     """
 
     def __init__(self, store: TraceStore, url: str, *, internal: InternalErrors | None = None, log: Any = None,
