@@ -126,9 +126,9 @@ class Models:
             st.target = state.target  # the model's module (an encoder's stage gets the encoder's: wrap.py)
             return st
 
-        every = max(1, round(1 / self.config.sample_rate))
-        calls_of_generate = itertools.count()
         cfg = self.config
+        every = max(1, round(1 / cfg.sample_rate))
+        calls_of_generate = itertools.count()
         timelines = CallSampler(cfg.generation_sample_rate or cfg.sample_rate, cfg.sample_floor_seconds)
         clock = perf_counter_ns
         generations = self._generations
