@@ -42,7 +42,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("batching_server")
     port = free_port()
     log = tmp / "server.log"
-    env = _env(tmp, PERFMON_PORT="0", PERFMON_LOG_LEVEL="error", MAX_BATCH="8", MAX_WAIT_MS="5")
+    # The agent's own port off: the test reads perfmon through the app (/perfmon/). With PERFMON_PORT=0 the agent's
+    # ephemeral bind could take the port free_port() had just released before uvicorn bound it, and answer the
+    # readiness check's /healthz itself (a fresh clone's run: every /predict a 404 from perfmon's routes).
+    env = _env(tmp, PERFMON_PORT="off", PERFMON_LOG_LEVEL="error", MAX_BATCH="8", MAX_WAIT_MS="5")
     with module_server("examples.batching_server", port, cwd=ROOT, env=env, log=log, timeout=90):
         yield f"http://127.0.0.1:{port}"
 

@@ -264,10 +264,24 @@ def _manual(mon: perfmon.Monitor, model: Any, name: str, x: torch.Tensor, steps:
     return wait_capture(mon, cap["id"], drive=_drive(model, x))
 
 
+def _brief(comparison: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The comparison's rows, short enough to read in a failure message."""
+    return [(r["op"], r["status"], r["seconds_per_call_before"], r["seconds_per_call_after"],
+             r["noise_seconds_per_call"]) for r in comparison["ops"]]
+
+
+#: Fresh capture pairs a timing check may take. On a shared 2-core machine a capture taken while another
+#: process holds the CPU measures the busy wait stretched by preemption (seen under two spinning processes:
+#: 4 ms read as 7.5 ms), so one pair can read "slower" or "faster" for an unchanged model. A comparison
+#: that is wrong on every pair still fails.
+PAIRS = 3
+
+
 def test_a_new_dominant_op_ranks_first_and_an_unchanged_model_compares_same(make_monitor) -> None:
     """After a baseline capture, a manual capture of the unchanged model compares all same; once the model
     starts sorting, the sort ranks first as new; once its busy wait triples, that op ranks first as slower."""
-    mon = make_monitor().start()
+    mon = make_monitor(regression=perfmon.RegressionPolicy(baseline_captures_per_hour=2 * PAIRS))
+    mon.start()
     model = mon.wrap(Switchable(), name="sw")
     x = torch.randn(4, 16)
     for _ in range(20):
@@ -277,9 +291,16 @@ def test_a_new_dominant_op_ranks_first_and_an_unchanged_model_compares_same(make
     assert base["steps"] == 11 and base["ops"]["busy_wait"]["calls_per_step"] == 1
     assert mon.captures.latest_baseline("sw")["id"] == base["id"]
 
-    same = _manual(mon, model, "sw", x)["comparison"]
+    seen = []
+    for pair in range(PAIRS):
+        if pair:
+            base = _baseline(mon, model, "sw", x)
+        same = _manual(mon, model, "sw", x)["comparison"]
+        seen.append(_brief(same))
+        if {r["status"] for r in same["ops"]} == {"same"}:
+            break
     assert same["baseline"] == base["id"] and "error" not in same
-    assert {r["status"] for r in same["ops"]} == {"same"}, same["ops"]
+    assert {r["status"] for r in same["ops"]} == {"same"}, seen
     assert same["summary"] == "no op changed beyond run-to-run spread"
     assert value(mon, "perfmon_capture_comparison_seconds", model="sw", trigger="manual", op="", status="same") == 0
 
@@ -295,9 +316,18 @@ def test_a_new_dominant_op_ranks_first_and_an_unchanged_model_compares_same(make
     assert value(mon, "perfmon_capture_comparison_seconds", model="sw", trigger="manual", op="", status="same") is None
 
     model.extra = False
-    model.wait_seconds = 0.012
-    slower = _manual(mon, model, "sw", x)["comparison"]["ops"][0]
-    assert (slower["op"], slower["status"]) == ("busy_wait", "slower") and slower["ratio"] > 2
+    seen = []
+    for pair in range(PAIRS):
+        if pair:  # a fresh baseline of the 4 ms wait, in case the last one was stretched
+            model.wait_seconds = 0.004
+            _baseline(mon, model, "sw", x)
+        model.wait_seconds = 0.012
+        slower_cmp = _manual(mon, model, "sw", x)["comparison"]
+        slower = slower_cmp["ops"][0]
+        seen.append(_brief(slower_cmp))
+        if (slower["op"], slower["status"]) == ("busy_wait", "slower") and slower["ratio"] > 2:
+            break
+    assert (slower["op"], slower["status"]) == ("busy_wait", "slower") and slower["ratio"] > 2, seen
     assert value(mon, "perfmon_capture_comparison_seconds", model="sw", trigger="manual", op="busy_wait",
                  status="slower") == pytest.approx(slower["added_seconds_per_call"])
     check = promtool_check(generate_latest(mon.registry))

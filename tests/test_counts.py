@@ -171,14 +171,14 @@ def test_call_sampler_times_the_first_call_a_share_and_one_per_floor() -> None:
     from perfmon.agent.sampling import CallSampler
 
     every = CallSampler(1.0, 3600.0)
-    assert all(every.due(i) for i in range(50))
+    assert all(every.pick(i) for i in range(50))
     rare = CallSampler(1e-9, 1.0)
     s = 1_000_000_000
-    assert rare.due(0)
-    assert not any(rare.due(t) for t in range(1, s, s // 100))  # within the floor: not one
-    assert rare.due(s) and not rare.due(s + 1) and rare.due(2 * s + 1)
+    assert rare.pick(0)
+    assert not any(rare.pick(t) for t in range(1, s, s // 100))  # within the floor: not one
+    assert rare.pick(s) and not rare.pick(s + 1) and rare.pick(2 * s + 1)
     tenth = CallSampler(0.1, 3600.0, seed=7)
-    share = sum(tenth.due(i) for i in range(20_000)) / 20_000
+    share = sum(bool(tenth.pick(i)) for i in range(20_000)) / 20_000
     assert 0.09 < share < 0.11, share
 
 

@@ -17,7 +17,7 @@ import torch
 
 import perfmon
 
-from .conftest import value, wait_capture
+from .conftest import cache_key, value, wait_capture
 
 transformers = pytest.importorskip("transformers")
 
@@ -584,3 +584,151 @@ def test_a_generate_of_its_own_that_takes_a_streamer_keeps_the_tap_on_every_call
     gen = mon.stats()["generation"]["own"]
     assert gen["requests"]["ok"] == 3 and gen["generated_tokens"] == 12
     assert gen["time_to_first_token"]["count"] == 3
+
+
+def _ran(model: Any) -> list[None]:
+    """Ground truth: a forward pre-hook appends one item for every forward that really ran (read with len())."""
+    seen: list[None] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(None))
+    return seen
+
+
+def _calls(mon: perfmon.Monitor, stage: str) -> float:
+    return value(mon, "perfmon_forward_calls_total", model="gpt2", stage=stage) or 0.0
+
+
+def test_lean_decode_steps_are_counted_in_batches_and_exactly_when_the_call_ends(make_monitor) -> None:
+    """Inside transformers' own generate(), the decode steps after a checked one run the forward and leave their
+    counting to the next checked step or the call's end (at most LEAN_STEPS of them): a read while the call runs
+    misses no more than that, a read after it returns (or raises) counts every forward, with its items; a step that
+    raises in between is counted once and reaches the caller unchanged."""
+    from perfmon.agent.active import LEAN_STEPS
+
+    mon = make_monitor(sample_rate=0.001, warmup_calls=1, sample_floor_seconds=3600.0)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = _ran(model)
+    lags: list[int] = []
+
+    class Reads(transformers.StoppingCriteria):  # type: ignore[misc]
+        """At every step (after its forward), how many forwards ran that perfmon does not count yet."""
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            ran = len(truth)
+            lags.append(ran - int(_calls(mon, "prefill") + _calls(mon, "decode")))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    new = 40
+    for i in range(1, 4):
+        _generate(model, batch=2, new=new, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
+        assert _calls(mon, "prefill") + _calls(mon, "decode") == len(truth) == i * new
+    assert _calls(mon, "decode") == 3 * (new - 1)
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == 2 * 3 * new  # 2 rows, every forward
+    assert min(lags) >= 0 and max(lags) <= LEAN_STEPS
+    assert max(lags[new:]) > 0  # the calls after the first (not timed) took the lean steps
+
+    class Broken(Exception):
+        pass
+
+    def fail(module: Any, args: Any, kwargs: Any) -> None:
+        if len(truth) == 3 * new + 25:  # the 25th decode step of the fourth call: a lean one
+            raise Broken("step 25")
+
+    handle = model.register_forward_pre_hook(fail, with_kwargs=True)
+    with pytest.raises(Broken, match="step 25"):
+        _generate(model, batch=2, new=new)
+    handle.remove()
+    assert value(mon, "perfmon_forward_errors_total", model="gpt2", exception="Broken") == 1
+    assert _calls(mon, "prefill") + _calls(mon, "decode") == len(truth) == 3 * new + 25
+
+
+def test_lean_decode_steps_never_pass_the_sampling_index(make_monitor) -> None:
+    """A lean stretch ends at the decode stage's next sampling index: that step is checked and timed, so calls not
+    timed still give 1 in 1/sample_rate of their steps (a stretch of LEAN_STEPS past it would give ~1 in 17)."""
+    mon = make_monitor(sample_rate=0.2, warmup_calls=1, generation_sample_rate=1e-6, sample_floor_seconds=3600.0)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    new, calls = 40, 20
+    for _ in range(calls):
+        _generate(model, batch=1, new=new)
+    assert mon.flush()
+    timed = sum(value(mon, "perfmon_forward_duration_seconds_count", model="gpt2", device="cpu", stage=stage,
+                      phase=phase) or 0.0 for stage in ("prefill", "decode") for phase in ("cold", "steady"))
+    steps = calls * new
+    every_step = 4 * new  # calls 0, 5, 10 and 15 time every forward (one in 1/sample_rate calls)
+    assert _calls(mon, "prefill") + _calls(mon, "decode") == steps
+    sampled = timed - every_step
+    assert sampled >= 0.6 * (steps - every_step) * 0.2, (timed, sampled)  # ~1 in 5 of the other calls' forwards
+
+
+def test_decode_signatures_carry_over_between_calls_only_when_the_steps_match(make_monitor) -> None:
+    """A call's first decode step takes the call before's signature when it has as many input elements and keywords
+    and the same kind of cache; another batch size is a signature of its own, before and after."""
+    mon = make_monitor(sample_rate=0.001, warmup_calls=1)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = _ran(model)
+    for batch in (1, 1, 2, 2, 1, 3, 1):
+        _generate(model, batch=batch, new=8)
+    assert _calls(mon, "decode") == 7 * 7 and len(truth) == 7 * 8
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == 8 * (1 + 1 + 2 + 2 + 1 + 3 + 1)
+    assert mon.flush()
+    assert mon.stats()["models"]["gpt2"]["stages"]["decode"]["input_signatures"] == 3  # 1, 2 and 3 rows x 1
+
+
+def test_a_generate_given_a_cache_with_a_prefix_asks_the_stage_of_its_first_forward(make_monitor) -> None:
+    """generate() given no cache makes an empty one: its first forward is the prefill, without asking the cache.
+    Given the caller's cache of an earlier call, the first forward runs against a prefix: the stage function reads
+    the cache (decode, as for any step against a cache that holds tokens)."""
+    mon = make_monitor(sample_rate=0.001, warmup_calls=1)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    ids = torch.randint(0, 100, (1, PROMPT))
+    key = cache_key(model)
+    with torch.inference_mode():
+        first = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        assert _calls(mon, "prefill") == 1 and _calls(mon, "decode") == 3
+        cache = getattr(first, "past_key_values", None) or getattr(first, "cache", None)
+        assert cache is not None and cache.get_seq_length() > 0
+        model.generate(first.sequences, max_new_tokens=4, min_new_tokens=4, do_sample=False, **{key: cache})
+    assert _calls(mon, "prefill") == 1  # the continuation's first forward: against the prefix, not a prefill
+    assert _calls(mon, "decode") == 3 + 4
+
+
+def test_a_call_that_times_nothing_is_in_flight_from_its_start_and_its_output_is_not_kept(make_monitor) -> None:
+    """A generate() call that times nothing (no tap, no streamer of the caller's, no assistant) opens and settles its
+    requests through the tracker's pending queue, run by the next read or drain: a read while it runs sees its
+    requests in flight since the call began, a read after it returns counts them exactly, and what it returned is not
+    kept for that (an output of ``return_dict_in_generate`` holds the KV cache: freed with the caller's reference)."""
+    import gc
+    import weakref
+
+    mon = make_monitor(sample_rate=0.01, generation_sample_rate=1e-6, sample_floor_seconds=3600.0).start()
+    model = mon.wrap(_gpt2(), name="gpt2")
+    _generate(model, batch=1)  # the first call: timed
+    seen: list[tuple[int, float, float]] = []
+
+    class Reads(transformers.StoppingCriteria):  # type: ignore[misc]
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if len(seen) < 2:
+                gen = mon.stats()["generation"]["gpt2"]
+                seen.append((gen["in_flight"], gen["oldest_in_flight_seconds"], time.perf_counter() - began))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    began = time.perf_counter()
+    _generate(model, batch=2, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
+    for in_flight, oldest, since in seen:
+        assert in_flight == 2 and oldest is not None and 0 < oldest <= since
+    assert seen[1][1] > seen[0][1]  # the same requests, older at the second step
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["in_flight"] == 0 and gen["requests"]["ok"] == 3 and gen["generated_tokens"] == 3 * NEW
+    mon.generations.drain()
+    assert value(mon, "perfmon_time_to_first_token_seconds_count", model="gpt2") == 1  # the first call's only
+
+    ids = torch.randint(0, 100, (1, PROMPT))
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    assert cache is not None
+    gone = weakref.ref(cache)
+    del out, cache
+    gc.collect()
+    assert gone() is None  # before any read: perfmon kept the sequences, not the output
+    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == 4 * NEW

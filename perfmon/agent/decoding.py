@@ -33,56 +33,29 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..faults import InternalErrors
+from .active import LEAN_STEPS, Active, generating
 from .gen_events import advance
 from .generation import Generation, GenerationTracker
 from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
-__all__ = ["Active", "GenerateCall", "generating", "is_encoder_decoder", "tracked_generate"]
+_Tensor = torch.Tensor
 
-class Active:
-    """What ``staged_path`` needs while a monitored model's ``generate()`` runs in this context."""
+__all__ = ["Call", "GenerateCall", "assisted", "is_encoder_decoder", "tracked_generate"]
 
-    __slots__ = ("cache_key", "entry", "fn", "keywords", "model", "numel", "prefilled", "sampled", "span", "stamps",
-                 "state", "step_key", "timed", "verify")
+class Call(Protocol):
+    """What ``tracked_generate`` needs of a call's tracking: the state its forwards read, the keywords it runs with,
+    and its end (``GenerateCall``, or ``latecall.LateCall`` for a call that times nothing)."""
 
-    def __init__(self, model: Any, timed: bool, verify: bool) -> None:
-        self.model = model
-        self.timed = timed  # every step of this call is timed (the first call, then one in 1/sample_rate)
-        self.verify = verify  # assisted/speculative: decode-stage forwards verify drafts
-        #: The first forward of this generate() has run (staged_path: later ones against its cache are decode).
-        self.prefilled = False
-        #: A generate() that takes no streamer (a custom loop): host time as each forward returns, one token
-        #: per row each (what such a loop is assumed to do). None when a tap stamps the tokens.
-        self.stamps: list[int] | None = None
-        #: The decode steps' signature in this call, with what it was taken from (stages.step_signature).
-        self.step_key: tuple[Any, int, Any] | None = None
-        #: The decode steps' short path (stages.staged_path), set by ``Stages.remember`` once their signature is warm:
-        #: the signature's entry (None: no short path), the input's element count and the keyword count a step must
-        #: have to take it, the keyword its cache comes under (stages.CACHE_KWARGS), the decode stage's state, its
-        #: call target and timed path (hotpath.sampled_path), and the request span of the caller's context (stamped
-        #: when the call ends: the short path does not stamp it). Slots of this one object, which a step reads
-        #: anyway: the fewer objects a step touches, the fewer cache misses it pays after the model's forward ran
-        #: (BENCHMARKS §3b).
-        self.entry: Any = None
-        self.numel = 0
-        self.keywords = 0
-        self.cache_key = "past_key_values"
-        self.state: Any = None
-        self.fn: Any = None
-        self.sampled: Any = None
-        self.span: Any = None
+    active: Active
+    kwargs: dict[str, Any]
 
-
-#: The ``Active`` of the generate() call running in this context (``None`` outside one). A context variable rather
-#: than a thread-local: ``get()`` is ~16 ns against ~50 for a thread-local's dictionary, once per forward.
-generating: ContextVar[Active | None] = ContextVar("perfmon_generating", default=None)
+    def end(self, outcome: str, out: Any = None) -> None: ...
 
 
 class _Tap:
@@ -119,27 +92,25 @@ class _Tap:
 class GenerateCall:
     """One tracked ``generate()`` call: its requests, its tap, and how they are settled when it ends."""
 
-    __slots__ = ("active", "beam", "consumer", "decoder_len", "encoder_decoder", "eos", "internal", "k", "kwargs",
-                 "mask", "pad", "prompt_len", "requests", "rows", "start", "tap", "tracker", "verify")
+    __slots__ = ("active", "beam", "consumer", "decoder_len", "encoder_decoder", "ended", "eos", "internal", "k",
+                 "kwargs", "mask", "pad", "prompt_len", "requests", "rows", "start", "tap", "tracker", "verify")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
                  name: str, timed: bool, internal: InternalErrors, *, streamable: bool = True,
-                 encoder_decoder: bool | None = None, timeline: bool = True) -> None:
+                 encoder_decoder: bool | None = None, timeline: bool = True, own: bool = False,
+                 active: Active | None = None, start_ns: int | None = None) -> None:
         """``timed``: every forward of the call is timed. ``timeline``: its tokens are timed (TTFT, inter-token
         latency) through perfmon's streamer; without it (a call not sampled, with no streamer of the caller's and
-        no assistant) the call's tokens are counted from what it returns, at no cost a step."""
+        no assistant) the call's tokens are counted from what it returns, at no cost a step. ``own``: the
+        ``generate()`` is transformers' own (its decode steps keep one shape: they may count in batches). ``active``
+        and ``start_ns``: a call opened after it started (``LateCall``), with the state its forwards already read."""
         self.tracker = tracker
         self.internal = internal
-        beams, k, lookup, early_exit, eos, pad, stop_strings = _options(kwargs, _config(model, args, kwargs))
+        cfg = _config(model, args, kwargs)
+        beams, k, lookup, early_exit = _options(kwargs, cfg, _CALL_OPTIONS)
         self.k = max(1, int(k or 1))
-        self.verify = kwargs.get("assistant_model") is not None or lookup is not None or early_exit is not None
+        self.verify = _verifies(kwargs, lookup, early_exit)
         self.beam = int(beams or 1) > 1 and not self.verify
-        self.eos = _token_ids(eos)
-        # HF pads a row that one of its per-row criteria ended; only EOS (cut at above) and, when given, stop
-        # strings or the caller's own criteria end a single row. Trailing padding is cut only then: a model
-        # may well generate the pad id itself (a random T5 does: pad 0 is also its decoder start).
-        per_row = bool(kwargs.get("stopping_criteria")) or stop_strings is not None
-        self.pad = pad if per_row and isinstance(pad, int) and pad not in self.eos else None
         if encoder_decoder is None:  # known when the model was wrapped (models.py): its config's, read once
             encoder_decoder = is_encoder_decoder(model)
         self.encoder_decoder = encoder_decoder
@@ -161,7 +132,12 @@ class GenerateCall:
         # Where the generated tokens start in the sequences generate() returns: after the decoder's start tokens
         # (encoder-decoder), after the prompt, or at 0 when a decoder-only prompt came as embeddings only.
         self.start = self.decoder_len if encoder_decoder else 0 if embeds else self.prompt_len
-        self.active = Active(model, timed, self.verify)
+        if active is None:
+            active = Active(model, timed, self.verify, batch=LEAN_STEPS if own and streamable else 0,
+                            kwargs=kwargs if own else None)
+            if not streamable:
+                active.stamps = []
+        self.active = active
         streamer = kwargs.get("streamer")
         self.tap: _Tap | None = None
         self.consumer: Consumer | None = None
@@ -183,50 +159,65 @@ class GenerateCall:
                 self.consumer = consumer
                 self.requests = [consumer.g]
         if not self.requests:
-            self.requests = [tracker.start(name) for _ in range(rows)]
-        if not streamable:
-            self.active.stamps = []
-        elif not self.beam and (timeline or streamer is not None or self.verify):
+            self.requests = ([tracker.start(name, now=start_ns)] if rows == 1
+                             else [tracker.start(name, now=start_ns) for _ in range(rows)])
+        self.eos: frozenset[int] = frozenset()
+        self.pad: int | None = None
+        if rows > 1 or self.beam:  # rows are cut at their EOS (_cut): read now, as this call's config says
+            eos, pad, stop_strings = _options(kwargs, cfg, _CUT_OPTIONS)
+            self.eos = _token_ids(eos)
+            # HF pads a row that one of its per-row criteria ended; only EOS (cut at above) and, when given, stop
+            # strings or the caller's own criteria end a single row. Trailing padding is cut only then: a model
+            # may well generate the pad id itself (a random T5 does: pad 0 is also its decoder start).
+            per_row = bool(kwargs.get("stopping_criteria")) or stop_strings is not None
+            self.pad = pad if per_row and isinstance(pad, int) and pad not in self.eos else None
+        if streamable and not self.beam and (timeline or streamer is not None or self.verify):
             # One sequence without assisted steps needs only the times (_count): no token values kept.
             self.tap = _Tap(streamer, keep=len(self.requests) > 1 or self.verify)
-            kwargs["streamer"] = self.tap
+            kwargs = {**kwargs, "streamer": self.tap}  # the call's own keywords: the caller's dict is untouched
         self.kwargs = kwargs
+        self.ended: tuple[Any, ...] = ()
 
     # -- the call ended ------------------------------------------------------------------------
 
-    def end(self, outcome: str, out: Any = None) -> None:
-        """Settle the requests: on this thread when every value needed is on the host, else on the resolver."""
-        now = perf_counter_ns()
-        span = self.active.span
-        if span is not None:  # the decode steps' short path left the caller's request span to this: the model ends now
-            try:
-                span.model_call(now, now, None)
-            except Exception as exc:
-                self.internal.report("requests", exc)
+    def end(self, outcome: str, out: Any = None, *, now: int | None = None) -> None:
+        """Settle the requests: on this thread when every value needed is on the host, else on the resolver.
+        ``now``: the call ended then (``LateCall``, on a reader's thread: settled there unless on the device)."""
+        active = self.active
+        here = now is not None
+        if now is None:
+            now = active.returned(self.internal)
         sequences = None
         counted = None
-        if outcome == OK and (self.beam or (self.tap is None and self.active.stamps is None)):
-            # Beam search, or a call not timed: the tokens are in what it returned.
-            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if outcome == OK and (self.beam or (self.tap is None and active.stamps is None)):
+            # Beam search, or a call not timed: the tokens are in what it returned (a tensor, or an output with them).
+            tensor = type(out) is _Tensor or isinstance(out, torch.Tensor)
+            sequences = out if tensor else getattr(out, "sequences", None)
             if sequences is not None and not self.beam and len(self.requests) == 1:
                 # One sequence stops right after its EOS (or its own stop): its length says how many tokens the
                 # caller received. A shape, host metadata: no value read, no device sync.
                 counted = max(0, int(sequences.shape[-1]) - self.start)
                 sequences = None
         mask = self.mask
-        if mask is not None and not isinstance(mask, torch.Tensor):
+        if mask is not None and type(mask) is not _Tensor and not isinstance(mask, torch.Tensor):
             mask = None
-        # isinstance(x, torch.Tensor) and a generator cost ~1 µs a call here: the common case (no mask, no beams) skips
-        def settle() -> None:
-            self._settle(outcome, now, sequences, mask, counted)
-
-        if ((sequences is not None and sequences.device.type != "cpu")
-                or (mask is not None and mask.device.type != "cpu")):
-            self.tracker.defer(settle)  # device values: read on the resolver, woken now
-        elif self.consumer is not None or not self.tracker.defer(settle, wake=False):
+        # Settled by a bound method of this call, with what it needs kept here: no closure made a call. Work on the
+        # request thread costs 3-5x what it does in the resolver's batch (BENCHMARKS §3b): the type checks above go
+        # by ``type() is`` first (isinstance on a tensor type asks its metaclass), a tensor's place by ``is_cpu``.
+        self.ended = (outcome, now, sequences, mask, counted)
+        if (sequences is not None and not sequences.is_cpu) or (mask is not None and not mask.is_cpu):
+            self.tracker.defer(self._settle_ended)  # device values: read on the resolver, woken now
+            return
+        if here:
+            self._settle_ended()
+            return
+        if self.consumer is not None or not self.tracker.defer(self._settle_ended, wake=False):
             # A streamer's consumer ends with what this call produced: settled now. Otherwise the next drain or read
             # settles it (~20 µs a call here, in situ, against a few µs in the resolver's batch).
-            settle()
+            self._settle_ended()
+
+    def _settle_ended(self) -> None:
+        self._settle(*self.ended)
 
     def _settle(self, outcome: str, now: int, sequences: torch.Tensor | None, mask: torch.Tensor | None,
                 counted: int | None) -> None:
@@ -339,7 +330,7 @@ class GenerateCall:
 
 
 def tracked_generate(generate: Callable[..., Any],
-                     start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall | None],
+                     start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], Call | None],
                      internal: InternalErrors) -> Callable[..., Any]:
     """A model's own ``generate()``, tracked as the requests the caller receives (``GenerateCall``).
 
@@ -357,7 +348,8 @@ def tracked_generate(generate: Callable[..., Any],
         if generating.get() is not None:  # nested (an assistant's own): the outer call tracks
             return generate(self, *args, **kwargs)
         try:
-            call: GenerateCall | None = start(self, args, dict(kwargs), streamable)
+            # kwargs is this call's own dict (packed above): GenerateCall copies it before it adds its tap.
+            call: Call | None = start(self, args, kwargs, streamable)
         except Exception as exc:
             internal.report("generation", exc)
             call = None
@@ -381,7 +373,7 @@ def tracked_generate(generate: Callable[..., Any],
     return generate_
 
 
-def _end(call: GenerateCall, outcome: str, out: Any, internal: InternalErrors) -> None:
+def _end(call: Call, outcome: str, out: Any, internal: InternalErrors) -> None:
     try:
         call.end(outcome, out)
     except Exception as exc:
@@ -400,23 +392,27 @@ def _config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any
     cfg = kwargs.get("generation_config")
     if cfg is None and len(args) > 1 and hasattr(args[1], "num_beams"):
         cfg = args[1]
+    if cfg is None:  # the model's own: read in its __dict__ (where nn.Module keeps a plain attribute), no class walk
+        own = getattr(model, "__dict__", None)
+        cfg = own.get("generation_config") if type(own) is dict else None
     return cfg if cfg is not None else getattr(model, "generation_config", None)
 
 
-#: The generation options GenerateCall reads (``_options``), in its order.
-_OPTIONS = ("num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "assistant_early_exit", "eos_token_id",
-            "pad_token_id", "stop_strings")
+#: The generation options every GenerateCall reads (``_options``), in its order: what decides its requests and its tap.
+_CALL_OPTIONS = ("num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "assistant_early_exit")
+#: ... and those only a call whose rows are cut at their EOS reads (several rows, or beam search).
+_CUT_OPTIONS = ("eos_token_id", "pad_token_id", "stop_strings")
 
 
-def _options(kwargs: Mapping[str, Any], cfg: Any) -> list[Any]:
-    """The generation options of ``_OPTIONS`` as generate() resolves them: the call's keyword first, then the
+def _options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list[Any]:
+    """The generation options ``keys`` as generate() resolves them: the call's keyword first, then the
     config's (None where neither sets one). A GenerationConfig keeps its options in its ``__dict__``: read there,
-    the seven cost one dict lookup each instead of an attribute lookup through the class."""
+    each costs one dict lookup instead of an attribute lookup through the class."""
     own = getattr(cfg, "__dict__", None)
     if not isinstance(own, dict):
         own = {}
     out = []
-    for key in _OPTIONS:
+    for key in keys:
         value = kwargs.get(key)
         if value is None:
             value = own.get(key)
@@ -424,6 +420,17 @@ def _options(kwargs: Mapping[str, Any], cfg: Any) -> list[Any]:
                 value = getattr(cfg, key, None)
         out.append(value)
     return out
+
+
+def assisted(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a generate() call is assisted (an assistant model, prompt lookup, early exit): its main model's
+    forwards after the first verify drafts."""
+    lookup, early_exit = _options(kwargs, _config(model, args, kwargs), _CALL_OPTIONS[2:])
+    return _verifies(kwargs, lookup, early_exit)
+
+
+def _verifies(kwargs: Mapping[str, Any], lookup: Any, early_exit: Any) -> bool:
+    return kwargs.get("assistant_model") is not None or lookup is not None or early_exit is not None
 
 
 def is_encoder_decoder(model: Any) -> bool:

@@ -171,7 +171,13 @@ def events_of(rec: tuple[Any, ...]) -> Iterator[GenerationEvent]:
 
 def advance(counter: itertools.count[int], n: int) -> None:
     """Advance an itertools.count by n in C (each step atomic; other threads' steps may interleave)."""
-    collections.deque(itertools.islice(counter, n), maxlen=0)
+    _discard(_islice(counter, n))
+
+
+#: Consumes an iterator in C, keeping nothing: one zero-length deque for every call (making one a call cost ~0.3 µs
+#: more in a tight loop and ~4 µs in situ, between two forwards of a model). extend() holds the GIL throughout.
+_discard: Callable[[Iterator[Any]], None] = collections.deque(maxlen=0).extend
+_islice = itertools.islice
 
 
 def check_name(name: Any) -> None:

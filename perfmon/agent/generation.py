@@ -221,6 +221,9 @@ class GenerationTracker:
         #: (a read there may wait for the device: never on a scrape's thread); host work, by drain() or any read.
         self.deferred: collections.deque[Callable[[], None]] = collections.deque()
         self.pending: collections.deque[Callable[[], None]] = collections.deque()
+        #: One reader at a time runs the work handed over: a late generate() call's opening must finish before its
+        #: closing runs (latecall.LateCall), and two readers popping them could run them at once. Readers only.
+        self._settling = threading.RLock()
         self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
         self._rings_lock = threading.Lock()
 
@@ -233,7 +236,7 @@ class GenerationTracker:
 
     # -- request path -------------------------------------------------------------------------
 
-    def start(self, name: str, prompt_tokens: int | None = None) -> Generation:
+    def start(self, name: str, prompt_tokens: int | None = None, *, now: int | None = None) -> Generation:
         """A new request under ``name`` (``Monitor.generation``): call ``g.token(n=1)`` as tokens reach the caller.
 
         ``with tracker.start("chat", prompt_tokens=12) as g:`` ends it as ``ok`` (an Exception in the block:
@@ -241,21 +244,25 @@ class GenerationTracker:
         ``g.finish(outcome)``. The first ``token()`` gives the time to first token (seconds, host
         ``perf_counter``, from this call), the later ones the inter-token latency. ``name`` is registered on
         first use (the same name as a wrapped model shares its label; at most ``max_names`` names); a bad
-        ``name`` or ``prompt_tokens`` raises ``ConfigError``. Costs one lock and a few counters here and in
-        ``finish()``; ``token()`` one clock read and one deque append.
+        ``name`` or ``prompt_tokens`` raises ``ConfigError``. Costs a few counters and a dict insert here (a lock
+        only with ``prompt_tokens``), one lock in ``finish()``; ``token()`` one clock read and one deque append.
         """
         counts = self._names.get(name) if name.__class__ is str else None
         if counts is None:
             counts = self._register(name)
         prompt = None if prompt_tokens is None else check_prompt(prompt_tokens)
         timing = self._timing()
-        now = perf_counter_ns()
+        if now is None:  # else the request started earlier (perf_counter_ns): a generate() call opened late
+            now = perf_counter_ns()
         key = 0
-        with self._lock:
-            if timing and len(self._live) < self.max_live:
-                key = next(self._keys)
-                self._live[key] = (counts, now)
-            if prompt:
+        # No lock for the live table: one insert (and finish_at's one pop) is atomic under the GIL, and a bound
+        # overshot by one request per thread is still a bound. An uncontended lock cost ~2.5 µs here in situ, between
+        # two generate() calls (BENCHMARKS §3b); the prompt total is a read-modify-write and keeps it.
+        if timing and len(self._live) < self.max_live:
+            key = next(self._keys)
+            self._live[key] = (counts, now)
+        if prompt:
+            with self._lock:
                 counts.prompt += prompt
         next(counts.started)
         if timing and not key:
@@ -343,16 +350,19 @@ class GenerationTracker:
     def settle_pending(self, *, device: bool = False) -> None:
         """Run the host work handed over (``defer(wake=False)``) now, on any thread, each piece once, and with
         ``device`` (the resolver) the device work too. Never raises."""
-        for queue in (self.deferred, self.pending) if device else (self.pending,):
-            while queue:
-                try:
-                    work = queue.popleft()
-                except IndexError:  # another thread took the last one
-                    break
-                try:
-                    work()
-                except Exception as exc:
-                    self._internal.report("generation", exc)
+        if not self.pending and not (device and self.deferred):
+            return
+        with self._settling:
+            for queue in (self.deferred, self.pending) if device else (self.pending,):
+                while queue:
+                    try:
+                        work = queue.popleft()
+                    except IndexError:  # another thread took the last one
+                        break
+                    try:
+                        work()
+                    except Exception as exc:
+                        self._internal.report("generation", exc)
 
     def _count_of(self, n: Any) -> int:  # a token count other than 1, checked: token()'s slow path
         try:

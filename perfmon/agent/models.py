@@ -18,9 +18,10 @@ import torch
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
 from .batching import BatchTokens, ContinuousBatching
-from .decoding import GenerateCall, is_encoder_decoder
+from .decoding import GenerateCall, assisted, is_encoder_decoder
 from .generation import GenerationTracker
-from .sampling import CallSampler
+from .latecall import LateCall
+from .sampling import EVERY_STEP, TIMELINE, CallSampler
 from .span import UNTRACKED, Span, Untracked
 from .stages import ENCODE, PREFILL, Stages, generative_stage, is_generative
 from .state import Hub, ModelState
@@ -127,9 +128,10 @@ class Models:
             return st
 
         cfg = self.config
-        every = max(1, round(1 / cfg.sample_rate))
-        calls_of_generate = itertools.count()
-        timelines = CallSampler(cfg.generation_sample_rate or cfg.sample_rate, cfg.sample_floor_seconds)
+        # The first generate() call, then one in 1/sample_rate, has every step timed; its tokens are timed when sampled
+        # (generation_sample_rate), and always when every forward of it is.
+        calls = CallSampler(cfg.generation_sample_rate or cfg.sample_rate, cfg.sample_floor_seconds,
+                            every=max(1, round(1 / cfg.sample_rate)))
         clock = perf_counter_ns
         generations = self._generations
         internal = self._hub.internal
@@ -140,16 +142,21 @@ class Models:
         own = getattr(type(model), "generate", None)
         returns_sequences = str(getattr(own, "__module__", "")).startswith("transformers.")
 
+        hub = self._hub
+
         def requests(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], streamable: bool
-                     ) -> GenerateCall | None:
+                     ) -> GenerateCall | LateCall | None:
             if kwargs.get("cache_implementation") == "paged":  # generate() hands over to continuous batching:
                 return None  # its requests are tracked there, by id (batching.py), not counted twice
-            # The first generate() call, then one in 1/sample_rate, has every step timed.
-            timed = next(calls_of_generate) % every == 0
-            # Its tokens timed (TTFT, ITL) when sampled, and always when every forward of it is.
-            timeline = timelines.due(clock()) or timed or not returns_sequences
-            return GenerateCall(module, args, kwargs, generations, label, timed, internal, streamable=streamable,
-                                encoder_decoder=encoder_decoder, timeline=timeline)
+            picked = calls.pick(clock())
+            if (not picked and returns_sequences and streamable and hub.timing
+                    and kwargs.get("streamer") is None and len(generations.pending) < generations.queue_size
+                    and not assisted(module, args, kwargs)):
+                # Times nothing, needs nothing while it runs: opened and settled by the next read or drain.
+                return LateCall(module, args, kwargs, generations, label, internal, encoder_decoder=encoder_decoder)
+            return GenerateCall(module, args, kwargs, generations, label, picked == TIMELINE | EVERY_STEP, internal,
+                                streamable=streamable, encoder_decoder=encoder_decoder,
+                                timeline=picked != 0 or not returns_sequences, own=returns_sequences)
 
         built: list[Stages] = []
 

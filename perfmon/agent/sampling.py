@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 
-__all__ = ["CallSampler", "Sampler"]
+__all__ = ["EVERY_STEP", "TIMELINE", "CallSampler", "Sampler"]
 
 
 class Sampler:
@@ -53,18 +53,34 @@ class CallSampler:
     call more or one fewer, never change a count.
     """
 
-    def __init__(self, rate: float, floor_seconds: float, *, seed: int | None = None) -> None:
+    def __init__(self, rate: float, floor_seconds: float, *, seed: int | None = None, every: int = 0) -> None:
+        """``every``: ``pick`` also says which calls have every step timed: the first, then one in ``every``
+        (a fixed stride: the share of the model's forwards that are timed stays ``1/every``)."""
         self._sampler = Sampler(rate, floor_seconds, seed=seed)
+        self._floor_ns = self._sampler.floor_ns
+        self._every = every if every > 0 else 1 << 62  # 0: only the first call (index 0)
         self._calls = itertools.count()
         self._next = 0
-        self._last_ns: int | None = None
+        self._last_ns = -self._floor_ns  # the first call is due
 
-    def due(self, now_ns: int) -> bool:
-        """Whether the call starting at ``now_ns`` (``perf_counter_ns``) is timed."""
+    def pick(self, now_ns: int) -> int:
+        """One decision for the call starting at ``now_ns`` (``perf_counter_ns``): 0 (counted, not timed),
+        ``TIMELINE`` (its tokens timed) or ``TIMELINE | EVERY_STEP`` (its tokens and every forward timed). One
+        counter and two compares, on the request thread between two calls of the model, where every object
+        touched costs ~0.3-1 µs (BENCHMARKS §3b): the floor is compared here, not asked of the Sampler."""
         index = next(self._calls)
-        last = self._last_ns
-        if index >= self._next or last is None or self._sampler.floor_due(last, now_ns):
+        if index % self._every == 0:
             self._next = self._sampler.next_index(index)
             self._last_ns = now_ns
-            return True
-        return False
+            return TIMELINE | EVERY_STEP
+        if index >= self._next or now_ns - self._last_ns >= self._floor_ns:
+            self._next = self._sampler.next_index(index)
+            self._last_ns = now_ns
+            return TIMELINE
+        return 0
+
+
+#: ``CallSampler.pick``: the call's tokens are timed (TTFT, inter-token latency) ...
+TIMELINE = 1
+#: ... and every forward of it too.
+EVERY_STEP = 2

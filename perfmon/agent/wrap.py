@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .decoding import GenerateCall, tracked_generate
+from .decoding import Call, tracked_generate
 from .dynamo import mark_for_dynamo
 from .hotpath import hot_path
 from .stages import StageFn, Stages, staged_path
@@ -92,7 +92,7 @@ class MonitoredModule:
 
     @classmethod
     def create(cls, module: torch.nn.Module, state: ModelState, stages: Callable[..., Stages] | None = None,
-               requests: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], GenerateCall | None] | None = None,
+               requests: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], Call | None] | None = None,
                batching: Callable[[type, Callable[..., None]], dict[str, Any]] | None = None) -> Any:
         """Swap ``module``'s class for a monitored subclass (in place); returns ``module``.
 

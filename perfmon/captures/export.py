@@ -161,9 +161,15 @@ class Exporter:
                     self.store.remove_temp(tmp)
         if outcome == "ok" and cap.trigger in COMPARED_TRIGGERS:
             comparison = self._compare(cap, ops, top_ops, steps)
-        if isinstance(cap.reason.get("moved"), dict):  # a regression's "what moved": the ops part, now known
-            add_ops(cap.reason["moved"], comparison, headline(comparison) if comparison else None)
-        cap.export["seconds"] = round(time.monotonic() - t0, 3)
+        # The capture's dicts are rebound, never changed in place: a reader (monitor.profile, /profiles/{id}) may turn
+        # the in-flight capture into a dict at any moment, and asdict() iterating a dict that gains a key raises
+        # (a fresh clone's run: "dictionary changed size during iteration" in test_occupancy).
+        moved = cap.reason.get("moved")
+        if isinstance(moved, dict):  # a regression's "what moved": the ops part, now known
+            moved = dict(moved)
+            add_ops(moved, comparison, headline(comparison) if comparison else None)
+            cap.reason = {**cap.reason, "moved": moved}
+        cap.export = {**cap.export, "seconds": round(time.monotonic() - t0, 3)}
         final = {**cap.public(), "status": "done", "outcome": outcome, "error": error, "summary": summary,
                  "compute": compute, "ops": ops, "top_ops": top_ops, "steps": steps, "comparison": comparison}
         try:

@@ -1,0 +1,77 @@
+"""A ``generate()`` call that times nothing, opened and settled off the request thread (``LateCall``)."""
+
+from __future__ import annotations
+
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from ..faults import InternalErrors
+from .active import LEAN_STEPS, Active
+from .decoding import GenerateCall
+from .generation import GenerationTracker
+
+__all__ = ["LateCall"]
+
+_Tensor = torch.Tensor
+
+
+class LateCall:
+    """A ``generate()`` call that times nothing, opened and settled off the request thread.
+
+    A call whose tokens are not timed (most: ``generation_sample_rate``), of transformers' own ``generate()``, with no
+    streamer of the caller's and no assistant, needs nothing of its requests while it runs: no tap, no timed step.
+    So the request thread makes only the state its forwards read (``Active``: the lean decode steps, the prefill's
+    label) and hands two pieces of work to the tracker's pending queue: opening its requests (a ``GenerateCall``, with
+    the call's start time) and, when it returns, settling them. Every read (a scrape, /stats, the resolver's drain)
+    runs what is pending first, in order, one reader at a time (``GenerationTracker.settle_pending``): in-flight
+    requests, counts and durations are the same as if opened at the start. Between two model calls a ``GenerateCall``
+    made here cost ~20 µs and its settling hand-over ~13 (BENCHMARKS §3b): what is left here is a few µs.
+    """
+
+    __slots__ = ("active", "args", "call", "encoder_decoder", "ended", "internal", "kwargs", "model", "name",
+                 "start_ns", "tracker")
+
+    def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
+                 name: str, internal: InternalErrors, *, encoder_decoder: bool) -> None:
+        self.active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+        self.model = model
+        self.args = args
+        self.kwargs = kwargs
+        self.tracker = tracker
+        self.name = name
+        self.internal = internal
+        self.encoder_decoder = encoder_decoder
+        self.call: GenerateCall | None = None
+        self.ended: tuple[Any, ...] = ()
+        self.start_ns = perf_counter_ns()
+        tracker.pending.append(self._open)
+
+    def _open(self) -> None:
+        self.call = GenerateCall(self.model, self.args, self.kwargs, self.tracker, self.name, False, self.internal,
+                                 encoder_decoder=self.encoder_decoder, timeline=False, own=True, active=self.active,
+                                 start_ns=self.start_ns)
+
+    def end(self, outcome: str, out: Any = None) -> None:
+        """The call returned (or raised): count its lean steps, stamp a request span, hand the settling over. Only the
+        returned sequences are kept: an output object may hold the KV cache (``return_dict_in_generate``), which must
+        not outlive the call for want of a read."""
+        try:
+            if out is not None and type(out) is not _Tensor:
+                out = getattr(out, "sequences", None)
+            now = self.active.returned(self.internal)
+        except Exception as exc:  # the requests still end (opened: they must not stay in flight), with what is known
+            self.internal.report("generation", exc)
+            out, now = None, perf_counter_ns()
+        self.ended = (outcome, out, now)
+        tracker = self.tracker
+        pending = tracker.pending
+        pending.append(self._close)
+        if len(pending) >= tracker.wake_at and tracker.wake is not None:
+            tracker.wake()
+
+    def _close(self) -> None:
+        if self.call is not None:  # None: opening it failed (counted as an internal error)
+            outcome, out, now = self.ended
+            self.call.end(outcome, out, now=now)
