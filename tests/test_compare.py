@@ -280,7 +280,9 @@ PAIRS = 3
 def test_a_new_dominant_op_ranks_first_and_an_unchanged_model_compares_same(make_monitor) -> None:
     """After a baseline capture, a manual capture of the unchanged model compares all same; once the model
     starts sorting, the sort ranks first as new; once its busy wait triples, that op ranks first as slower."""
-    mon = make_monitor(regression=perfmon.RegressionPolicy(baseline_captures_per_hour=2 * PAIRS))
+    # Room for a fresh baseline a pair; no baseline of its own (detection needs a minute of windows: none here).
+    mon = make_monitor(regression=perfmon.RegressionPolicy(baseline_captures_per_hour=2 * PAIRS,
+                                                           baseline_capture=False))
     mon.start()
     model = mon.wrap(Switchable(), name="sw")
     x = torch.randn(4, 16)

@@ -1,0 +1,200 @@
+"""Where a ``generate()`` request's added time goes, in wall time on the serving thread: bare vs wrapped, by segment.
+
+``agent_cost.py`` compares whole requests, whose spread (±2-6 µs a token) hides a 1 µs cut. This splits a request at
+the model's forward: the forward itself is the same in both variants, so what perfmon adds falls in the gaps
+between forwards, each one timed alone. One tiny random GPT-2, wrapped and unwrapped between variants (the same
+object, as ``agent_cost.py``), both with the same stamp at the entry and exit of its ``forward`` (a wrapper that keeps
+the forward's signature, so perfmon still sees a generative model). Segments of a request:
+
+- ``before the prefill``: from calling ``generate()`` to the prefill's forward (perfmon: opening the call, the
+  prefill's stage and hot path);
+- ``to the 1st decode``: the prefill's forward returning to the first decode step's forward (perfmon: the prefill's
+  return path, the first decode step's stage and short path);
+- ``a later step``: one decode step's forward returning to the next's (perfmon: a lean or checked step);
+- ``after the last``: the last forward returning to ``generate()`` returning (perfmon: the call's end).
+
+A third variant, ``floor``, is the least any exact count of a ``generate()``'s forwards can cost in Python: a subclass
+whose ``__call__`` reads a context variable and advances a counter before ``nn.Module._call_impl``, and whose
+``generate()`` sets that variable around the call and appends one small object to a deque at its start and its end
+(opening and settling handed over). No sampling decision, no stage, no signature, no error counting: what is left
+between it and ``wrapped`` is perfmon's work, and what is between it and ``bare`` no design that counts every forward
+in Python can avoid.
+
+Each round runs the variants in a shuffled order (one ``generate()`` after each switch, then one measured); the
+figures are each segment's quantiles over the rounds (over every step, for a later step) and the wrapped minus bare
+difference at each quantile. Monitor started, at the default 1% sampling, its low-traffic floor off (a call picked
+by the floor, one in ~5 rounds here, has its tokens timed: a different path, ``agent_cost.py`` prices it), FLOPs off.
+
+    python benchmarks/generate_where.py [--rounds 150] [--tokens 32] [--json out.json]
+
+Not a test: read the differences on a quiet machine; the A/A (``bare again``) shows the noise.
+(BENCHMARKS.md §3b, "where a request's time goes".)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextvars
+import functools
+import gc
+import itertools
+import random
+import time
+from typing import Any
+
+import torch
+from common import dump, machine, table
+from prometheus_client import CollectorRegistry
+
+import perfmon
+
+SEGMENTS = ("before the prefill", "to the 1st decode", "a later step", "after the last")
+QUANTILES = (0.1, 0.25, 0.5)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class _Open:
+    """The floor's one object a call: what opening and settling would hand over."""
+
+    __slots__ = ("end_ns", "model", "start_ns")
+
+
+def floor_class(base: type) -> type:
+    """``base`` with the least exact counting of its forwards inside its ``generate()`` (the module docstring)."""
+    current: contextvars.ContextVar[_Open | None] = contextvars.ContextVar("floor", default=None)
+    forwards = itertools.count()
+    handed: collections.deque[_Open] = collections.deque(maxlen=1024)
+    call_impl = torch.nn.Module._call_impl
+    generate = base.generate  # type: ignore[attr-defined]
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = current.get()
+        if call is not None and call.model is self:
+            next(forwards)
+        return call_impl(self, *args, **kwargs)
+
+    def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _Open()
+        call.model = self
+        call.start_ns = time.perf_counter_ns()
+        handed.append(call)
+        token = current.set(call)
+        try:
+            out = generate(self, *args, **kwargs)
+        finally:
+            current.reset(token)
+        call.end_ns = time.perf_counter_ns()
+        handed.append(call)
+        return out
+
+    return type(base.__name__, (base,), {"__slots__": (), "__module__": base.__module__, "__call__": __call__,
+                                          "generate": generate_})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=150)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
+                     eos_token_id=1)
+    model = GPT2LMHeadModel(cfg).eval()
+    base = type(model)
+    stamps: list[int] = []
+    stamp, clock = stamps.append, time.perf_counter_ns
+    forward = base.forward
+
+    @functools.wraps(forward)  # keeps the signature: perfmon finds the model generative from it
+    def stamped(self: Any, *a: Any, **k: Any) -> Any:
+        stamp(clock())
+        out = forward(self, *a, **k)
+        stamp(clock())
+        return out
+
+    base.forward = stamped  # type: ignore[method-assign]
+    mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", count_flops=False,
+                          sample_floor_seconds=1e9).start()
+    ids = torch.randint(2, 1000, (1, 8))
+    kw = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "do_sample": False, "pad_token_id": 0}
+    variants = ("bare", "bare again", "floor", "wrapped")
+    floor = floor_class(base)
+    state = {"wrapped": False}
+
+    def run(variant: str) -> dict[str, list[float]]:
+        want = variant == "wrapped"
+        if want and not state["wrapped"]:
+            model.__class__ = base
+            mon.wrap(model, name="gpt2_tiny")
+        elif state["wrapped"] and not want:
+            mon.unwrap(model)
+        state["wrapped"] = want
+        if not want:
+            model.__class__ = floor if variant == "floor" else base
+        gc.disable()
+        try:
+            with torch.inference_mode():
+                model.generate(ids, **kw)  # after the switch: not measured
+                stamps.clear()
+                t0 = clock()
+                model.generate(ids, **kw)
+                t1 = clock()
+        finally:
+            gc.enable()
+        s = stamps
+        gaps = [(s[i + 1] - s[i]) / 1e3 for i in range(1, len(s) - 1, 2)]  # a forward's exit to the next's entry
+        return {"before the prefill": [(s[0] - t0) / 1e3], "to the 1st decode": gaps[:1], "a later step": gaps[1:],
+                "after the last": [(t1 - s[-1]) / 1e3]}
+
+    try:
+        for _ in range(3):
+            for v in variants:
+                run(v)
+        times: dict[str, dict[str, list[float]]] = {v: {k: [] for k in SEGMENTS} for v in variants}
+        for _ in range(args.rounds):
+            order = list(variants)
+            random.shuffle(order)
+            for v in order:
+                for k, values in run(v).items():
+                    times[v][k].extend(values)
+        if state["wrapped"]:
+            mon.unwrap(model)
+        model.__class__ = base
+    finally:
+        mon.stop()
+        base.forward = forward  # type: ignore[method-assign]
+    result: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "tokens": args.tokens, "segments": {}}
+    rows = []
+    for k in SEGMENTS:
+        bare = [_quantile(times["bare"][k], q) for q in QUANTILES]
+        seg: dict[str, Any] = {"bare_us": bare}
+        for v in variants[1:]:
+            added = [_quantile(times[v][k], q) - b for q, b in zip(QUANTILES, bare)]
+            seg[v] = added
+            rows.append([k, v, f"{bare[1]:.1f}", *(f"{a:+.2f}" for a in added)])
+        result["segments"][k] = seg
+    steps = args.tokens - 2  # later steps a request: its decode steps after the first
+    per_request = {v: [sum(result["segments"][k][v][i] * (steps if k == "a later step" else 1) for k in SEGMENTS)
+                       for i in range(len(QUANTILES))] for v in variants[1:]}
+    for v, totals in per_request.items():
+        rows.append(["a request, summed", v, "", *(f"{t:+.1f}" for t in totals)])
+        rows.append(["a token, summed", v, "", *(f"{t / args.tokens:+.2f}" for t in totals)])
+    result["per_request_us"] = per_request
+    print(f"\ngenerate() of a tiny GPT-2, {args.tokens} tokens, {args.rounds} rounds, monitor running, 1% sampling: "
+          f"µs added by segment (quantile differences against bare)\n")
+    print(table(["segment", "variant", "bare q25 µs", "q10", "q25", "median"], rows))
+    dump(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
