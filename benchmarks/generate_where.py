@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.tokens < 3 or args.rounds < 1:
+        ap.error("--tokens must be at least 3 (a prefill, a first decode step and a later one) and --rounds at least 1")
     torch.set_num_threads(1)
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
