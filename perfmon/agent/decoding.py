@@ -332,10 +332,11 @@ class GenerateCall:
 def tracked_generate(generate: Callable[..., Any],
                      start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], Call | None],
                      internal: InternalErrors) -> Callable[..., Any]:
-    """A model's own ``generate()``, tracked as the requests the caller receives (``GenerateCall``).
+    """A model's own ``generate()``, tracked as the requests the caller receives (``GenerateCall``, ``LateCall``).
 
-    ``start(model, args, kwargs, streamable)`` opens the call's requests (None: tracked elsewhere) and may replace
-    ``kwargs["streamer"]`` with its tap (when ``generate`` takes a ``streamer``, as Hugging Face's does).
+    ``start(model, args, kwargs, streamable)`` opens the call's requests (None: tracked elsewhere); ``generate`` then
+    runs with the call's ``kwargs`` (a copy with perfmon's tap as its ``streamer`` when the call's tokens are timed and
+    ``generate`` takes one, as Hugging Face's does; the caller's own keywords otherwise).
     The caller's result and exceptions pass through unchanged; the outcome is ``ok``, ``error``
     (an Exception) or ``cancelled`` (KeyboardInterrupt and the like). A failure inside perfmon runs the
     call untracked and is counted (``perfmon_internal_errors_total{stage="generation"}``).

@@ -334,18 +334,24 @@ class GenerationTracker:
         model calls as in the resolver's batch: BENCHMARKS §3b) at that pass, unwoken, or the next read (a scrape,
         /stats); False, nothing kept, while the monitor is stopped (nothing drains) or a queue's worth waits: the
         caller runs it now."""
-        if wake:
-            self.deferred.append(work)
-        else:
-            pending = self.pending
-            if len(pending) >= self.queue_size or not self._timing():
+        if not wake:
+            if len(self.pending) >= self.queue_size or not self._timing():
                 return False
-            pending.append(work)
-            if len(pending) < self.wake_at:
-                return True
+            self.hand_over(work)
+            return True
+        self.deferred.append(work)
         if self.wake is not None:
             self.wake()
         return True
+
+    def hand_over(self, work: Callable[[], None]) -> None:
+        """Queue host work for the next pass or read, whatever waits already (``defer`` without its bound: a
+        ``LateCall``'s settling must follow its opening, queued when it began); the resolver is woken once a quarter
+        of a queue's worth waits."""
+        pending = self.pending
+        pending.append(work)
+        if len(pending) >= self.wake_at and self.wake is not None:
+            self.wake()
 
     def settle_pending(self, *, device: bool = False) -> None:
         """Run the host work handed over (``defer(wake=False)``) now, on any thread, each piece once, and with

@@ -46,7 +46,7 @@ class LateCall:
         self.call: GenerateCall | None = None
         self.ended: tuple[Any, ...] = ()
         self.start_ns = perf_counter_ns()
-        tracker.pending.append(self._open)
+        tracker.hand_over(self._open)
 
     def _open(self) -> None:
         self.call = GenerateCall(self.model, self.args, self.kwargs, self.tracker, self.name, False, self.internal,
@@ -65,11 +65,7 @@ class LateCall:
             self.internal.report("generation", exc)
             out, now = None, perf_counter_ns()
         self.ended = (outcome, out, now)
-        tracker = self.tracker
-        pending = tracker.pending
-        pending.append(self._close)
-        if len(pending) >= tracker.wake_at and tracker.wake is not None:
-            tracker.wake()
+        self.tracker.hand_over(self._close)
 
     def _close(self) -> None:
         if self.call is not None:  # None: opening it failed (counted as an internal error)
