@@ -11,11 +11,36 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["make_logger"]
+__all__ = ["LineWriter", "make_logger"]
+
+
+class LineWriter:
+    """structlog's final logger for perfmon's own events: one rendered line per event, written and flushed
+    under a lock. Unlike ``structlog.PrintLogger`` it never raises: a closed or broken stream (a test's captured
+    stderr after it ends, a daemon's stderr pointing at a closed pipe) loses the line and counts it in
+    ``lost``, so ``stop()`` or a background thread is never broken by a log line."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lost = 0
+        self._lock = threading.Lock()
+
+    def msg(self, message: str) -> None:
+        """Write ``message`` and a newline; on a closed or failing stream, count the line as lost."""
+        try:
+            with self._lock:
+                self.stream.write(message + "\n")
+                self.stream.flush()
+        except (OSError, ValueError):  # ValueError: "I/O operation on closed file"
+            self.lost += 1
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
 
 
 def make_logger(log_format: str, level: str, *, component: str, stream: TextIO | None = None) -> Any:
@@ -31,7 +56,7 @@ def make_logger(log_format: str, level: str, *, component: str, stream: TextIO |
     else:
         renderer = structlog.processors.JSONRenderer()
     logger = structlog.wrap_logger(
-        structlog.PrintLogger(out),
+        LineWriter(out),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
 import torch
 
-from perfmon.logs import make_logger
+from perfmon.logs import LineWriter, make_logger
 from perfmon.testing import FakeCuda, FakeGpu, GpuWork, event_pairs_in_flight
 
 from .conftest import value, wait_until
@@ -90,6 +91,33 @@ def test_logs_are_json_lines_off_a_tty_and_readable_on_one() -> None:
     quiet = io.StringIO()
     make_logger("json", "error", component="m", stream=quiet).info("started")
     assert quiet.getvalue() == ""
+
+
+def test_a_closed_log_stream_loses_lines_and_breaks_nothing(make_monitor) -> None:
+    """stderr closed under a running agent (a test's capture ended, a daemon's pipe gone): its log lines are lost
+    and counted, and neither the background threads nor stop() raise (before: ValueError out of stop())."""
+    out = io.StringIO()
+    writer = LineWriter(out)
+    writer.info('{"event": "started"}')
+    assert out.getvalue() == '{"event": "started"}\n' and writer.lost == 0
+    out.close()
+    writer.info('{"event": "stopped"}')
+    writer.error('{"event": "internal_error"}')
+    assert writer.lost == 2
+    closed = io.StringIO()
+    log = make_logger("json", "info", component="m", stream=closed)
+    closed.close()
+    log.info("stopped")  # through structlog's processors: nothing raised
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        mon = make_monitor(log_level="info", sample_rate=1.0).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    err.close()
+    for _ in range(5):
+        model(torch.ones(1, 4))
+    assert mon.flush(timeout=5)
+    mon.stop()  # logs "stopped" to the closed stream
+    assert value(mon, "perfmon_forward_calls_total", model="m") == 5
+    assert mon.stats()["internal_errors"] == {}
 
 
 def test_agent_self_cost_is_exported(make_monitor) -> None:

@@ -403,9 +403,11 @@ def test_health_is_answered_while_triage_is_in_debt_and_idle_connections_churn(m
         server.budget.charge(0.3)  # the work budget ~30 s in debt
         server.triage.charge(0.3)  # and triage ~60 s: only the health lane reads anything
         took = [_probe(port) for _ in range(10)]
-    # The churn also fills the port's accept queue when the box is loaded: one probe may wait for its SYN's
-    # retransmission (exactly 1 s more), which is the health port's case (test_lifecycle.py), not the lane's.
-    assert_answered_in_time(took, typical=0.25, syn_retries=1)
+    # The churn also fills the port's accept queue when the box is loaded (its 8 client threads share this
+    # process's GIL with the accept loop): a probe may wait for its SYN's retransmission (exactly 1 s more),
+    # which is the health port's case (test_lifecycle.py), not the lane's. CI once saw 2 of the 10; a third is
+    # allowed for margin, while the median stays fast and none may take seconds.
+    assert_answered_in_time(took, typical=0.25, syn_retries=3)
     assert server.triage.wait_seconds() > 0
 
 
