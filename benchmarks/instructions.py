@@ -52,6 +52,9 @@ LINEAR_CALLS = 2000
 HANDOFF = re.compile(r"pthread_cond|futex|take_gil|drop_gil")
 #: The C allocators' functions: most of what varies between two identical requests besides the hand-offs.
 ALLOC = re.compile(r"obmalloc\.c:|/malloc\.c:")
+#: The interpreter's own loop (the bytecodes of Python code, a model's and perfmon's alike): the steadiest part, as
+#: the method cache and string-keyed dict lookups vary with what ran before (another thread, a class made).
+EVAL_LOOP = ("ceval.c:_PyEval_EvalFrameDefault", "ceval.c:_PyEval_EvalFrameDefault'2")
 
 
 def _tiny_gpt2() -> Any:
@@ -163,13 +166,13 @@ def _costs(path: str) -> dict[str, int]:
                 break
     got = dict(zip(events, totals))
     costs = {"total": got.get("Ir", 0)}
-    if "I1mr" in got:
-        costs["l1"] = got["I1mr"] + got["D1mr"] + got["D1mw"]
-        costs["ll"] = got["ILmr"] + got["DLmr"] + got["DLmw"]
+    if "I1mr" in got:  # callgrind leaves trailing zero counts out of the summary line
+        costs["l1"] = got["I1mr"] + got.get("D1mr", 0) + got.get("D1mw", 0)
+        costs["ll"] = got.get("ILmr", 0) + got.get("DLmr", 0) + got.get("DLmw", 0)
         costs["cycles"] = costs["total"] + 10 * costs["l1"] + 100 * costs["ll"]
     out = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", "--show=Ir", path],
                          capture_output=True, text=True, check=True).stdout
-    handoff = alloc = 0
+    handoff = alloc = interp = 0
     for line in out.splitlines():
         m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(\S+)", line)
         if m is None:
@@ -179,7 +182,9 @@ def _costs(path: str) -> dict[str, int]:
             handoff += n
         elif ALLOC.search(name):
             alloc += n
-    costs.update(handoff=handoff, alloc=alloc)
+        if name.endswith(EVAL_LOOP):
+            interp += n
+    costs.update(handoff=handoff, alloc=alloc, eval=interp)
     return costs
 
 
@@ -274,18 +279,21 @@ def main() -> None:
         name = f"generate/{v}"
         work, core = med(name), med(name, "core")
         added, added_core = work - bare, core - bare_core
-        result["generate"][v] = {part: values(name, part) for part in ("work", "core", "handoff", "alloc")}
-        result["generate"][v].update(added=added, added_core=added_core)
+        added_eval = med(name, "eval") - med("generate/bare", "eval")
+        result["generate"][v] = {part: values(name, part) for part in ("work", "core", "eval", "handoff", "alloc")}
+        result["generate"][v].update(added=added, added_core=added_core, added_eval=added_eval)
         if v == "bare":
-            rows.append([v, f"{work:,.0f}", spread(name), f"{med(name, 'handoff'):,.0f}", "", "", "", "", ""])
+            rows.append([v, f"{work:,.0f}", spread(name), f"{med(name, 'handoff'):,.0f}", "", "", "", "", "", ""])
             continue
         rows.append([v, f"{work:,.0f}", spread(name), f"{med(name, 'handoff'):,.0f}", f"{added:+,.0f}",
                      f"{added / args.tokens:+,.0f}", f"{added_core / args.tokens:+,.0f}",
-                     f"{100 * added / bare:+.3f}%", f"{added / rate / args.tokens:+.2f}"])
+                     f"{added_eval / args.tokens:+,.0f}", f"{100 * added / bare:+.3f}%",
+                     f"{added / rate / args.tokens:+.2f}"])
     print(f"\ngenerate() of a tiny GPT-2, {args.tokens} new tokens, {args.rounds} rounds under callgrind, monitor "
           f"running, 1% sampling (bare request natively: {native_us:,.0f} µs, {rate:,.0f} instructions/µs)\n")
     print(table(["variant", "instructions a request (work)", "rounds, from the median", "hand-offs", "added",
-                 "added a token", "a token, allocators apart", "of bare", "µs a token at the model's rate"], rows))
+                 "added a token", "a token, allocators apart", "a token, eval loop", "of bare",
+                 "µs a token at the model's rate"], rows))
     lb, lb_core = med("linear/bare"), med("linear/bare", "core")
     call_rate = lb / LINEAR_CALLS / native_call_us
     rows = []
@@ -293,15 +301,17 @@ def main() -> None:
         name = f"linear/{v}"
         work = med(name)
         added, added_core = (work - lb) / LINEAR_CALLS, (med(name, "core") - lb_core) / LINEAR_CALLS
-        result["linear"][v] = {part: values(name, part) for part in ("work", "core", "handoff", "alloc")}
-        result["linear"][v].update(added_per_call=added, added_core_per_call=added_core)
+        added_eval = (med(name, "eval") - med("linear/bare", "eval")) / LINEAR_CALLS
+        result["linear"][v] = {part: values(name, part) for part in ("work", "core", "eval", "handoff", "alloc")}
+        result["linear"][v].update(added_per_call=added, added_core_per_call=added_core,
+                                   added_eval_per_call=added_eval)
         rows.append([v, f"{work / LINEAR_CALLS:,.0f}", "" if v == "bare" else f"{added:+,.0f}",
-                     "" if v == "bare" else f"{added_core:+,.0f}",
+                     "" if v == "bare" else f"{added_core:+,.0f}", "" if v == "bare" else f"{added_eval:+,.0f}",
                      "" if v == "bare" else f"{1e3 * added / call_rate:+,.0f}"])
     print(f"\nLinear(64,64), one row, {LINEAR_CALLS:,} calls a measurement (bare natively "
           f"{1e3 * native_call_us:,.0f} ns a call, {call_rate:,.0f} instructions/µs)\n")
-    print(table(["variant", "instructions a call", "added a call", "allocators apart", "ns a call at the model's rate"],
-                rows))
+    print(table(["variant", "instructions a call", "added a call", "allocators apart", "eval loop",
+                 "ns a call at the model's rate"], rows))
     if args.cache:
         # The simulated caches' misses, and callgrind's cycle estimate: what an instruction count leaves out (the code
         # and data a forward evicted, touched again by what runs between two forwards).
