@@ -87,11 +87,11 @@ class Ports:
                                      "Widen PERFMON_PORT_RANGE to cover every process that starts a "
                                      "monitor (workers, and the master if it starts one)")
             return False
-        server.start()
         if self.error is not None:  # logged before the URL is published: whoever sees the URL sees the line
             self._log.info("port_bound", url=server.url, attempts=self._failures + 1)
-        self.server = server
+        self.server = server  # before start(): a start that fails leaves a server stop() still closes
         self._set_port(server.port)
+        server.start()
         self.error = None
         self._retry_ns = None
         self._failures = 0
