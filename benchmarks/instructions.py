@@ -170,6 +170,8 @@ def _costs(path: str) -> dict[str, int]:
         costs["l1"] = got["I1mr"] + got.get("D1mr", 0) + got.get("D1mw", 0)
         costs["ll"] = got.get("ILmr", 0) + got.get("DLmr", 0) + got.get("DLmw", 0)
         costs["cycles"] = costs["total"] + 10 * costs["l1"] + 100 * costs["ll"]
+    if "Bc" in got:  # branch simulation: conditional and indirect branches mispredicted
+        costs["mispredicts"] = got.get("Bcm", 0) + got.get("Bim", 0)
     out = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", "--show=Ir", path],
                          capture_output=True, text=True, check=True).stdout
     handoff = alloc = interp = 0
@@ -219,6 +221,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--cache", action="store_true",
                     help="simulate the caches too (callgrind --cache-sim=yes; ~2x slower): misses and estimated cycles")
+    ap.add_argument("--branch", action="store_true",
+                    help="simulate branch prediction too (callgrind --branch-sim=yes): mispredicted branches")
     ap.add_argument("--keep", metavar="DIR", help="keep the callgrind dumps (out.N, in the order of DIR/order) in DIR")
     ap.add_argument("--child", metavar="ORDER_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -238,7 +242,7 @@ def main() -> None:
         order_path = os.path.join(tmp, "order")
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", "--collect-atstart=no",
                "--toggle-collect=sys_call_tracing", "--dump-after=sys_call_tracing",
-               *(["--cache-sim=yes"] if args.cache else []),
+               *(["--cache-sim=yes"] if args.cache else []), *(["--branch-sim=yes"] if args.branch else []),
                sys.executable, os.path.abspath(__file__), "--child", order_path,
                "--rounds", str(args.rounds), "--tokens", str(args.tokens)]
         # One hash seed: str hashes (and so dict probe sequences) alike in every run.
@@ -330,6 +334,17 @@ def main() -> None:
               "a first-level miss + 100 a last-level miss)\n")
         print(table(["variant", "estimated cycles a request", "L1 misses added a token", "LL misses added a token",
                      "cycles added a token", "of bare", "µs a token at the model's rate"], rows))
+    if args.branch:
+        # A mispredicted branch costs ~15-20 cycles on current x86 cores: the interpreter's indirect jumps from one
+        # bytecode to the next are what a few Python lines between two forwards add most of.
+        rows = []
+        for v in GENERATE:
+            name = f"generate/{v}"
+            added = med(name, "mispredicts") - med("generate/bare", "mispredicts")
+            result["generate"][v]["mispredicts"] = values(name, "mispredicts")
+            rows.append([v, f"{med(name, 'mispredicts'):,.0f}", "" if v == "bare" else f"{added / args.tokens:+,.0f}"])
+        print("\nThe same requests' simulated branch prediction (callgrind --branch-sim=yes)\n")
+        print(table(["variant", "mispredicted branches a request", "added a token"], rows))
     dump(args.json, result)
 
 
