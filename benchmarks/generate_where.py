@@ -96,6 +96,35 @@ def floor_class(base: type) -> type:
                                           "generate": generate_})
 
 
+class Variants:
+    """Switches one model object between ``bare``/``bare again`` (its own class), ``floor`` (``floor_class``; with
+    ``floor=True``) and ``wrapped`` (``mon.wrap`` under ``name``): the same object in every variant, so its memory
+    layout is the same. ``close()`` gives it its own class back, unwrapped."""
+
+    def __init__(self, mon: perfmon.Monitor, model: Any, name: str, *, floor: bool = False) -> None:
+        self.mon, self.model, self.name = mon, model, name
+        self.base = type(model)
+        self.floor = floor_class(self.base) if floor else None
+        self.wrapped = False
+
+    def use(self, variant: str) -> None:
+        want = variant == "wrapped"
+        if want and not self.wrapped:
+            self.model.__class__ = self.base
+            self.mon.wrap(self.model, name=self.name)
+        elif self.wrapped and not want:
+            self.mon.unwrap(self.model)
+        self.wrapped = want
+        if not want:
+            self.model.__class__ = self.floor if variant == "floor" and self.floor is not None else self.base
+
+    def close(self) -> None:
+        if self.wrapped:
+            self.mon.unwrap(self.model)
+            self.wrapped = False
+        self.model.__class__ = self.base
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=150)
@@ -130,19 +159,10 @@ def main() -> None:
     ids = torch.randint(2, 1000, (1, 8))
     kw = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "do_sample": False, "pad_token_id": 0}
     variants = ("bare", "bare again", "floor", "wrapped")
-    floor = floor_class(base)
-    state = {"wrapped": False}
+    switch = Variants(mon, model, "gpt2_tiny", floor=True)
 
     def run(variant: str) -> dict[str, list[float]]:
-        want = variant == "wrapped"
-        if want and not state["wrapped"]:
-            model.__class__ = base
-            mon.wrap(model, name="gpt2_tiny")
-        elif state["wrapped"] and not want:
-            mon.unwrap(model)
-        state["wrapped"] = want
-        if not want:
-            model.__class__ = floor if variant == "floor" else base
+        switch.use(variant)
         gc.disable()
         try:
             with torch.inference_mode():
@@ -169,9 +189,7 @@ def main() -> None:
             for v in order:
                 for k, values in run(v).items():
                     times[v][k].extend(values)
-        if state["wrapped"]:
-            mon.unwrap(model)
-        model.__class__ = base
+        switch.close()
     finally:
         mon.stop()
         base.forward = forward  # type: ignore[method-assign]

@@ -78,32 +78,18 @@ def child(rounds: int, tokens: int, order_path: str) -> None:
     import perfmon
 
     sys.path.insert(0, HERE)
-    from generate_where import floor_class
+    from generate_where import Variants
 
     torch.set_num_threads(1)
     random.seed(0)
     model = _tiny_gpt2()
-    base = type(model)
-    floor = floor_class(base)
     ids = torch.randint(2, 1000, (1, 8))
     kw = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
     linear = torch.nn.Linear(64, 64)
     row = torch.ones(1, 64)
     mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", count_flops=False,
                           sample_floor_seconds=1e9, prepare_profiler=False).start()
-    wrapped = {"gpt2": False, "linear": False}
-
-    def use(what: str, obj: Any, variant: str) -> None:
-        want = variant == "wrapped"
-        if want and not wrapped[what]:
-            if what == "gpt2":
-                obj.__class__ = base
-            mon.wrap(obj, name=what)
-        elif wrapped[what] and not want:
-            mon.unwrap(obj)
-        wrapped[what] = want
-        if what == "gpt2" and not want:
-            obj.__class__ = floor if variant == "floor" else base
+    variants = {"gpt2": Variants(mon, model, "gpt2", floor=True), "linear": Variants(mon, linear, "linear")}
 
     def generate() -> None:
         with torch.inference_mode():
@@ -129,24 +115,22 @@ def child(rounds: int, tokens: int, order_path: str) -> None:
         try:
             for _ in range(2):
                 for v in GENERATE:
-                    use("gpt2", model, v)
+                    variants["gpt2"].use(v)
                     generate()
             for _ in range(rounds):
                 order = list(GENERATE)
                 random.shuffle(order)
                 for v in order:
-                    use("gpt2", model, v)
+                    variants["gpt2"].use(v)
                     measure(f"generate/{v}", generate, log)
                 order = list(LINEAR)
                 random.shuffle(order)
                 for v in order:
-                    use("linear", linear, v)
+                    variants["linear"].use(v)
                     measure(f"linear/{v}", calls, log)
         finally:
-            for what, obj in (("gpt2", model), ("linear", linear)):
-                if wrapped[what]:
-                    mon.unwrap(obj)
-            model.__class__ = base
+            for switch in variants.values():
+                switch.close()
             mon.stop()
 
 
