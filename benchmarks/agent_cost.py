@@ -52,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import ScraperProcess, dump, free_port, machine, table
+from common import ScraperProcess, dump, free_port, machine, settle_calls, table
 from prometheus_client import CollectorRegistry
 
 import perfmon
@@ -125,8 +125,9 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
     One model, wrapped and unwrapped between variants (``Monitor.unwrap`` restores its class): a twin copy puts
     its weights elsewhere in memory, a difference of its own (two bare twins differed by ±9 µs a token; the same
     model unwrapped twice, the A/A here, by ±3). Each round runs the variants (bare, bare again for the A/A,
-    wrapped) in a shuffled order, each one ``generate()`` after its switch (its cold calls, a new wrap's first
-    request timed in full) and one measured. A request's time only gains from noise, so the figures are
+    wrapped) in a shuffled order, each ``common.settle_calls`` ``generate()`` calls after its switch (its cold calls, a
+    new wrap's first request timed in full, the interpreter's attribute caches specialised again for the model's
+    class) and one measured. A request's time only gains from noise, so the figures are
     differences of the variants' quantiles (q10, q25, the median) over the rounds, per token, beside the same for
     the A/A. Then what the resolver spends draining a request's records (its TTFT, its inter-token gaps, its end),
     per token: on a GIL-bound server that is the serving thread's time too, and the interleaved rounds see it only
@@ -143,6 +144,7 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
     ids = torch.randint(2, 1000, (1, 8))
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
     wrapped = False
+    settle = settle_calls(new)
 
     def run(variant: str) -> float:
         nonlocal wrapped
@@ -155,7 +157,8 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
         gc.disable()
         try:
             with torch.inference_mode():
-                model.generate(ids, **kw)  # after the switch: not measured
+                for _ in range(settle):  # after the switch: not measured (common.SETTLE_EXECUTIONS)
+                    model.generate(ids, **kw)
                 t0 = time.perf_counter_ns()
                 model.generate(ids, **kw)
                 return (time.perf_counter_ns() - t0) / 1e3

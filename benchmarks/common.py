@@ -132,3 +132,18 @@ class Scraper:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=15)
+
+
+#: Times each line of a decode step runs after a switch of the model's class before a call is measured. CPython 3.11
+#: specialises an attribute read on ``self`` (``self.prepare_inputs_for_generation``, ``self.config``...) for the
+#: class it saw; after a switch to another class each such read misses and runs the generic path until 53 misses
+#: have re-specialised it. One call of 32 tokens after a switch left the next call paying those misses on ~20 of its
+#: steps: an empty subclass of the model (no code of its own) read +0.6..+1.1 µs a step against bare that way, and
+#: +0.1..+0.3 after three calls (BENCHMARKS §3b, session 20). In production a model keeps one class.
+SETTLE_EXECUTIONS = 60
+
+
+def settle_calls(tokens: int) -> int:
+    """Unmeasured ``generate()`` calls after a switch: enough for every decode-step line to run ``SETTLE_EXECUTIONS``
+    times, plus one (the first call of a new wrap is timed in full: ``CallSampler``)."""
+    return 1 + -(-SETTLE_EXECUTIONS // max(1, tokens - 1))

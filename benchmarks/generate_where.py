@@ -20,7 +20,8 @@ whose ``__call__`` reads a context variable and advances a counter before ``nn.M
 between it and ``wrapped`` is perfmon's work, and what is between it and ``bare`` no design that counts every forward
 in Python can avoid.
 
-Each round runs the variants in a shuffled order (one ``generate()`` after each switch, then one measured); the
+Each round runs the variants in a shuffled order (``settle_calls`` unmeasured ``generate()`` calls after each switch,
+then one measured); the
 figures are each segment's quantiles over the rounds (over every step, for a later step) and the wrapped minus bare
 difference at each quantile. Monitor started, at the default 1% sampling, its low-traffic floor off (a call picked
 by the floor, one in ~5 rounds here, has its tokens timed: a different path, ``agent_cost.py`` prices it), FLOPs off.
@@ -44,7 +45,7 @@ import time
 from typing import Any
 
 import torch
-from common import dump, machine, table
+from common import dump, machine, settle_calls, table
 from prometheus_client import CollectorRegistry
 
 import perfmon
@@ -160,13 +161,15 @@ def main() -> None:
     kw = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "do_sample": False, "pad_token_id": 0}
     variants = ("bare", "bare again", "floor", "wrapped")
     switch = Variants(mon, model, "gpt2_tiny", floor=True)
+    settle = settle_calls(args.tokens)
 
     def run(variant: str) -> dict[str, list[float]]:
         switch.use(variant)
         gc.disable()
         try:
             with torch.inference_mode():
-                model.generate(ids, **kw)  # after the switch: not measured
+                for _ in range(settle):  # after the switch: not measured (SETTLE_EXECUTIONS)
+                    model.generate(ids, **kw)
                 stamps.clear()
                 t0 = clock()
                 model.generate(ids, **kw)

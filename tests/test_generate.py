@@ -601,13 +601,16 @@ def test_lean_decode_steps_are_counted_in_batches_and_exactly_when_the_call_ends
     """Inside transformers' own generate(), the decode steps after a checked one run the forward and leave their
     counting to the next checked step or the call's end (at most LEAN_STEPS of them): a read while the call runs
     misses no more than that, a read after it returns (or raises) counts every forward, with its items; a step that
-    raises in between is counted once and reaches the caller unchanged."""
+    raises in between is counted once and reaches the caller unchanged. (The calls ask for their cache implementation
+    by name: a call that asks for none would run quiet, its decode steps counted from its cache when it returns:
+    test_quiet_calls_count_their_decode_steps_from_the_cache_when_they_return.)"""
     from perfmon.agent.active import LEAN_STEPS
 
     mon = make_monitor(sample_rate=0.001, warmup_calls=1, sample_floor_seconds=3600.0)
     model = mon.wrap(_gpt2(), name="gpt2")
     truth = _ran(model)
     lags: list[int] = []
+    lean = {"cache_implementation": "dynamic"}  # a DynamicCache, as with none asked for; not quiet
 
     class Reads(transformers.StoppingCriteria):  # type: ignore[misc]
         """At every step (after its forward), how many forwards ran that perfmon does not count yet."""
@@ -619,7 +622,7 @@ def test_lean_decode_steps_are_counted_in_batches_and_exactly_when_the_call_ends
 
     new = 40
     for i in range(1, 4):
-        _generate(model, batch=2, new=new, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
+        _generate(model, batch=2, new=new, stopping_criteria=transformers.StoppingCriteriaList([Reads()]), **lean)
         assert _calls(mon, "prefill") + _calls(mon, "decode") == len(truth) == i * new
     assert _calls(mon, "decode") == 3 * (new - 1)
     assert value(mon, "perfmon_forward_items_total", model="gpt2") == 2 * 3 * new  # 2 rows, every forward
@@ -635,28 +638,41 @@ def test_lean_decode_steps_are_counted_in_batches_and_exactly_when_the_call_ends
 
     handle = model.register_forward_pre_hook(fail, with_kwargs=True)
     with pytest.raises(Broken, match="step 25"):
-        _generate(model, batch=2, new=new)
+        _generate(model, batch=2, new=new, **lean)
     handle.remove()
     assert value(mon, "perfmon_forward_errors_total", model="gpt2", exception="Broken") == 1
     assert _calls(mon, "prefill") + _calls(mon, "decode") == len(truth) == 3 * new + 25
 
 
-def test_lean_decode_steps_never_pass_the_sampling_index(make_monitor) -> None:
+def _timed(mon: perfmon.Monitor, stage: str) -> float:
+    return sum(value(mon, "perfmon_forward_duration_seconds_count", model="gpt2", device="cpu", stage=stage,
+                     phase=phase) or 0.0 for phase in ("cold", "steady"))
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_decode_steps_of_untimed_calls_keep_the_sampling_rate(make_monitor, quiet: bool) -> None:
     """A lean stretch ends at the decode stage's next sampling index: that step is checked and timed, so calls not
-    timed still give 1 in 1/sample_rate of their steps (a stretch of LEAN_STEPS past it would give ~1 in 17)."""
+    timed still give 1 in 1/sample_rate of their steps (a stretch of LEAN_STEPS past it would give ~1 in 17). A quiet
+    call times none of its decode steps: the stage's timed steps are then those of the calls that time every step (one
+    in 1/sample_rate), which is the same share; its prefill is sampled as any other forward."""
     mon = make_monitor(sample_rate=0.2, warmup_calls=1, generation_sample_rate=1e-6, sample_floor_seconds=3600.0)
     model = mon.wrap(_gpt2(), name="gpt2")
-    new, calls = 40, 20
+    new, calls = 40, 40
+    lean = {} if quiet else {"cache_implementation": "dynamic"}  # a DynamicCache either way; named: not quiet
     for _ in range(calls):
-        _generate(model, batch=1, new=new)
+        _generate(model, batch=1, new=new, **lean)
     assert mon.flush()
-    timed = sum(value(mon, "perfmon_forward_duration_seconds_count", model="gpt2", device="cpu", stage=stage,
-                      phase=phase) or 0.0 for stage in ("prefill", "decode") for phase in ("cold", "steady"))
     steps = calls * new
-    every_step = 4 * new  # calls 0, 5, 10 and 15 time every forward (one in 1/sample_rate calls)
+    every_step = calls // 5 * new  # calls 0, 5, 10... time every forward (one in 1/sample_rate calls)
     assert _calls(mon, "prefill") + _calls(mon, "decode") == steps
-    sampled = timed - every_step
-    assert sampled >= 0.6 * (steps - every_step) * 0.2, (timed, sampled)  # ~1 in 5 of the other calls' forwards
+    sampled = _timed(mon, "prefill") + _timed(mon, "decode") - every_step
+    if not quiet:
+        assert sampled >= 0.6 * (steps - every_step) * 0.2, sampled  # ~1 in 5 of the other calls' forwards
+        return
+    # The other calls: their prefills at ~1 in 5 (and the decode stage's cold steps), their decode steps never.
+    assert sampled <= 0.6 * (calls - calls // 5) + 16, sampled
+    share = _timed(mon, "decode") / _calls(mon, "decode")
+    assert 0.15 <= share <= 0.3, share
 
 
 def test_decode_signatures_carry_over_between_calls_only_when_the_steps_match(make_monitor) -> None:

@@ -19,8 +19,8 @@ __all__ = ["LEAN_STEPS", "Active", "generating"]
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs in this context."""
 
-    __slots__ = ("armed", "batch", "cache_key", "entry", "first", "fn", "keywords", "left", "model", "numel",
-                 "prefilled", "sampled", "span", "stamps", "state", "step_key", "timed", "verify")
+    __slots__ = ("armed", "batch", "cache_key", "entry", "first", "fn", "key", "keywords", "left", "model", "numel",
+                 "prefilled", "quiet", "sampled", "span", "stamps", "state", "step_key", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool, *, batch: int = 0,
                  kwargs: Mapping[str, Any] | None = None) -> None:
@@ -62,6 +62,10 @@ class Active:
         self.batch = batch
         self.armed = 0
         self.left = 0
+        #: The call's shape for quiet decoding (quiet.py: ``QuietDecode.key``), when its model has it; and the call's
+        #: ``Quiet`` when it runs quiet (``model`` is then the view it runs on).
+        self.key: Any = None
+        self.quiet: Any = None
 
     def flush(self) -> None:
         """Count the lean steps taken since the last checked one (``staged_path``): the decode stage's calls and its

@@ -46,11 +46,13 @@ from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
 _Tensor = torch.Tensor
 
-__all__ = ["Call", "GenerateCall", "assisted", "is_encoder_decoder", "tracked_generate"]
+__all__ = ["Call", "GenerateCall", "assisted", "is_encoder_decoder", "tracked_generate", "untimed_options"]
 
 class Call(Protocol):
-    """What ``tracked_generate`` needs of a call's tracking: the state its forwards read, the keywords it runs with,
-    and its end (``GenerateCall``, or ``latecall.LateCall`` for a call that times nothing)."""
+    """What ``tracked_generate`` needs of a call's tracking: the state its forwards read (its ``model``: what
+    ``generate()`` runs on, the model or a quiet view of it, quiet.py), the keywords it runs with, and its end
+    (``GenerateCall``, or ``latecall.LateCall`` for a call that times nothing). ``end``'s ``out``: what the call
+    returned, or the exception it raised."""
 
     active: Active
     kwargs: dict[str, Any]
@@ -358,14 +360,15 @@ def tracked_generate(generate: Callable[..., Any],
             return generate(self, *args, **kwargs)
         token = generating.set(call.active)
         try:
-            out = generate(self, *args, **call.kwargs)
-        except Exception:
+            # The model, or the quiet view of it the call runs on (quiet.py): Active.model, which its forwards check.
+            out = generate(call.active.model, *args, **call.kwargs)
+        except Exception as exc:
             generating.reset(token)
-            _end(call, ERROR, None, internal)
+            _end(call, ERROR, exc, internal)
             raise
-        except BaseException:
+        except BaseException as exc:
             generating.reset(token)
-            _end(call, CANCELLED, None, internal)
+            _end(call, CANCELLED, exc, internal)
             raise
         generating.reset(token)
         _end(call, OK, out, internal)
@@ -421,6 +424,19 @@ def _options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list
                 value = getattr(cfg, key, None)
         out.append(value)
     return out
+
+
+#: What a call that may time nothing reads before it runs (``untimed_options``): whether it is assisted, then what
+#: quiet decoding keys it by (quiet.py).
+_UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_beams", "num_return_sequences",
+                    "cache_implementation")
+
+
+def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
+    """None for an assisted call (``assisted``); else its ``num_beams``, ``num_return_sequences`` and
+    ``cache_implementation`` as generate() resolves them (None where unset): one read of the call's config for both."""
+    lookup, early_exit, *rest = _options(kwargs, _config(model, args, kwargs), _UNTIMED_OPTIONS)
+    return None if _verifies(kwargs, lookup, early_exit) else rest
 
 
 def assisted(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:

@@ -11,6 +11,7 @@ from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active
 from .decoding import GenerateCall
 from .generation import GenerationTracker
+from .quiet import QuietDecode
 
 __all__ = ["LateCall"]
 
@@ -34,8 +35,18 @@ class LateCall:
                  "start_ns", "tracker")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
-                 name: str, internal: InternalErrors, *, encoder_decoder: bool) -> None:
+                 name: str, internal: InternalErrors, *, encoder_decoder: bool, quiet: QuietDecode | None = None,
+                 options: list[Any] | None = None) -> None:
+        """``quiet``: the model's quiet decoding (quiet.py), when it has one: the call may run on its view.
+        ``options``: the call's ``decoding.untimed_options``, which quiet decoding keys it by."""
         self.active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+        if quiet is not None:  # generate() then runs on the view quiet.view() puts in Active.model
+            try:
+                key = self.active.key = quiet.key(model, args, kwargs, options or [None, None, None])
+                if key is not None:
+                    quiet.view(model, key, self.active)
+            except Exception as exc:
+                internal.report("generation", exc)
         self.model = model
         self.args = args
         self.kwargs = kwargs
@@ -54,13 +65,20 @@ class LateCall:
                                  start_ns=self.start_ns)
 
     def end(self, outcome: str, out: Any = None) -> None:
-        """The call returned (or raised): count its lean steps, stamp a request span, hand the settling over. Only the
-        returned sequences are kept: an output object may hold the KV cache (``return_dict_in_generate``), which must
-        not outlive the call for want of a read."""
+        """The call returned ``out`` (or raised it, an exception): count its lean steps (or its quiet ones: quiet.py),
+        stamp a request span, hand the settling over. Only the returned sequences are kept: an output object
+        may hold the KV cache (``return_dict_in_generate``), which must not outlive the call for want of a read."""
         try:
-            if out is not None and type(out) is not _Tensor:
+            error = out if isinstance(out, BaseException) else None
+            if error is not None:
+                out = None
+            elif out is not None and type(out) is not _Tensor:
                 out = getattr(out, "sequences", None)
             now = self.active.returned(self.internal)
+            quiet = self.active.quiet
+            if quiet is not None:  # its decode steps, counted now: a read after the call returns sees every forward
+                quiet.ended(error, out)
+                quiet.count()
         except Exception as exc:  # the requests still end (opened: they must not stay in flight), with what is known
             self.internal.report("generation", exc)
             out, now = None, perf_counter_ns()

@@ -18,9 +18,10 @@ import torch
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
 from .batching import BatchTokens, ContinuousBatching
-from .decoding import GenerateCall, assisted, is_encoder_decoder
+from .decoding import GenerateCall, is_encoder_decoder, untimed_options
 from .generation import GenerationTracker
 from .latecall import LateCall
+from .quiet import QuietDecode
 from .sampling import EVERY_STEP, TIMELINE, CallSampler
 from .span import UNTRACKED, Span, Untracked
 from .stages import ENCODE, PREFILL, Stages, generative_stage, is_generative
@@ -150,10 +151,13 @@ class Models:
                 return None  # its requests are tracked there, by id (batching.py), not counted twice
             picked = calls.pick(clock())
             if (not picked and returns_sequences and streamable and hub.timing
-                    and kwargs.get("streamer") is None and len(generations.pending) < generations.queue_size
-                    and not assisted(module, args, kwargs)):
-                # Times nothing, needs nothing while it runs: opened and settled by the next read or drain.
-                return LateCall(module, args, kwargs, generations, label, internal, encoder_decoder=encoder_decoder)
+                    and kwargs.get("streamer") is None and len(generations.pending) < generations.queue_size):
+                options = untimed_options(module, args, kwargs)
+                if options is not None:  # not assisted
+                    # Times nothing, needs nothing while it runs: opened and settled by the next read or drain.
+                    return LateCall(module, args, kwargs, generations, label, internal,
+                                    encoder_decoder=encoder_decoder, quiet=quiet[0] if quiet else None,
+                                    options=options)
             return GenerateCall(module, args, kwargs, generations, label, picked == TIMELINE | EVERY_STEP, internal,
                                 streamable=streamable, encoder_decoder=encoder_decoder,
                                 timeline=picked != 0 or not returns_sequences, own=returns_sequences)
@@ -167,7 +171,12 @@ class Models:
         # Continuous batching (generate_batch, init_continuous_batching): a request per request id.
         batching = ContinuousBatching(label, start=lambda prompt: generations.start(label, prompt),
                                       tokens=self.batch_tokens, internal=internal)
+        base = type(model)
+        quiet: list[QuietDecode] = []  # the model's quiet decoding (quiet.py), made once its stages are
         MonitoredModule.create(model, state, build, requests=requests, batching=batching)
+        if built and returns_sequences and QuietDecode.supports(base, encoder_decoder=encoder_decoder):
+            quiet.append(QuietDecode(built[0], internal))
+            built[0].quiet = quiet[0]
         encoder = _encoder_of(model)
         if encoder is not None and built:
             # generate() runs an encoder-decoder's encoder once, through the encoder module itself: its own hot

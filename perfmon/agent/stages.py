@@ -141,6 +141,8 @@ class Stages:
         #: The last decode signature ``remember`` found, with what it was found from: (input elements, keyword count,
         #: cache type, its ``Signature``). A new ``generate()`` call whose first decode step matches takes it.
         self.last: tuple[int, int, type, Signature] | None = None
+        #: The model's quiet decoding (quiet.py), when it has one: ``remember`` tells it the signatures it finds.
+        self.quiet: Any = None
         self.hub = first.hub
         self._lock = threading.Lock()
         for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
@@ -206,6 +208,10 @@ class Stages:
                 if entry is None or entry.warm_left or entry.evicted_ns:
                     return False
                 self.last = (numel, keywords, cache_type, entry)
+            quiet = self.quiet
+            key = active.key
+            if quiet is not None and key is not None and key[0] == numel:  # later calls of this shape may run quiet
+                quiet.learn(key, entry)
             active.cache_key = cache_key
             active.span = requests_current.get() if self.hub.requests else None
             active.numel = numel
@@ -298,6 +304,8 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 # A step after the first, against the cache this generate() made: that cache holds the prompt, so
                 # pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
                 label = DECODE
+                # A quiet call's loop calls self() for its steps (beam search): they are counted here, not at its end.
+                active.quiet = None
                 # Its signature already warm: make the short path's memo from this step and take it now (the first
                 # decode step of a call; one signature and one lookup, ~25 µs in situ through the hot path instead).
                 short = not active.verify and not active.timed and stages.remember(active, args, kwargs)
@@ -324,6 +332,9 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         stamps = active.stamps
         if stamps is not None:
             stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
+        quiet = active.quiet
+        if quiet is not None and quiet.cache is None:  # a quiet call's prefill (quiet.py): the cache its steps grow
+            stages.quiet.started(quiet, kwargs)
         return out
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,248 @@
+"""Quiet decoding: an untimed ``generate()`` call whose decode steps run with no perfmon code at all.
+
+Most ``generate()`` calls time nothing (``LateCall``): their decode steps only need counting. Counted in Python one
+step at a time, the least any design does (read a context variable, advance a counter) cost ~0.5-1.2 µs a step in
+situ and perfmon's lean step ~1.7-2 (BENCHMARKS §3b): over the ≤ 2 µs a token #23 allows once a request's own part
+is paid. So a quiet call's decode steps are counted once, when it ends, from what it returned: transformers' ``_sample``
+appends one column to the sequences a step.
+
+How the steps run without perfmon: the call runs on a *view* of the model, a second object of the model's own
+(monitored) class whose ``__dict__`` is a shallow copy of the model's (the same parameters, submodules, buffers, hooks
+and attributes) with one entry more, ``__call__``: ``nn.Module._call_impl`` bound to the view. ``_sample`` reads
+``self.__call__`` once, before the prefill, as what its decode steps call (``model_forward``), and an attribute read
+finds an instance's own entry before a method of its class: on the view, every decode step is the model's bare call
+(one frame fewer than ``nn.Module.__call__``). ``self(...)`` goes by the class, so the prefill (``_prefill`` calls
+``self``) takes perfmon's path as before: its stage, signature, cold calls and sampling; then ``in_generate`` keeps the
+cache the steps grow (``QuietDecode.started``), for a call that fails. A loop that calls ``self`` for its steps (beam
+search) runs them through perfmon's path: the first such step ends the call's quiet (``Active.quiet``). The view has
+the model's class, so the interpreter's attribute caches, specialised by class, stay warm; what a call sets on
+``self`` lands on the view (transformers' loops set nothing there on the dynamic-cache path).
+
+A call is quiet (``QuietDecode.view``) when: it times nothing and is not assisted (``LateCall``); the model is
+decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default; the
+caller passes no cache, asks for no cache implementation and runs in no process group (``synced_gpus`` runs steps
+that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
+(``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
+(``Stages.remember`` teaches it here), so the quiet steps are counted under it, items included. Anything else takes
+the lean path (stages.py).
+
+What a quiet call gives up: its decode steps are never timed, and a read while it runs sees none of them (a lean call
+lags by at most ``LEAN_STEPS``; its tokens were always counted at its end). The decode stage's timed steps are those of
+the calls that time every step (one in 1/sample_rate, ``CallSampler``): the stage's sampling rate still; a regular
+sampling index a quiet call passes is drawn again after it.
+
+A step that raises: the exception's traceback says whether a forward on the view raised it (a frame of
+``nn.Module._call_impl``; counted under the model's errors) and, through ``_sample``'s frame, how long the running
+sequence was (its ``input_ids``: the prompt, then a column a step that returned), so every forward that ran is counted,
+the raising one included, wherever in the step it raised. On MPS, where transformers defers its stop check and runs
+one step more than it keeps, and for a failure outside ``_sample``, the cache's length counts instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from types import MethodType
+from typing import Any
+
+import torch
+
+from ..faults import InternalErrors
+from .active import Active
+from .gen_events import advance
+from .phases import Signature
+from .requests import current as requests_current
+from .stages import DECODE, Stages
+
+__all__ = ["Quiet", "QuietDecode"]
+
+_Tensor = torch.Tensor
+_CALL_IMPL = torch.nn.Module._call_impl
+_CALL_IMPL_CODE = _CALL_IMPL.__code__
+_set = object.__setattr__
+#: Keyed shapes of calls kept per model (rows, positional count, keyword names); cleared when full.
+MEMO_SIZE = 64
+
+
+class Quiet:
+    """One quiet call's decode steps (``Active.quiet``): what counting them at its end needs."""
+
+    __slots__ = ("cache", "entry", "exact", "length", "seq0", "state", "steps", "view")
+
+    def __init__(self, view: Any, state: Any, entry: Signature) -> None:
+        self.view = view
+        self.state = state  # the decode stage's ModelState
+        self.entry = entry  # the decode steps' signature
+        self.cache: Any = None  # the KV cache the loop grows (set after the prefill), dropped at the end
+        self.length = 0  # its length after the prefill
+        self.seq0 = 0  # the prefill's input length (the running sequence's, before the first token)
+        #: The returned sequences have one column a step: not on MPS, where transformers defers its stop check and
+        #: runs one step more than it keeps (``DeferredStopCheck``): the cache says how many ran there.
+        self.exact = True
+        self.steps = 0  # decode steps counted at the end
+
+    def ended(self, error: BaseException | None, out: Any) -> None:
+        """The call returned ``out`` (its sequences: a tensor, or None) or raised ``error``: how many decode steps ran,
+        from shapes (host values: no device sync), on the request thread, where the cache is let go. A step that raised
+        is counted here, under the decode stage."""
+        cache, self.cache = self.cache, None
+        if cache is None:  # the prefill did not complete (its own path counted it) or left no DynamicCache (reported)
+            return
+        if error is None:
+            if type(out) is _Tensor and self.exact:
+                # _sample appends one column to the sequences a step: the prefill's, then one a decode step.
+                self.steps = max(0, int(out.shape[-1]) - self.seq0 - 1)
+            else:
+                self.steps = max(0, int(cache.get_seq_length()) - self.length)
+            return
+        raised, running = _where(error, self.view)
+        if raised:
+            self.state.error(error)
+        if running is not None:  # the loop's sequence: one column a step that returned, then the step that raised
+            self.steps = max(0, running - self.seq0)
+            return
+        # Not raised inside _sample's loop: the cache, where a step that raised before the first layer left no trace.
+        grown = max(0, int(cache.get_seq_length()) - self.length)
+        layers = getattr(cache, "layers", None)
+        partial = bool(layers) and int(layers[-1].get_seq_length()) - self.length < grown  # type: ignore[index]
+        self.steps = grown + 1 if raised and not partial else grown
+
+    def count(self) -> None:
+        """Add the decode steps to the decode stage's and their signature's calls (items included: a signature's calls
+        times its rows). A regular sampling index they passed is drawn again."""
+        n = self.steps
+        if n <= 0:
+            return
+        st = self.state
+        advance(self.entry.calls, n)
+        advance(st.calls, n - 1)
+        last = next(st.calls)
+        due = st.next_index
+        if due and last >= due and st.capture is None:
+            st.next_index = st.sampler.next_index(last)
+
+
+def _where(exc: BaseException, view: Any) -> tuple[bool, int | None]:
+    """Where ``exc`` came from: whether a forward of ``view`` raised it (a frame of ``nn.Module._call_impl`` on the
+    view), and the length of the running sequence in transformers' ``_sample`` when the traceback passes through that
+    loop (its ``input_ids``: the prompt, then one column a decode step that returned), else None."""
+    raised = False
+    running = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if code is _CALL_IMPL_CODE and frame.f_locals.get("self") is view:
+            raised = True
+            break
+        if code.co_name == "_sample":
+            ids = frame.f_locals.get("input_ids")
+            if type(ids) is _Tensor and ids.dim() == 2:
+                running = int(ids.shape[-1])
+        tb = tb.tb_next
+    return raised, running
+
+
+class QuietDecode:
+    """Per model with stages and transformers' own ``generate()``: which untimed calls run quiet, on a view."""
+
+    def __init__(self, stages: Stages, internal: InternalErrors) -> None:
+        self.stages = stages
+        self.internal = internal
+        #: (rows, positional count, keyword names) -> the decode steps' signature (``Stages.remember``).
+        self.memo: dict[Hashable, Signature] = {}
+        self.cache_type = _dynamic_cache()
+
+    @staticmethod
+    def supports(base: type, *, encoder_decoder: bool) -> bool:
+        """Whether calls of ``base``'s ``generate()`` can run quiet: a decoder-only model with transformers' own loop
+        (``_sample``, whose ``model_forward`` is read before its ``_prefill``) and a ``DynamicCache`` by default."""
+        loop, prefill = getattr(base, "_sample", None), getattr(base, "_prefill", None)
+        return (not encoder_decoder and callable(loop) and callable(prefill)
+                and str(getattr(loop, "__module__", "")).startswith("transformers.")
+                and _dynamic_cache() is not None and _default_dynamic(base))
+
+    def key(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any]) -> Hashable | None:
+        """The call's shape for the memo: its decode rows (input rows x returned sequences, or beams), its positional
+        count and keyword names (which decide the decode steps' keywords); None when it cannot run quiet. ``options``:
+        its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
+        beams, k, implementation = options
+        if (len(args) > 1 or implementation is not None or kwargs.get("past_key_values") is not None
+                or kwargs.get("cache") is not None or model.__dict__.get("_compiled_call_impl") is not None
+                or _distributed()):
+            return None
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs", args[0] if args else None)
+        if type(ids) is not _Tensor or ids.dim() != 2:
+            return None
+        beams = beams or 1
+        return (ids.shape[0] * (beams if beams > 1 else k or 1), len(args), tuple(kwargs))
+
+    def view(self, model: Any, key: Hashable, active: Active) -> None:
+        """Run the call quiet when it can: then ``active.model`` is a view of ``model`` (what ``generate()`` runs on
+        and its forwards are checked against) and ``active.quiet`` its ``Quiet``."""
+        entry = self.memo.get(key)
+        if entry is None or entry.warm_left or entry.evicted_ns:
+            return
+        st = self.stages.states.get(DECODE)
+        if st is None or not st.next_index or st.capture is not None or st.sigs is None:
+            return
+        cls: Any = type(model)
+        view = cls.__new__(cls)
+        own = dict(model.__dict__)
+        own["__call__"] = MethodType(_CALL_IMPL, view)  # what self.__call__ reads on the view: the bare call
+        _set(view, "__dict__", own)
+        active.model = view
+        active.quiet = Quiet(view, st, entry)
+        # A request span open in the caller's context: the call's end stamps it (Active.returned), as a lean call's.
+        active.span = requests_current.get() if self.stages.hub.requests else None
+
+    def learn(self, key: Hashable, entry: Signature) -> None:
+        """A call of shape ``key`` found its decode steps' signature warm (``Stages.remember``): later calls of that
+        shape may run quiet and be counted under it."""
+        memo = self.memo
+        if len(memo) >= MEMO_SIZE and key not in memo:
+            memo.clear()
+        memo[key] = entry
+
+    def started(self, quiet: Quiet, kwargs: dict[str, Any]) -> None:
+        """The prefill's forward returned (``kwargs``: its keywords): keep the cache the decode steps grow and its
+        length, and the prefill's input length."""
+        try:
+            cache = kwargs.get("cache")
+            if cache is None:
+                cache = kwargs.get("past_key_values")
+            ids: Any = kwargs.get("input_ids")
+            if type(cache) is not self.cache_type or type(ids) is not _Tensor:
+                raise TypeError(f"quiet decoding: a {type(cache).__name__} cache is not counted")
+            quiet.length = int(cache.get_seq_length())  # type: ignore[attr-defined]
+            quiet.seq0 = int(ids.shape[-1])
+            quiet.exact = not ids.is_mps
+            quiet.cache = cache
+        except Exception as exc:
+            self.internal.report("generation", exc)
+
+
+def _distributed() -> bool:
+    """Several processes generating together (``synced_gpus``: a finished one keeps running forwards in step with the
+    others, one column fewer than steps): not quiet."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _default_dynamic(base: type) -> bool:
+    """Whether ``generate()`` gives ``base`` a ``DynamicCache`` when the caller asks for none."""
+    supports = getattr(base, "_supports_default_dynamic_cache", None)
+    try:
+        return bool(supports()) if callable(supports) else False
+    except Exception:
+        return False
+
+
+def _dynamic_cache() -> type | None:
+    try:
+        from transformers import DynamicCache
+    except Exception:  # transformers absent or broken: no call runs quiet
+        return None
+    return DynamicCache  # type: ignore[no-any-return]
+

@@ -1,0 +1,292 @@
+"""Quiet decoding: untimed generate() calls whose decode steps run with no perfmon code, counted from the cache.
+
+Ground truth is taken apart from perfmon: a forward pre-hook on the model appends one item for every forward that
+really ran (and says which object ran it: a quiet call runs on a view of the model), forward hooks on its submodules
+raise where a test needs a step to fail, and the sequences generate() returns are the caller's own view.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import perfmon
+
+from .conftest import cache_key, value, wait_capture
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = 5
+
+
+def _gpt2(eos: int = 100) -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=101, n_positions=128,
+                                  bos_token_id=100, eos_token_id=eos, pad_token_id=100)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+class Truth:
+    """Every forward that ran, by the object it ran on (the model, or a quiet call's view of it)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.ran: list[bool] = []  # True: on a view
+        model.register_forward_pre_hook(lambda module, args: self.ran.append(module is not model))
+
+    @property
+    def forwards(self) -> int:
+        return len(self.ran)
+
+    @property
+    def on_views(self) -> int:
+        return sum(self.ran)
+
+
+def _generate(model: Any, batch: int = 2, new: int = 12, **kw: Any) -> torch.Tensor:
+    ids = torch.randint(0, 100, (batch, PROMPT))
+    kw.setdefault("min_new_tokens", new)
+    kw.setdefault("do_sample", False)
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, **kw)
+
+
+def _calls(mon: perfmon.Monitor, stage: str) -> float:
+    return value(mon, "perfmon_forward_calls_total", model="gpt2", stage=stage) or 0.0
+
+
+def _forwards(mon: perfmon.Monitor) -> float:
+    return _calls(mon, "prefill") + _calls(mon, "decode")
+
+
+def _monitor(make_monitor: Any, **kw: Any) -> perfmon.Monitor:
+    """1% sampling (only the first call times every step), no call's tokens timed after the first: every call after
+    the second is one that can run quiet."""
+    kw.setdefault("sample_rate", 0.01)
+    kw.setdefault("generation_sample_rate", 1e-6)
+    kw.setdefault("sample_floor_seconds", 3600.0)
+    return make_monitor(**kw)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "returned sequences", "beam"])
+def test_quiet_calls_count_every_forward_with_its_items_and_signature(make_monitor, mode: str) -> None:
+    """Calls after the first two (the first times every step; the second finds the decode signature) run on a view,
+    their decode steps bare: calls, items and the decode signature's calls are the same as the hooks saw. Beam search
+    calls its model with ``self()``: its steps leave the quiet path and are counted one by one, exactly too."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    kw: dict[str, Any] = {
+        "greedy": {},
+        "sample": {"do_sample": True, "top_k": 5},
+        "returned sequences": {"do_sample": True, "num_return_sequences": 3},
+        "beam": {"num_beams": 3},
+    }[mode]
+    rows = 2 * (3 if mode in ("returned sequences", "beam") else 1)
+    calls, new = 12, 10
+    for _ in range(calls):
+        out = _generate(model, new=new, **kw)
+        assert out.shape[0] == 2 * (3 if mode == "returned sequences" else 1)
+    assert _forwards(mon) == truth.forwards == calls * new
+    assert _calls(mon, "prefill") == calls
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == rows * calls * new
+    if mode == "beam":
+        assert truth.on_views == 10 * new  # the prefill and the first decode step on the view; the rest through self()
+    else:
+        assert truth.on_views == 10 * new  # every call but the first two ran quiet
+    decode = mon.stats()["models"]["gpt2"]["stages"]["decode"]
+    assert decode["calls"] == calls * (new - 1) and decode["input_signatures"] == 1
+    assert "__call__" not in model.__dict__ and type(model).__name__ == "GPT2LMHeadModel"
+
+
+def test_quiet_calls_count_their_decode_steps_from_the_cache_when_they_return(make_monitor) -> None:
+    """A read while a quiet call runs does not see its decode steps yet (up to all of them); a read after it returns
+    sees every forward. Its tokens and requests are the caller's, as with any untimed call."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    lags: list[int] = []
+
+    class Reads(transformers.StoppingCriteria):  # type: ignore[misc]
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            lags.append(truth.forwards - int(_forwards(mon)))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    new = 20
+    for i in range(1, 5):
+        lags.clear()
+        _generate(model, new=new, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
+        assert _forwards(mon) == truth.forwards == i * new
+    assert truth.on_views == 2 * new
+    assert lags[-1] == new - 1  # the last call's decode steps, all of them, while it ran
+    assert mon.flush()
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["requests"]["ok"] == 4 * 2 and gen["generated_tokens"] == 4 * 2 * new
+
+
+def test_a_quiet_call_that_stops_early_counts_the_steps_it_ran(make_monitor) -> None:
+    """One sequence stops at its EOS before max_new_tokens: the steps that ran, not the ones asked for."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    torch.manual_seed(1)
+    lengths = []
+    for new in (30, 30, 30, 7, 30, 30, 30, 30):  # the 4th call is cut by max_new_tokens, the others by an EOS drawn
+        ids = torch.randint(0, 100, (1, PROMPT))
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=2, do_sample=True, top_k=20,
+                                 eos_token_id=list(range(8)))
+        lengths.append(out.shape[-1] - PROMPT)
+        assert 2 <= lengths[-1] <= new
+        assert _forwards(mon) == truth.forwards
+    assert truth.on_views == sum(lengths[2:])
+    assert min(lengths[2:]) < 7  # some quiet call stopped at its EOS
+
+
+def _fail_at(module: torch.nn.Module, truth: Truth, at: int, *, pre: bool) -> Any:
+    class Broken(Exception):
+        pass
+
+    def check(*_: Any) -> None:
+        if truth.forwards == at:
+            raise Broken(f"forward {at}")
+
+    handle = module.register_forward_pre_hook(check) if pre else module.register_forward_hook(check)
+    return Broken, handle
+
+
+@pytest.mark.parametrize("where", ["before the first layer", "in the last layer", "after every layer",
+                                   "a stopping criterion"])
+def test_a_quiet_call_that_raises_counts_each_forward_and_error_once(make_monitor, where: str) -> None:
+    """A quiet decode step raises: the caller gets its exception unchanged, the error is counted once (never for an
+    error outside the model's forward), and the calls are the forwards that ran, the one that raised included,
+    wherever in the step it raised."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    new = 12
+    for _ in range(3):
+        _generate(model, new=new)
+    assert truth.on_views == new
+    at = 3 * new + 6  # the 6th forward of the 4th call: its 5th decode step, quiet
+    blocks = model.transformer.h
+    if where == "a stopping criterion":
+        class Broken(Exception):
+            pass
+
+        class Stop(transformers.StoppingCriteria):  # type: ignore[misc]
+            def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+                if truth.forwards == at:
+                    raise Broken("criterion")
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        kw: dict[str, Any] = {"stopping_criteria": transformers.StoppingCriteriaList([Stop()])}
+        handle = None
+    else:
+        module, pre = {"before the first layer": (model.transformer.wte, True),
+                       "in the last layer": (blocks[-1].mlp, True),
+                       "after every layer": (model.lm_head, True)}[where]
+        Broken, handle = _fail_at(module, truth, at, pre=pre)
+        kw = {}
+    with pytest.raises(Broken):
+        _generate(model, new=new, **kw)
+    if handle is not None:
+        handle.remove()
+    assert truth.forwards == at
+    assert _forwards(mon) == at
+    errors = value(mon, "perfmon_forward_errors_total", model="gpt2", exception="Broken") or 0.0
+    assert errors == (0 if where == "a stopping criterion" else 1)
+    _generate(model, new=new)  # the next call is counted as before
+    assert _forwards(mon) == truth.forwards == at + new
+
+
+def test_quiet_calls_on_threads_at_once_count_exactly(make_monitor) -> None:
+    """Thread-per-request: several threads generate on one model at once, each call on its own view."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    new, per_thread = 8, 6
+    _generate(model, new=new)
+    _generate(model, new=new)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(per_thread):
+                _generate(model, new=new)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert _forwards(mon) == truth.forwards == (2 + 4 * per_thread) * new
+    assert truth.on_views > 0
+
+
+def test_calls_that_cannot_run_quiet_do_not(make_monitor) -> None:
+    """The first call (every step timed), a call given a cache or a cache implementation, a batch not seen before and
+    a compiled model's call run on the model itself, counted step by step."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    new = 6
+    _generate(model, new=new)
+    _generate(model, new=new)
+    assert truth.on_views == 0
+    _generate(model, new=new)
+    assert truth.on_views == new
+    cache = transformers.DynamicCache(config=model.config)
+    _generate(model, new=new, **{cache_key(model): cache})
+    _generate(model, new=new, cache_implementation="dynamic")
+    _generate(model, batch=3, new=new)  # 3 rows: its decode signature is not known yet
+    assert truth.on_views == new
+    _generate(model, batch=3, new=new)  # now it is
+    assert truth.on_views == 2 * new
+    assert _forwards(mon) == truth.forwards
+
+
+def test_a_quiet_call_stamps_its_request_span_and_leaves_a_capture_to_the_next_call(make_monitor) -> None:
+    """Inside ``monitor.request()``, a quiet call's end stamps the span's model time past its last forward; a capture
+    armed while a quiet call runs gets the next call's forwards (which is not quiet while the capture waits)."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    ends: list[int] = []
+    model.register_forward_hook(lambda module, args, out: ends.append(time.perf_counter_ns()))
+    armed: list[dict[str, Any]] = []
+    arm = [False]
+
+    class Arm(transformers.StoppingCriteria):  # type: ignore[misc]
+        """Arms a capture of the model at the 3rd step of the call that asks for it."""
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if arm[0] and not armed and input_ids.shape[-1] == PROMPT + 3:
+                armed.append(mon.capture("gpt2", steps=4))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    criteria = transformers.StoppingCriteriaList([Arm()])  # every call the same keywords: one shape
+    for _ in range(3):
+        _generate(model, new=8, stopping_criteria=criteria)
+    assert truth.on_views == 8
+    with mon.request("chat") as req:
+        _generate(model, new=8, stopping_criteria=criteria)
+    assert truth.on_views == 16
+    assert req.model == "gpt2" and req.model_end_ns is not None and req.model_end_ns >= ends[-1]
+
+    arm[0] = True
+    _generate(model, new=8, stopping_criteria=criteria)
+    assert armed and truth.on_views == 24  # that call ran quiet to its end
+    _generate(model, new=8, stopping_criteria=criteria)
+    assert truth.on_views == 24  # the next one ran through perfmon's path, into the capture
+    meta = wait_capture(mon, armed[0]["id"], timeout=60)
+    assert meta["outcome"] == "ok", meta
+    assert meta["steps_recorded"] == 4
+    assert _forwards(mon) == truth.forwards
