@@ -169,9 +169,10 @@ def events_of(rec: tuple[Any, ...]) -> Iterator[GenerationEvent]:
         yield RequestDone(name, outcome, duration_ns / 1e9, prompt, output, end)
 
 
-def advance(counter: itertools.count[int], n: int) -> None:
-    """Advance an itertools.count by n in C (each step atomic; other threads' steps may interleave)."""
-    _discard(_islice(counter, n))
+def advance(counter: itertools.count[int], n: int, *more: itertools.count[int]) -> None:
+    """Advance an itertools.count (and ``more``, each as many) by n in C, in one call (each step atomic; other
+    threads' steps may interleave)."""
+    _discard(zip(range(n), counter, *more) if more else _islice(counter, n))
 
 
 #: Consumes an iterator in C, keeping nothing: one zero-length deque for every call (making one a call cost ~0.3 µs

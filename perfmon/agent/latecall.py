@@ -40,11 +40,9 @@ class LateCall:
         """``quiet``: the model's quiet decoding (quiet.py), when it has one: the call may run on its view.
         ``options``: the call's ``decoding.untimed_options``, which quiet decoding keys it by."""
         self.active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
-        if quiet is not None:  # generate() then runs on the view quiet.view() puts in Active.model
+        if quiet is not None:  # generate() then runs on the view quiet.begin() puts in Active.model
             try:
-                key = self.active.key = quiet.key(model, args, kwargs, options or [None, None, None])
-                if key is not None:
-                    quiet.view(model, key, self.active)
+                quiet.begin(model, args, kwargs, options or [None, None, None], self.active)
             except Exception as exc:
                 internal.report("generation", exc)
         self.model = model
@@ -76,9 +74,8 @@ class LateCall:
                 out = getattr(out, "sequences", None)
             now = self.active.returned(self.internal)
             quiet = self.active.quiet
-            if quiet is not None:  # its decode steps, counted now: a read after the call returns sees every forward
-                quiet.ended(error, out)
-                quiet.count()
+            if quiet is not None:  # its decode steps are counted when the settling runs, which any read runs first
+                quiet.ended(error)
         except Exception as exc:  # the requests still end (opened: they must not stay in flight), with what is known
             self.internal.report("generation", exc)
             out, now = None, perf_counter_ns()
@@ -86,6 +83,12 @@ class LateCall:
         self.tracker.hand_over(self._close)
 
     def _close(self) -> None:
+        quiet = self.active.quiet
+        if quiet is not None:
+            try:
+                quiet.count(self.ended[1])
+            except Exception as exc:
+                self.internal.report("generation", exc)
         if self.call is not None:  # None: opening it failed (counted as an internal error)
             outcome, out, now = self.ended
             self.call.end(outcome, out, now=now)

@@ -53,14 +53,19 @@ class Models:
         """In a forked child: a lock a parent thread held at fork() is replaced, and each state's counters."""
         self._lock = threading.Lock()
         self.batch_tokens.reset_after_fork()
-        for st in self.states():
+        for st in self._members():  # not states(): the parent's pending work is not the child's to run
             st.reset_after_fork()
 
     def get(self, name: str) -> ModelState | None:
         return self.by_name.get(name)
 
     def states(self) -> list[ModelState]:
-        """Every state that is called: one per model, or one per stage of a model with stages."""
+        """Every state that is called: one per model, or one per stage of a model with stages. The returned
+        ``generate()`` calls' settling runs first: a quiet call's decode steps are counted there (quiet.py)."""
+        self._generations.settle_pending()
+        return self._members()
+
+    def _members(self) -> list[ModelState]:
         return [member for st in list(self.by_name.values()) for member in st.members()]
 
     def new_state(self, name: str, resolve: Callable[[], str], *, capturable: bool = True,
@@ -171,10 +176,10 @@ class Models:
         # Continuous batching (generate_batch, init_continuous_batching): a request per request id.
         batching = ContinuousBatching(label, start=lambda prompt: generations.start(label, prompt),
                                       tokens=self.batch_tokens, internal=internal)
-        base = type(model)
         quiet: list[QuietDecode] = []  # the model's quiet decoding (quiet.py), made once its stages are
+        can_quiet = returns_sequences and QuietDecode.supports(model, encoder_decoder=encoder_decoder)
         MonitoredModule.create(model, state, build, requests=requests, batching=batching)
-        if built and returns_sequences and QuietDecode.supports(base, encoder_decoder=encoder_decoder):
+        if built and can_quiet:
             quiet.append(QuietDecode(built[0], internal))
             built[0].quiet = quiet[0]
         encoder = _encoder_of(model)

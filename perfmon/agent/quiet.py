@@ -18,7 +18,7 @@ search) runs them through perfmon's path: the first such step ends the call's qu
 the model's class, so the interpreter's attribute caches, specialised by class, stay warm; what a call sets on
 ``self`` lands on the view (transformers' loops set nothing there on the dynamic-cache path).
 
-A call is quiet (``QuietDecode.view``) when: it times nothing and is not assisted (``LateCall``); the model is
+A call is quiet (``QuietDecode.begin``) when: it times nothing and is not assisted (``LateCall``); the model is
 decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default; the
 caller passes no cache, asks for no cache implementation and runs in no process group (``synced_gpus`` runs steps
 that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
@@ -78,20 +78,19 @@ class Quiet:
         #: The returned sequences have one column a step: not on MPS, where transformers defers its stop check and
         #: runs one step more than it keeps (``DeferredStopCheck``): the cache says how many ran there.
         self.exact = True
-        self.steps = 0  # decode steps counted at the end
+        self.steps = -1  # decode steps ran (-1: read from the returned sequences, ``count``)
 
-    def ended(self, error: BaseException | None, out: Any) -> None:
-        """The call returned ``out`` (its sequences: a tensor, or None) or raised ``error``: how many decode steps ran,
-        from shapes (host values: no device sync), on the request thread, where the cache is let go. A step that raised
-        is counted here, under the decode stage."""
+    def ended(self, error: BaseException | None) -> None:
+        """The request thread's part of the call's end: let the cache go (it must not outlive the call for want of a
+        read); for a call that raised, how many decode steps ran and whether one raised (counted now: its traceback
+        holds the call's tensors, which must not wait for a reader either). A call that returned is counted from its
+        sequences by ``count``, off this thread."""
         cache, self.cache = self.cache, None
         if cache is None:  # the prefill did not complete (its own path counted it) or left no DynamicCache (reported)
+            self.steps = 0
             return
         if error is None:
-            if type(out) is _Tensor and self.exact:
-                # _sample appends one column to the sequences a step: the prefill's, then one a decode step.
-                self.steps = max(0, int(out.shape[-1]) - self.seq0 - 1)
-            else:
+            if not self.exact:  # MPS: a step more ran than the sequences show
                 self.steps = max(0, int(cache.get_seq_length()) - self.length)
             return
         raised, running = _where(error, self.view)
@@ -106,16 +105,21 @@ class Quiet:
         partial = bool(layers) and int(layers[-1].get_seq_length()) - self.length < grown  # type: ignore[index]
         self.steps = grown + 1 if raised and not partial else grown
 
-    def count(self) -> None:
+    def count(self, out: Any) -> None:
         """Add the decode steps to the decode stage's and their signature's calls (items included: a signature's calls
-        times its rows). A regular sampling index they passed is drawn again."""
+        times its rows); ``out``: the sequences the call returned (None if it raised). A reader runs this (the call's
+        settling, handed over: ``LateCall``) before it reads a model's counters (``Models.states``). A regular sampling
+        index the steps passed is drawn again."""
         n = self.steps
+        if n < 0:
+            # _sample appends one column to the sequences a step: the prefill's, then one a decode step.
+            n = max(0, int(out.shape[-1]) - self.seq0 - 1) if type(out) is _Tensor else 0
         if n <= 0:
             return
         st = self.state
-        advance(self.entry.calls, n)
-        advance(st.calls, n - 1)
-        last = next(st.calls)
+        advance(self.entry.calls, n - 1, st.calls)  # both counters n - 1 steps in one C call, ...
+        next(self.entry.calls)
+        last = next(st.calls)  # ... then the last step's, to read the index it reached
         due = st.next_index
         if due and last >= due and st.capture is None:
             st.next_index = st.sampler.next_index(last)
@@ -153,34 +157,37 @@ class QuietDecode:
         self.cache_type = _dynamic_cache()
 
     @staticmethod
-    def supports(base: type, *, encoder_decoder: bool) -> bool:
-        """Whether calls of ``base``'s ``generate()`` can run quiet: a decoder-only model with transformers' own loop
-        (``_sample``, whose ``model_forward`` is read before its ``_prefill``) and a ``DynamicCache`` by default."""
+    def supports(model: Any, *, encoder_decoder: bool) -> bool:
+        """Whether calls of ``model``'s ``generate()`` can run quiet: a decoder-only model with transformers' own loop
+        (``_sample``, whose ``model_forward`` is read before its ``_prefill``) and a ``DynamicCache`` by default, not
+        sharded for generation across processes (``_synced``)."""
+        base = type(model)
         loop, prefill = getattr(base, "_sample", None), getattr(base, "_prefill", None)
         return (not encoder_decoder and callable(loop) and callable(prefill)
                 and str(getattr(loop, "__module__", "")).startswith("transformers.")
-                and _dynamic_cache() is not None and _default_dynamic(base))
+                and _dynamic_cache() is not None and _default_dynamic(base) and not _synced(model))
 
-    def key(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any]) -> Hashable | None:
-        """The call's shape for the memo: its decode rows (input rows x returned sequences, or beams), its positional
-        count and keyword names (which decide the decode steps' keywords); None when it cannot run quiet. ``options``:
-        its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
+    def begin(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any],
+              active: Active) -> None:
+        """An untimed call opens: key it by its shape (``active.key``, for ``Stages.remember`` to teach) and, when it
+        can run quiet, make its view: ``active.model`` (what ``generate()`` runs on and its forwards are checked
+        against) and ``active.quiet``. One frame for both: between two model calls every function entered costs µs.
+
+        The key is the call's decode rows (input rows x returned sequences, or beams), its positional count and its
+        keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
+        ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
         beams, k, implementation = options
         if (len(args) > 1 or implementation is not None or kwargs.get("past_key_values") is not None
-                or kwargs.get("cache") is not None or model.__dict__.get("_compiled_call_impl") is not None
-                or _distributed()):
-            return None
+                or kwargs.get("cache") is not None or kwargs.get("synced_gpus")
+                or model.__dict__.get("_compiled_call_impl") is not None):
+            return
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs", args[0] if args else None)
         if type(ids) is not _Tensor or ids.dim() != 2:
-            return None
+            return
         beams = beams or 1
-        return (ids.shape[0] * (beams if beams > 1 else k or 1), len(args), tuple(kwargs))
-
-    def view(self, model: Any, key: Hashable, active: Active) -> None:
-        """Run the call quiet when it can: then ``active.model`` is a view of ``model`` (what ``generate()`` runs on
-        and its forwards are checked against) and ``active.quiet`` its ``Quiet``."""
+        key = active.key = (ids.shape[0] * (beams if beams > 1 else k or 1), len(args), tuple(kwargs))
         entry = self.memo.get(key)
         if entry is None or entry.warm_left or entry.evicted_ns:
             return
@@ -223,11 +230,18 @@ class QuietDecode:
             self.internal.report("generation", exc)
 
 
-def _distributed() -> bool:
-    """Several processes generating together (``synced_gpus``: a finished one keeps running forwards in step with the
-    others, one column fewer than steps): not quiet."""
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized())
+def _synced(model: Any) -> bool:
+    """Whether transformers' ``generate()`` runs ``model`` with ``synced_gpus`` by default: DeepSpeed ZeRO-3 or FSDP
+    (a finished process keeps running forwards in step with the others, which append no column). Read when the model
+    is wrapped, as those are set when it is loaded; a caller's own ``synced_gpus=True`` is read a call."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+        from transformers.integrations.fsdp import is_fsdp_managed_module
+
+        return bool(is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))  # type: ignore[no-untyped-call]
+    except Exception:  # a transformers without them: a process group is the sign
+        dist = torch.distributed
+        return bool(dist.is_available() and dist.is_initialized())
 
 
 def _default_dynamic(base: type) -> bool:

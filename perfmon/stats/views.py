@@ -66,6 +66,7 @@ class Views:
 
     def stats(self) -> dict[str, Any]:
         """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
+        self._generations.settle_pending()  # returned generate() calls first: a quiet call's steps are counted there
         now = perf_counter_ns()
         self.history.touch(now)
         regression: dict[str, Any] = {}
