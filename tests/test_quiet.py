@@ -290,3 +290,44 @@ def test_a_quiet_call_stamps_its_request_span_and_leaves_a_capture_to_the_next_c
     assert meta["outcome"] == "ok", meta
     assert meta["steps_recorded"] == 4
     assert _forwards(mon) == truth.forwards
+
+
+def test_a_view_sees_the_models_attributes_as_they_are_at_each_call(make_monitor) -> None:
+    """Views are kept for later calls, their dict refreshed from the model's at each call: an attribute set, changed
+    or deleted on the model between two calls is what the next quiet call's forwards see."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    seen: list[tuple[bool, Any]] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append((module is not model,
+                                                                      getattr(module, "marker", None))))
+    for _ in range(3):
+        _generate(model, new=4)
+    for marker in (1, 2, None, 3):
+        if marker is None:
+            del model.marker
+        else:
+            model.marker = marker
+        seen.clear()
+        _generate(model, new=4)
+        assert seen[0] == (True, marker)  # a quiet call's prefill, on its view
+    assert "__call__" not in model.__dict__
+
+
+def test_a_dropped_model_is_freed_with_the_views_of_its_quiet_calls(make_monitor) -> None:
+    """The views kept for later calls hold what the model's dict held: a model dropped or unwrapped (its returned
+    calls settled by a read) leaves nothing of perfmon's holding its weights."""
+    import gc
+    import weakref
+
+    mon = _monitor(make_monitor)
+    for i, drop in enumerate(("del", "unwrap")):
+        model = mon.wrap(_gpt2(), name="gpt2")
+        for _ in range(4):
+            _generate(model, new=4)
+        assert mon.stats()["models"]["gpt2"]["calls"] == 16 * (i + 1)  # the name's series goes on
+        weight = weakref.ref(model.transformer.wte.weight)
+        if drop == "unwrap":
+            mon.unwrap(model)
+        del model
+        gc.collect()
+        assert weight() is None, drop

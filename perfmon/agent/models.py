@@ -187,13 +187,14 @@ class Models:
             # generate() runs an encoder-decoder's encoder once, through the encoder module itself: its own hot
             # path, counted as the model's stage="encode" (the decoder's steps stay prefill/decode).
             MonitoredModule.create(encoder, built[0].state(ENCODE))
-        return self._watch(model)
+        return self._watch(model, quiet[0].views if quiet else None)
 
-    def _watch(self, model: Any) -> Any:
+    def _watch(self, model: Any, views: list[Any] | None = None) -> Any:
         """A wrapped module the server drops counts as unwrapped once it is collected: its name may be wrapped
-        again (the model's next version) and continue its series, as after ``unwrap``."""
+        again (the model's next version) and continue its series, as after ``unwrap``. ``views``: the quiet views
+        kept for its calls (quiet.py), let go then: they hold what its ``__dict__`` held (its weights)."""
         st: ModelState = type(model)._perfmon_state
-        finalizer = weakref.finalize(model, _detach, st)
+        finalizer = weakref.finalize(model, _detach, st, views)
         finalizer.atexit = False
         with self._lock:
             old = self._finalizers.pop(st.name, None)
@@ -215,7 +216,9 @@ class Models:
         with self._lock:
             finalizer = self._finalizers.pop(st.name, None)
         if finalizer is not None:
-            finalizer.detach()
+            detached = finalizer.detach()
+            if detached is not None and detached[2][1]:
+                detached[2][1].clear()  # the quiet views kept for its calls
         return model
 
     def instrument(self, fn: Callable[..., Any] | None, *, name: str | None, device: str, items: Any) -> Any:
@@ -294,8 +297,10 @@ def _fixed(label: str) -> Callable[[], str]:
     return lambda: label
 
 
-def _detach(state: ModelState) -> None:
+def _detach(state: ModelState, views: list[Any] | None = None) -> None:
     state.attached = False
+    if views:
+        views.clear()
 
 
 def _module_device(module: torch.nn.Module) -> Callable[[], str]:

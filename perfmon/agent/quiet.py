@@ -13,7 +13,7 @@ and attributes) with one entry more, ``__call__``: ``nn.Module._call_impl`` boun
 finds an instance's own entry before a method of its class: on the view, every decode step is the model's bare call
 (one frame fewer than ``nn.Module.__call__``). ``self(...)`` goes by the class, so the prefill (``_prefill`` calls
 ``self``) takes perfmon's path as before: its stage, signature, cold calls and sampling; then ``in_generate`` keeps the
-cache the steps grow (``QuietDecode.started``), for a call that fails. A loop that calls ``self`` for its steps (beam
+cache the steps grow (``Quiet.cache``), for a call that fails. A loop that calls ``self`` for its steps (beam
 search) runs them through perfmon's path: the first such step ends the call's quiet (``Active.quiet``). The view has
 the model's class, so the interpreter's attribute caches, specialised by class, stay warm; what a call sets on
 ``self`` lands on the view (transformers' loops set nothing there on the dynamic-cache path).
@@ -61,23 +61,31 @@ _CALL_IMPL_CODE = _CALL_IMPL.__code__
 _set = object.__setattr__
 #: Keyed shapes of calls kept per model (rows, positional count, keyword names); cleared when full.
 MEMO_SIZE = 64
+#: Views kept per model for later calls: as many as its calls that run at once, up to this.
+VIEWS = 16
 
 
 class Quiet:
     """One quiet call's decode steps (``Active.quiet``): what counting them at its end needs."""
 
-    __slots__ = ("cache", "entry", "exact", "length", "seq0", "state", "steps", "view")
+    __slots__ = ("cache", "call", "entry", "exact", "own", "owner", "prefilled", "seq0", "state", "steps", "view")
 
-    def __init__(self, view: Any, state: Any, entry: Signature) -> None:
+    def __init__(self, owner: QuietDecode, view: Any, own: dict[str, Any], call: Any, state: Any, entry: Signature,
+                 seq0: int, exact: bool) -> None:
+        self.owner = owner
         self.view = view
+        self.own = own  # the view's __dict__, and its __call__ entry (``QuietDecode.views``)
+        self.call = call
         self.state = state  # the decode stage's ModelState
         self.entry = entry  # the decode steps' signature
-        self.cache: Any = None  # the KV cache the loop grows (set after the prefill), dropped at the end
-        self.length = 0  # its length after the prefill
-        self.seq0 = 0  # the prefill's input length (the running sequence's, before the first token)
+        self.seq0 = seq0  # the prompt's length: the running sequence's at the prefill, and the cache's after it
         #: The returned sequences have one column a step: not on MPS, where transformers defers its stop check and
         #: runs one step more than it keeps (``DeferredStopCheck``): the cache says how many ran there.
-        self.exact = True
+        self.exact = exact
+        #: The prefill's forward returned (stages.in_generate sets this and ``cache``, the KV cache the decode steps
+        #: grow, or None: read only for a call on MPS or one that raised outside ``_sample``, dropped at the end).
+        self.prefilled = False
+        self.cache: Any = None
         self.steps = -1  # decode steps ran (-1: read from the returned sequences, ``count``)
 
     def ended(self, error: BaseException | None) -> None:
@@ -86,12 +94,14 @@ class Quiet:
         holds the call's tensors, which must not wait for a reader either). A call that returned is counted from its
         sequences by ``count``, off this thread."""
         cache, self.cache = self.cache, None
-        if cache is None:  # the prefill did not complete (its own path counted it) or left no DynamicCache (reported)
+        if not self.prefilled:  # the prefill raised (its own path counted it) or never ran
             self.steps = 0
+            self.release()
             return
         if error is None:
-            if not self.exact:  # MPS: a step more ran than the sequences show
-                self.steps = max(0, int(cache.get_seq_length()) - self.length)
+            if not self.exact and cache is not None:  # MPS: a step more ran than the sequences show
+                self.steps = max(0, int(cache.get_seq_length()) - self.seq0)
+            self.release()
             return
         raised, running = _where(error, self.view)
         if raised:
@@ -100,10 +110,17 @@ class Quiet:
             self.steps = max(0, running - self.seq0)
             return
         # Not raised inside _sample's loop: the cache, where a step that raised before the first layer left no trace.
-        grown = max(0, int(cache.get_seq_length()) - self.length)
+        grown = max(0, int(cache.get_seq_length()) - self.seq0) if cache is not None else 0
         layers = getattr(cache, "layers", None)
-        partial = bool(layers) and int(layers[-1].get_seq_length()) - self.length < grown  # type: ignore[index]
+        partial = bool(layers) and int(layers[-1].get_seq_length()) - self.seq0 < grown  # type: ignore[index]
         self.steps = grown + 1 if raised and not partial else grown
+
+    def release(self) -> None:
+        """Give the view back for a later call (its generate() returned: nothing runs on it any more). A call that
+        raised keeps its view: the caller's traceback holds it."""
+        views = self.owner.views
+        if len(views) < VIEWS:
+            views.append((self.view, self.own, self.call))
 
     def count(self, out: Any) -> None:
         """Add the decode steps to the decode stage's and their signature's calls (items included: a signature's calls
@@ -152,9 +169,11 @@ class QuietDecode:
     def __init__(self, stages: Stages, internal: InternalErrors) -> None:
         self.stages = stages
         self.internal = internal
+        #: Views calls have returned, with their dict and bound call, for the next calls (a view's type and dict stay
+        #: the same from call to call, and the interpreter's caches with them). At most ``VIEWS`` are kept.
+        self.views: list[tuple[Any, dict[str, Any], Any]] = []
         #: (rows, positional count, keyword names) -> the decode steps' signature (``Stages.remember``).
         self.memo: dict[Hashable, Signature] = {}
-        self.cache_type = _dynamic_cache()
 
     @staticmethod
     def supports(model: Any, *, encoder_decoder: bool) -> bool:
@@ -165,7 +184,7 @@ class QuietDecode:
         loop, prefill = getattr(base, "_sample", None), getattr(base, "_prefill", None)
         return (not encoder_decoder and callable(loop) and callable(prefill)
                 and str(getattr(loop, "__module__", "")).startswith("transformers.")
-                and _dynamic_cache() is not None and _default_dynamic(base) and not _synced(model))
+                and _default_dynamic(base) and not _synced(model))
 
     def begin(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any],
               active: Active) -> None:
@@ -194,13 +213,22 @@ class QuietDecode:
         st = self.stages.states.get(DECODE)
         if st is None or not st.next_index or st.capture is not None or st.sigs is None:
             return
-        cls: Any = type(model)
-        view = cls.__new__(cls)
-        own = dict(model.__dict__)
-        own["__call__"] = MethodType(_CALL_IMPL, view)  # what self.__call__ reads on the view: the bare call
-        _set(view, "__dict__", own)
+        seq0, exact = int(ids.shape[-1]), not ids.is_mps
+        theirs = model.__dict__
+        try:
+            view, own, call = self.views.pop()  # a view a call before left: its dict refreshed in place
+            if len(own) != len(theirs) + 1:  # the model lost an attribute since (or took a __call__ of its own)
+                raise IndexError
+            own.update(theirs)
+            own["__call__"] = call
+        except IndexError:
+            cls: Any = type(model)
+            view = cls.__new__(cls)
+            own = dict(theirs)
+            call = own["__call__"] = MethodType(_CALL_IMPL, view)  # what self.__call__ reads on the view: bare
+            _set(view, "__dict__", own)
         active.model = view
-        active.quiet = Quiet(view, st, entry)
+        active.quiet = Quiet(self, view, own, call, st, entry, seq0, exact)
         # A request span open in the caller's context: the call's end stamps it (Active.returned), as a lean call's.
         active.span = requests_current.get() if self.stages.hub.requests else None
 
@@ -211,23 +239,6 @@ class QuietDecode:
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
         memo[key] = entry
-
-    def started(self, quiet: Quiet, kwargs: dict[str, Any]) -> None:
-        """The prefill's forward returned (``kwargs``: its keywords): keep the cache the decode steps grow and its
-        length, and the prefill's input length."""
-        try:
-            cache = kwargs.get("cache")
-            if cache is None:
-                cache = kwargs.get("past_key_values")
-            ids: Any = kwargs.get("input_ids")
-            if type(cache) is not self.cache_type or type(ids) is not _Tensor:
-                raise TypeError(f"quiet decoding: a {type(cache).__name__} cache is not counted")
-            quiet.length = int(cache.get_seq_length())  # type: ignore[attr-defined]
-            quiet.seq0 = int(ids.shape[-1])
-            quiet.exact = not ids.is_mps
-            quiet.cache = cache
-        except Exception as exc:
-            self.internal.report("generation", exc)
 
 
 def _synced(model: Any) -> bool:
@@ -251,12 +262,3 @@ def _default_dynamic(base: type) -> bool:
         return bool(supports()) if callable(supports) else False
     except Exception:
         return False
-
-
-def _dynamic_cache() -> type | None:
-    try:
-        from transformers import DynamicCache
-    except Exception:  # transformers absent or broken: no call runs quiet
-        return None
-    return DynamicCache  # type: ignore[no-any-return]
-

@@ -333,8 +333,9 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         if stamps is not None:
             stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
         quiet = active.quiet
-        if quiet is not None and quiet.cache is None:  # a quiet call's prefill (quiet.py): the cache its steps grow
-            stages.quiet.started(quiet, kwargs)
+        if quiet is not None and not quiet.prefilled:  # a quiet call's prefill returned (quiet.py): its steps follow
+            quiet.prefilled = True
+            quiet.cache = kv_cache(kwargs)
         return out
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
