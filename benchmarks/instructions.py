@@ -78,6 +78,7 @@ def child(rounds: int, tokens: int, order_path: str) -> None:
     import perfmon
 
     sys.path.insert(0, HERE)
+    from common import settle_calls
     from generate_where import Variants
 
     torch.set_num_threads(1)
@@ -100,8 +101,11 @@ def child(rounds: int, tokens: int, order_path: str) -> None:
             for _ in range(LINEAR_CALLS):
                 linear(row)
 
+    settle = settle_calls(tokens)
+
     def measure(name: str, fn: Any, log: Any) -> None:
-        fn()  # after a switch: warm, not measured
+        for _ in range(settle if name.startswith("generate/") else 1):  # after a switch: not measured (common.py)
+            fn()
         gc.collect()
         gc.disable()
         try:
