@@ -62,7 +62,7 @@ class Active:
         self.batch = batch
         self.armed = 0
         self.left = 0
-        #: The call's shape for quiet decoding (quiet.py: ``QuietDecode.key``), when its model has it; and the call's
+        #: The call's shape for quiet decoding (quiet.py: ``QuietDecode.begin``), when its model has it; and the call's
         #: ``Quiet`` when it runs quiet (``model`` is then the view it runs on).
         self.key: Any = None
         self.quiet: Any = None

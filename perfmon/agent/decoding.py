@@ -46,7 +46,7 @@ from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
 _Tensor = torch.Tensor
 
-__all__ = ["Call", "GenerateCall", "assisted", "is_encoder_decoder", "tracked_generate", "untimed_options"]
+__all__ = ["Call", "GenerateCall", "is_encoder_decoder", "tracked_generate", "untimed_options"]
 
 class Call(Protocol):
     """What ``tracked_generate`` needs of a call's tracking: the state its forwards read (its ``model``: what
@@ -433,17 +433,11 @@ _UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_bea
 
 
 def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
-    """None for an assisted call (``assisted``); else its ``num_beams``, ``num_return_sequences`` and
-    ``cache_implementation`` as generate() resolves them (None where unset): one read of the call's config for both."""
+    """None for an assisted call (an assistant model, prompt lookup, early exit: its main model's forwards after the
+    first verify drafts); else its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` as generate()
+    resolves them (None where unset): one read of the call's config for both."""
     lookup, early_exit, *rest = _options(kwargs, _config(model, args, kwargs), _UNTIMED_OPTIONS)
     return None if _verifies(kwargs, lookup, early_exit) else rest
-
-
-def assisted(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a generate() call is assisted (an assistant model, prompt lookup, early exit): its main model's
-    forwards after the first verify drafts."""
-    lookup, early_exit = _options(kwargs, _config(model, args, kwargs), _CALL_OPTIONS[2:])
-    return _verifies(kwargs, lookup, early_exit)
 
 
 def _verifies(kwargs: Mapping[str, Any], lookup: Any, early_exit: Any) -> bool:
