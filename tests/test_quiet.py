@@ -302,14 +302,17 @@ def test_a_view_sees_the_models_attributes_as_they_are_at_each_call(make_monitor
                                                                       getattr(module, "marker", None))))
     for _ in range(3):
         _generate(model, new=4)
-    for marker in (1, 2, None, 3):
+    for marker in (1, 2, None, 3, "swap"):
         if marker is None:
             del model.marker
+        elif marker == "swap":  # one attribute gone and another come: as many as before
+            del model.marker
+            model.other = 1
         else:
             model.marker = marker
         seen.clear()
         _generate(model, new=4)
-        assert seen[0] == (True, marker)  # a quiet call's prefill, on its view
+        assert seen[0] == (True, None if marker == "swap" else marker)  # a quiet call's prefill, on its view
     assert "__call__" not in model.__dict__
 
 

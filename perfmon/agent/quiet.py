@@ -217,9 +217,9 @@ class QuietDecode:
         theirs = model.__dict__
         try:
             view, own, call = self.views.pop()  # a view a call before left: its dict refreshed in place
-            if len(own) != len(theirs) + 1:  # the model lost an attribute since (or took a __call__ of its own)
-                raise IndexError
             own.update(theirs)
+            if len(own) != len(theirs) + 1:  # an attribute the model no longer has (or a __call__ of its own)
+                raise IndexError
             own["__call__"] = call
         except IndexError:
             cls: Any = type(model)
