@@ -13,15 +13,16 @@ and attributes) with one entry more, ``__call__``: ``nn.Module._call_impl`` boun
 finds an instance's own entry before a method of its class: on the view, every decode step is the model's bare call
 (one frame fewer than ``nn.Module.__call__``). ``self(...)`` goes by the class, so the prefill (``_prefill`` calls
 ``self``) takes perfmon's path as before: its stage, signature, cold calls and sampling; then ``in_generate`` keeps the
-cache the steps grow (``Quiet.cache``), for a call that fails. A loop that calls ``self`` for its steps (beam
-search) runs them through perfmon's path: the first such step ends the call's quiet (``Active.quiet``). The view has
+cache the steps grow (``Quiet.cache``), for a call that fails. Beam search calls ``self`` for its steps: it is not
+quiet, and a loop that would call ``self`` anyway has them counted on perfmon's path (the first such step ends the
+call's quiet, ``Active.quiet``; its view is not kept for later calls). The view has
 the model's class, so the interpreter's attribute caches, specialised by class, stay warm; what a call sets on
 ``self`` lands on the view (transformers' loops set nothing there on the dynamic-cache path).
 
 A call is quiet (``QuietDecode.begin``) when: it times nothing and is not assisted (``LateCall``); the model is
-decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default; the
-caller passes no cache, asks for no cache implementation and runs in no process group (``synced_gpus`` runs steps
-that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
+decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default;
+the caller passes no cache, asks for no cache implementation or beam search and runs in no process group
+(``synced_gpus`` runs steps that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
 (``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
 (``Stages.remember`` teaches it here), so the quiet steps are counted under it, items included. Anything else takes
 the lean path (stages.py).
@@ -192,11 +193,12 @@ class QuietDecode:
         can run quiet, make its view: ``active.model`` (what ``generate()`` runs on and its forwards are checked
         against) and ``active.quiet``. One frame for both: between two model calls every function entered costs µs.
 
-        The key is the call's decode rows (input rows x returned sequences, or beams), its positional count and its
+        The key is the call's decode rows (input rows x returned sequences), its positional count and its
         keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
         ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
         beams, k, implementation = options
-        if (len(args) > 1 or implementation is not None or kwargs.get("past_key_values") is not None
+        if (len(args) > 1 or implementation is not None or (beams or 1) > 1  # beam search calls self() a step
+                or kwargs.get("past_key_values") is not None
                 or kwargs.get("cache") is not None or kwargs.get("synced_gpus")
                 or model.__dict__.get("_compiled_call_impl") is not None):
             return
@@ -205,8 +207,7 @@ class QuietDecode:
             ids = kwargs.get("inputs", args[0] if args else None)
         if type(ids) is not _Tensor or ids.dim() != 2:
             return
-        beams = beams or 1
-        key = active.key = (ids.shape[0] * (beams if beams > 1 else k or 1), len(args), tuple(kwargs))
+        key = active.key = (ids.shape[0] * (k or 1), len(args), tuple(kwargs))
         entry = self.memo.get(key)
         if entry is None or entry.warm_left or entry.evicted_ns:
             return
