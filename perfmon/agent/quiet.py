@@ -22,8 +22,8 @@ the model's class, so the interpreter's attribute caches, specialised by class, 
 A call is quiet (``QuietDecode.begin``) when: it times nothing and is not assisted (``LateCall``); the model is
 decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default;
 the caller passes no cache, asks for no cache implementation or beam search and runs in no process group
-(``synced_gpus`` runs steps that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
-(``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
+(``synced_gpus`` runs steps that append nothing); the decode stage is past its warm-up, with no capture armed and
+no sampling floor due (``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
 (``Stages.remember`` teaches it here), so the quiet steps are counted under it, items included. Anything else takes
 the lean path (stages.py).
 
