@@ -20,12 +20,12 @@ the model's class, so the interpreter's attribute caches, specialised by class, 
 ``self`` lands on the view (transformers' loops set nothing there on the dynamic-cache path).
 
 A call is quiet (``QuietDecode.begin``) when: it times nothing and is not assisted (``LateCall``); the model is
-decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default;
-the caller passes no cache, asks for no cache implementation or beam search and runs in no process group
-(``synced_gpus`` runs steps that append nothing); the decode stage is past its warm-up, with no capture armed and
-no sampling floor due (``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
-(``Stages.remember`` teaches it here), so the quiet steps are counted under it, items included. Anything else takes
-the lean path (stages.py).
+decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default; the
+caller passes no cache, asks for no cache implementation or beam search and runs in no process group (``synced_gpus``
+runs steps that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
+(``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
+(``Stages.remember`` teaches it here), so the quiet steps are counted under it, items included. Anything else takes the
+lean path (stages.py).
 
 What a quiet call gives up: its decode steps are never timed, and a read while it runs sees none of them (a lean call
 lags by at most ``LEAN_STEPS``; its tokens were always counted at its end). The decode stage's timed steps are those of
