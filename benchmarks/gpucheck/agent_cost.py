@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from perfmon import Monitor
 
-from ..common import Scraper
+from ..common import SETTLE_EXECUTIONS, Scraper
 from .common import Check, Figure, encoder
 from .rig import Rig
 
@@ -133,7 +133,8 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
     p25..p75 of x0.88..x1.15):
 
     - **wrapped**: the monitor running throughout (threads, a scrape every 15 s), the same module unwrapped,
-      unwrapped again (the noise floor) and wrapped at 1%, in a shuffled order every round;
+      unwrapped again (the noise floor) and wrapped at 1%, in a shuffled order every round; a switch between
+      wrapped and unwrapped is followed by ``SETTLE_EXECUTIONS`` unmeasured calls;
     - **background**: the monitor stopped, stopped again (the noise floor) and running with the module
       unwrapped, in a shuffled order; each slot starts with the switch (or none), a 0.5 s settle and an
       unrecorded block, then several recorded blocks. The agent's own wake counter is read over the running
@@ -165,7 +166,14 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                 mon.wrap(model, name="encoder", device=rig.device)
             elif wrapped and not want:
                 mon.unwrap(model)
+            else:
+                return
             wrapped = want
+            # A class switch leaves CPython's specialised attribute reads on the old class until they miss
+            # SETTLE_EXECUTIONS times, and a new wrap times its first call in full: neither is the steady cost.
+            with torch.inference_mode():
+                for _ in range(SETTLE_EXECUTIONS):
+                    model(x)
 
         def block() -> float:
             rig.synchronize()
