@@ -154,7 +154,8 @@ class Models:
                      ) -> GenerateCall | LateCall | None:
             if kwargs.get("cache_implementation") == "paged":  # generate() hands over to continuous batching:
                 return None  # its requests are tracked there, by id (batching.py), not counted twice
-            picked = calls.pick(clock())
+            now = clock()
+            picked = calls.pick(now)
             if (not picked and returns_sequences and streamable and hub.timing
                     and kwargs.get("streamer") is None and len(generations.pending) < generations.queue_size):
                 options = untimed_options(module, args, kwargs)
@@ -162,7 +163,7 @@ class Models:
                     # Times nothing, needs nothing while it runs: opened and settled by the next read or drain.
                     return LateCall(module, args, kwargs, generations, label, internal,
                                     encoder_decoder=encoder_decoder, quiet=quiet[0] if quiet else None,
-                                    options=options)
+                                    options=options, start_ns=now)
             return GenerateCall(module, args, kwargs, generations, label, picked == TIMELINE | EVERY_STEP, internal,
                                 streamable=streamable, encoder_decoder=encoder_decoder,
                                 timeline=picked != 0 or not returns_sequences, own=returns_sequences)

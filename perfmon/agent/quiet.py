@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..faults import InternalErrors
-from .active import Active
+from .active import LEAN_STEPS, Active
 from .gen_events import advance
 from .phases import Signature
 from .requests import current as requests_current
@@ -69,14 +69,16 @@ VIEWS = 16
 class Quiet:
     """One quiet call's decode steps (``Active.quiet``): what counting them at its end needs."""
 
-    __slots__ = ("cache", "call", "entry", "exact", "own", "owner", "prefilled", "seq0", "state", "steps", "view")
+    __slots__ = ("active", "cache", "call", "entry", "exact", "own", "owner", "prefilled", "seq0", "state", "steps",
+                 "view")
 
-    def __init__(self, owner: QuietDecode, view: Any, own: dict[str, Any], call: Any, state: Any, entry: Signature,
-                 seq0: int, exact: bool) -> None:
+    def __init__(self, owner: QuietDecode, view: Any, own: dict[str, Any], call: Any, active: Active, state: Any,
+                 entry: Signature, seq0: int, exact: bool) -> None:
         self.owner = owner
         self.view = view
         self.own = own  # the view's __dict__, and its __call__ entry (``QuietDecode.views``)
         self.call = call
+        self.active = active  # the call's Active, kept with the view for the next call on it
         self.state = state  # the decode stage's ModelState
         self.entry = entry  # the decode steps' signature
         self.seq0 = seq0  # the prompt's length: the running sequence's at the prefill, and the cache's after it
@@ -102,7 +104,7 @@ class Quiet:
         if error is None:
             if not self.exact and cache is not None:  # MPS: a step more ran than the sequences show
                 self.steps = max(0, int(cache.get_seq_length()) - self.seq0)
-            self.release()
+            self.release()  # (a returned call on CPU and CUDA releases in LateCall.end, which inlines this)
             return
         raised, running = _where(error, self.view)
         if raised:
@@ -117,11 +119,12 @@ class Quiet:
         self.steps = grown + 1 if raised and not partial else grown
 
     def release(self) -> None:
-        """Give the view back for a later call (its generate() returned: nothing runs on it any more). A call that
-        raised keeps its view: the caller's traceback holds it."""
+        """Give the view back for a later call, with its Active (its generate() returned: nothing runs on it any more,
+        and the call's settling reads neither: ``LateCall``). A call that raised keeps its view: the caller's traceback
+        holds it."""
         views = self.owner.views
         if len(views) < VIEWS:
-            views.append((self.view, self.own, self.call))
+            views.append((self.view, self.own, self.call, self.active))
 
     def count(self, out: Any) -> None:
         """Add the decode steps to the decode stage's and their signature's calls (items included: a signature's calls
@@ -170,9 +173,9 @@ class QuietDecode:
     def __init__(self, stages: Stages, internal: InternalErrors) -> None:
         self.stages = stages
         self.internal = internal
-        #: Views calls have returned, with their dict and bound call, for the next calls (a view's type and dict stay
-        #: the same from call to call, and the interpreter's caches with them). At most ``VIEWS`` are kept.
-        self.views: list[tuple[Any, dict[str, Any], Any]] = []
+        #: Views calls have returned, with their dict, bound call and Active, for the next calls (a view's type and dict
+        #: stay the same from call to call, and the interpreter's caches with them). At most ``VIEWS`` are kept.
+        self.views: list[tuple[Any, dict[str, Any], Any, Active]] = []
         #: (rows, positional count, keyword names) -> the decode steps' signature (``Stages.remember``).
         self.memo: dict[Hashable, Signature] = {}
 
@@ -187,51 +190,55 @@ class QuietDecode:
                 and str(getattr(loop, "__module__", "")).startswith("transformers.")
                 and _default_dynamic(base) and not _synced(model))
 
-    def begin(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any],
-              active: Active) -> None:
-        """An untimed call opens: key it by its shape (``active.key``, for ``Stages.remember`` to teach) and, when it
-        can run quiet, make its view: ``active.model`` (what ``generate()`` runs on and its forwards are checked
-        against) and ``active.quiet``. One frame for both: between two model calls every function entered costs µs.
+    def begin(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any]) -> Active:
+        """An untimed call opens: its ``Active``, keyed by the call's shape (``Active.key``, for ``Stages.remember`` to
+        teach) and, when it can run quiet, on a view: ``Active.model`` (what ``generate()`` runs on and its forwards are
+        checked against) and ``Active.quiet``. One frame for all: between two model calls every function entered and
+        object made costs ~1 µs in situ, so a view comes back with its Active (``Quiet.release``).
 
         The key is the call's decode rows (input rows x returned sequences), its positional count and its
         keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
         ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
         beams, k, implementation = options
         if (len(args) > 1 or implementation is not None or (beams or 1) > 1  # beam search calls self() a step
-                or kwargs.get("past_key_values") is not None
-                or kwargs.get("cache") is not None or kwargs.get("synced_gpus")
+                or not (kwargs.keys().isdisjoint(_CACHE_KEYWORDS) or _no_cache(kwargs))
                 or model.__dict__.get("_compiled_call_impl") is not None):
-            return
+            return Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs", args[0] if args else None)
-        if type(ids) is not _Tensor or ids.dim() != 2:
-            return
-        key = active.key = (ids.shape[0] * (k or 1), len(args), tuple(kwargs))
+        shape = ids.shape if type(ids) is _Tensor else ()  # one read: each of a tensor's getters costs ~1 µs in situ
+        if len(shape) != 2:
+            return Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+        key = (shape[0] * (k or 1), len(args), tuple(kwargs))
         entry = self.memo.get(key)
-        if entry is None or entry.warm_left or entry.evicted_ns:
-            return
         st = self.stages.states.get(DECODE)
-        if st is None or not st.next_index or st.capture is not None or st.sigs is None:
-            return
-        seq0, exact = int(ids.shape[-1]), not ids.is_mps
+        if (entry is None or entry.warm_left or entry.evicted_ns
+                or st is None or not st.next_index or st.capture is not None or st.sigs is None):
+            active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+            active.key = key
+            return active
+        seq0, exact = shape[1], not ids.is_mps  # type: ignore[union-attr]  # a tensor: it has a shape
         theirs = model.__dict__
         try:
-            view, own, call = self.views.pop()  # a view a call before left: its dict refreshed in place
+            view, own, call, active = self.views.pop()  # a view a call before left: its dict refreshed in place
             own.update(theirs)
             if len(own) != len(theirs) + 1:  # an attribute the model no longer has (or a __call__ of its own)
                 raise IndexError
             own["__call__"] = call
+            active.prefilled = False  # what its last call's prefill set (it ran quiet to its end: nothing else)
         except IndexError:
             cls: Any = type(model)
             view = cls.__new__(cls)
             own = dict(theirs)
             call = own["__call__"] = MethodType(_CALL_IMPL, view)  # what self.__call__ reads on the view: bare
             _set(view, "__dict__", own)
-        active.model = view
-        active.quiet = Quiet(self, view, own, call, st, entry, seq0, exact)
+            active = Active(view, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+        active.key = key
+        active.quiet = Quiet(self, view, own, call, active, st, entry, seq0, exact)
         # A request span open in the caller's context: the call's end stamps it (Active.returned), as a lean call's.
         active.span = requests_current.get() if self.stages.hub.requests else None
+        return active
 
     def learn(self, key: Hashable, entry: Signature) -> None:
         """A call of shape ``key`` found its decode steps' signature warm (``Stages.remember``): later calls of that
@@ -240,6 +247,15 @@ class QuietDecode:
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
         memo[key] = entry
+
+
+#: Keywords that pass a cache of the caller's or run in a process group (synced_gpus): such a call is not quiet.
+_CACHE_KEYWORDS = frozenset(("past_key_values", "cache", "synced_gpus"))
+
+
+def _no_cache(kwargs: dict[str, Any]) -> bool:
+    """The slow check, for a call that names one of ``_CACHE_KEYWORDS``: each is None (or False)."""
+    return kwargs.get("past_key_values") is None and kwargs.get("cache") is None and not kwargs.get("synced_gpus")
 
 
 def _synced(model: Any) -> bool:
