@@ -103,6 +103,29 @@ def test_quiet_calls_count_every_forward_with_its_items_and_signature(make_monit
     assert "__call__" not in model.__dict__ and type(model).__name__ == "GPT2LMHeadModel"
 
 
+def test_a_quiet_calls_prefill_is_counted_under_its_own_prompts_signature(make_monitor) -> None:
+    """A quiet call's prefill takes the signature of the last prefill on its view when its input has the same shape
+    (stages.step_signature, across calls): prompts of other rows or lengths, one after another on the same view, are
+    each counted under their own signature, with their own rows as items."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    shapes = [(1, 5), (1, 5), (1, 5), (2, 5), (1, 9), (2, 5), (1, 5), (1, 9), (1, 9), (2, 5)] * 2
+    new = 4
+    for rows, length in shapes:
+        ids = torch.randint(0, 100, (rows, length))
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)
+    assert truth.on_views > 0  # some calls ran quiet (every shape's calls after its decode signature was found)
+    assert _forwards(mon) == truth.forwards
+    assert _calls(mon, "prefill") == len(shapes)
+    # Items are rows a forward, the prefill's and each decode step's: a prefill counted under another rows' signature
+    # would be off by its rows.
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == sum(rows * new for rows, _ in shapes)
+    assert mon.stats()["models"]["gpt2"]["stages"]["prefill"]["input_signatures"] == len(set(shapes))
+
+
 def test_quiet_calls_count_their_decode_steps_from_the_cache_when_they_return(make_monitor) -> None:
     """A read while a quiet call runs does not see its decode steps yet (up to all of them); a read after it returns
     sees every forward. Its tokens and requests are the caller's, as with any untimed call."""

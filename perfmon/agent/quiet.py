@@ -12,7 +12,8 @@ and attributes) with one entry more, ``__call__``: ``nn.Module._call_impl`` boun
 ``self.__call__`` once, before the prefill, as what its decode steps call (``model_forward``), and an attribute read
 finds an instance's own entry before a method of its class: on the view, every decode step is the model's bare call
 (one frame fewer than ``nn.Module.__call__``). ``self(...)`` goes by the class, so the prefill (``_prefill`` calls
-``self``) takes perfmon's path as before: its stage, signature, cold calls and sampling; then ``in_generate`` keeps the
+``self``) takes perfmon's path as before: its stage, signature (the last prefill's on the same view when its input has
+the same shape and as many keywords: ``stages.step_signature``), cold calls and sampling; then ``in_generate`` keeps the
 cache the steps grow (``Quiet.cache``), for a call that fails. Beam search calls ``self`` for its steps: it is not
 quiet, and a loop that would call ``self`` anyway has them counted on perfmon's path (the first such step ends the
 call's quiet, ``Active.quiet``; its view is not kept for later calls). The view has
