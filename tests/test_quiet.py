@@ -357,3 +357,37 @@ def test_a_dropped_model_is_freed_with_the_views_of_its_quiet_calls(make_monitor
         del model
         gc.collect()
         assert weight() is None, drop
+
+
+def test_untimed_calls_of_one_row_count_the_callers_tokens_prompt_and_padding(make_monitor) -> None:
+    """Untimed calls of one sequence (settled without a GenerateCall: latecall.LateCall._settle_one): prompt tokens are
+    the mask's ones and padding its zeros, generated tokens the returned sequence's columns after the prompt (it stops
+    right after its EOS), and a call that raises ends its request as ``error`` with no tokens. The truth is the
+    caller's own: its masks and the sequences it got back."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    torch.manual_seed(3)
+    prompt = padding = generated = 0
+    calls = 0
+    for pad, new in ((0, 9), (2, 9), (0, 25), (3, 25), (1, 25), (0, 25), (4, 6), (0, 25)):
+        ids = torch.randint(0, 100, (1, PROMPT + pad))
+        mask = torch.ones_like(ids)
+        mask[0, :pad] = 0  # left padding
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=1, do_sample=True,
+                                 top_k=20, eos_token_id=list(range(6)), pad_token_id=100)
+        prompt += int(mask.sum())
+        padding += pad
+        generated += out.shape[-1] - ids.shape[-1]
+        calls += 1
+    Broken, handle = _fail_at(model.lm_head, Truth(model), 1, pre=True)  # the next forward raises: the prefill
+    with pytest.raises(Broken), torch.inference_mode():
+        model.generate(torch.randint(0, 100, (1, PROMPT)), max_new_tokens=4)
+    handle.remove()
+    prompt += PROMPT
+    assert mon.flush()
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["requests"]["ok"] == calls and gen["requests"]["error"] == 1
+    assert gen["generated_tokens"] == generated
+    assert gen["prompt_tokens"] == prompt and gen["prompt_padding_tokens"] == padding
+    assert value(mon, "perfmon_generation_in_flight", model="gpt2") in (0.0, None)

@@ -10,8 +10,9 @@ import torch
 from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active
 from .decoding import GenerateCall
-from .generation import GenerationTracker
+from .generation import Generation, GenerationTracker
 from .quiet import VIEWS, Quiet, QuietDecode
+from .streams import OK
 
 __all__ = ["LateCall"]
 
@@ -31,8 +32,8 @@ class LateCall:
     made here cost ~20 µs and its settling hand-over ~13 (BENCHMARKS §3b): what is left here is a few µs.
     """
 
-    __slots__ = ("active", "args", "call", "encoder_decoder", "ended", "internal", "kwargs", "model", "name", "quiet",
-                 "start_ns", "tracker")
+    __slots__ = ("active", "args", "call", "encoder_decoder", "ended", "internal", "kwargs", "mask", "model", "name",
+                 "one", "options", "prompt_len", "quiet", "start_ns", "tracker")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
                  name: str, internal: InternalErrors, *, encoder_decoder: bool, quiet: QuietDecode | None = None,
@@ -55,7 +56,11 @@ class LateCall:
         self.name = name
         self.internal = internal
         self.encoder_decoder = encoder_decoder
+        self.options = options
         self.call: GenerateCall | None = None
+        self.one: Generation | None = None  # a call of one row: its request (``_open``), without a GenerateCall
+        self.mask: Any = None
+        self.prompt_len = 0
         self.ended: tuple[Any, ...] = ()
         self.start_ns = perf_counter_ns() if start_ns is None else start_ns
         pending = tracker.pending  # GenerationTracker.hand_over, inline: a frame less on the request thread
@@ -64,7 +69,25 @@ class LateCall:
             tracker.wake()
 
     def _open(self) -> None:
-        self.call = GenerateCall(self.model, self.args, self.kwargs, self.tracker, self.name, False, self.internal,
+        """Open the call's requests (on a reader's thread). The common call, one sequence from one row of input ids (a
+        CPU attention mask or none, no beams), is one request whose settling needs its prompt's length and mask only:
+        tracked here (``_settle_one``). Any other call is a ``GenerateCall``: several rows are cut at their EOS, and so
+        on. Between two resolver ticks of a server, the first call's work is cold: the less code a call takes, the
+        less of it (BENCHMARKS §3b)."""
+        kwargs, args = self.kwargs, self.args
+        beams, k = (self.options or (None, None))[:2]
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if (not self.encoder_decoder and (beams or 1) <= 1 and (k or 1) == 1 and type(ids) is _Tensor
+                and ids.dim() == 2 and ids.shape[0] == 1
+                and (mask is None or (type(mask) is _Tensor and mask.dim() == 2 and mask.is_cpu))):
+            self.prompt_len = int(ids.shape[1])
+            self.mask = mask
+            self.one = self.tracker.start(self.name, now=self.start_ns)
+            return
+        self.call = GenerateCall(self.model, args, kwargs, self.tracker, self.name, False, self.internal,
                                  encoder_decoder=self.encoder_decoder, timeline=False, own=True, active=self.active,
                                  start_ns=self.start_ns)
 
@@ -108,6 +131,26 @@ class LateCall:
                 quiet.count(self.ended[1])
             except Exception as exc:
                 self.internal.report("generation", exc)
-        if self.call is not None:  # None: opening it failed (counted as an internal error)
-            outcome, out, now = self.ended
+        outcome, out, now = self.ended
+        if self.one is not None:
+            self._settle_one(self.one, outcome, out, now)
+        elif self.call is not None:  # None: opening it failed (counted as an internal error)
             self.call.end(outcome, out, now=now)
+
+    def _settle_one(self, g: Generation, outcome: str, out: Any, now: int) -> None:
+        """End a call of one sequence as ``GenerateCall`` would: its prompt's real tokens (the mask's ones; padding
+        apart), its generated tokens (the returned sequence's columns after the prompt: it stops right after its EOS),
+        none for a call that raised; the request ends either way."""
+        tracker = self.tracker
+        try:
+            mask, prompt = self.mask, self.prompt_len
+            real = int(mask.sum()) if mask is not None else prompt
+            tracker.add_prompt(g._counts, real, max(0, prompt - real))
+            tokens = max(0, int(out.shape[-1]) - prompt) if outcome == OK and type(out) is _Tensor else 0
+            tracker.settle(g, [], None, 0, tokens, real)
+        except Exception as exc:  # never the caller's problem: the request still ends, with what was known
+            self.internal.report("generation", exc)
+        try:
+            tracker.finish_at(g, outcome, now)
+        except Exception as exc:
+            self.internal.report("generation", exc)
