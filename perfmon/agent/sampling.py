@@ -53,6 +53,9 @@ class CallSampler:
     call more or one fewer, never change a count.
     """
 
+    # Slots: the five reads a call makes are slot reads, not an instance dict's lookups (each ~0.3 µs in situ).
+    __slots__ = ("_calls", "_every", "_floor_ns", "_last_ns", "_next", "_sampler")
+
     def __init__(self, rate: float, floor_seconds: float, *, seed: int | None = None, every: int = 0) -> None:
         """``every``: ``pick`` also says which calls have every step timed: the first, then one in ``every``
         (a fixed stride: the share of the model's forwards that are timed stays ``1/every``)."""
