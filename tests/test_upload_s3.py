@@ -222,7 +222,9 @@ def test_two_agents_upload_through_an_outage_and_a_restart(fleet: tuple[Moto, An
     # A capture spooled while the store is down, by an agent that then stops, goes up from its next process.
     moto.kill()
     fifth = a.ask(cmd="capture")
-    assert a.ask(cmd="stats")["spool_files"] == 2
+    assert fifth["outcome"] == "ok", fifth
+    # Its outcome is known before its files are handed to the uploader (under load, a stats read came between).
+    wait_until(lambda: a.ask(cmd="stats")["spool_files"] == 2, timeout=30, what="the fifth capture spooled")
     a.close()
     moto.start(replay=True, frozen=(b,))
     a2 = agent("pod-a")  # same POD_NAME and trace_dir: the restarted pod with its volume
