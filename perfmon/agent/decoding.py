@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from typing import Any, Protocol
@@ -436,25 +435,10 @@ _UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_bea
                     "cache_implementation")
 
 
-#: Keywords of a call that may decide what ``untimed_options`` reads (an option itself, a config, an assistant).
-_UNTIMED_KEYWORDS = frozenset((*_UNTIMED_OPTIONS, "generation_config", "assistant_model"))
-_untimed_values = operator.itemgetter(*_UNTIMED_OPTIONS)
-
-
 def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
     """None for an assisted call (an assistant model, prompt lookup, early exit: its main model's forwards after the
     first verify drafts); else its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` as generate()
     resolves them (None where unset): one read of the call's config for both."""
-    if len(args) < 2 and kwargs.keys().isdisjoint(_UNTIMED_KEYWORDS):
-        # The common call: the model's own config decides, its options all in its __dict__ (a GenerationConfig sets
-        # every one in __init__), read in one C call. Between two model calls each Python-level read costs ~0.2-0.5
-        # µs in situ; the loop below cost ~8 µs a call (BENCHMARKS §3b). Anything else takes the loop.
-        try:
-            lookup, early_exit, *rest = _untimed_values(model.__dict__["generation_config"].__dict__)
-        except Exception:
-            pass
-        else:
-            return None if lookup is not None or early_exit is not None else rest
     lookup, early_exit, *rest = _options(kwargs, _config(model, args, kwargs), _UNTIMED_OPTIONS)
     return None if _verifies(kwargs, lookup, early_exit) else rest
 

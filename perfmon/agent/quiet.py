@@ -202,7 +202,8 @@ class QuietDecode:
         ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
         beams, k, implementation = options
         if (len(args) > 1 or implementation is not None or (beams or 1) > 1  # beam search calls self() a step
-                or not (kwargs.keys().isdisjoint(_CACHE_KEYWORDS) or _no_cache(kwargs))
+                or kwargs.get("past_key_values") is not None
+                or kwargs.get("cache") is not None or kwargs.get("synced_gpus")
                 or model.__dict__.get("_compiled_call_impl") is not None):
             return Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
         ids = kwargs.get("input_ids")
@@ -248,15 +249,6 @@ class QuietDecode:
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
         memo[key] = entry
-
-
-#: Keywords that pass a cache of the caller's or run in a process group (synced_gpus): such a call is not quiet.
-_CACHE_KEYWORDS = frozenset(("past_key_values", "cache", "synced_gpus"))
-
-
-def _no_cache(kwargs: dict[str, Any]) -> bool:
-    """The slow check, for a call that names one of ``_CACHE_KEYWORDS``: each is None (or False)."""
-    return kwargs.get("past_key_values") is None and kwargs.get("cache") is None and not kwargs.get("synced_gpus")
 
 
 def _synced(model: Any) -> bool:
