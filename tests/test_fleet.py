@@ -124,7 +124,10 @@ def _alert_fires_for_it_alone(prom: Prometheus, slow: str) -> None:
         return next((a for a in alerts if a["state"] == "firing" and a["labels"]["quantile"] == "0.5"), None)
 
     alert = wait_until(firing, timeout=60, what=f"{ALERT} firing for the slowed replica")
-    assert {instance for instance, _, _ in seen} == {slow}, seen
+    # The median's alert (the systematic one) names the slowed replica alone. The 0.99 one is left out: the three
+    # replicas share this test's process, and a healthy one's tail waits for the GIL behind the others' threads on a
+    # loaded box (a fresh clone's run saw one pending at 0.99); three pods do not share a GIL.
+    assert {instance for instance, q, _ in seen if q == "0.5"} == {slow}, seen
     states = [state for _, q, state in seen if q == "0.5"]
     assert states[0] == "pending" and states[-1] == "firing", states
     assert alert["labels"]["model"] == "m" and alert["annotations"]["runbook"].endswith("#replica-slower-than-peers")
