@@ -11,7 +11,7 @@ from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active
 from .decoding import GenerateCall
 from .generation import Generation, GenerationTracker
-from .quiet import VIEWS, Quiet, QuietDecode
+from .quiet import Quiet, QuietDecode
 from .streams import OK
 
 __all__ = ["LateCall"]
@@ -63,10 +63,7 @@ class LateCall:
         self.prompt_len = 0
         self.ended: tuple[Any, ...] = ()
         self.start_ns = perf_counter_ns() if start_ns is None else start_ns
-        pending = tracker.pending  # GenerationTracker.hand_over, inline: a frame less on the request thread
-        pending.append(self._open)
-        if len(pending) >= tracker.wake_at and tracker.wake is not None:
-            tracker.wake()
+        tracker.hand_over(self._open)
 
     def _open(self) -> None:
         """Open the call's requests (on a reader's thread). The common call, one sequence from one row of input ids (a
@@ -100,15 +97,13 @@ class LateCall:
             quiet = self.quiet = active.quiet
             if (quiet is not None and type(out) is _Tensor and quiet.prefilled and quiet.exact
                     and active.span is None):
-                # The common quiet call, returned: Active.returned and Quiet.ended inline (between the model's last
-                # forward and the caller, each frame entered costs ~1-2 µs in situ). Nothing to flush (its steps ran
-                # bare), no span to stamp; the cache goes, the view and this Active back to the pool for the next
-                # call (the settling reads neither: ``self.quiet`` is its own).
+                # The common quiet call, returned: Active.returned and Quiet.ended's part of it inline (between the
+                # model's last forward and the caller, each frame entered costs ~1-2 µs in situ). Nothing to flush (its
+                # steps ran bare), no span to stamp; the cache goes, the view and this Active back to the pool for the
+                # next call (the settling reads neither: ``self.quiet`` is its own).
                 now = perf_counter_ns()
                 quiet.cache = None
-                views = quiet.owner.views
-                if len(views) < VIEWS:
-                    views.append((quiet.view, quiet.own, quiet.call, active))
+                quiet.release()
             else:
                 error = out if isinstance(out, BaseException) else None
                 if error is not None:

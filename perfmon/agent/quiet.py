@@ -105,7 +105,7 @@ class Quiet:
         if error is None:
             if not self.exact and cache is not None:  # MPS: a step more ran than the sequences show
                 self.steps = max(0, int(cache.get_seq_length()) - self.seq0)
-            self.release()  # (a returned call on CPU and CUDA releases in LateCall.end, which inlines this)
+            self.release()  # (a returned call on CPU and CUDA: LateCall.end, which inlines the rest of this)
             return
         raised, running = _where(error, self.view)
         if raised:
