@@ -7,6 +7,7 @@ raise where a test needs a step to fail, and the sequences generate() returns ar
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -64,8 +65,10 @@ def _forwards(mon: perfmon.Monitor) -> float:
 
 
 def _monitor(make_monitor: Any, **kw: Any) -> perfmon.Monitor:
-    """1% sampling (only the first call times every step), no call's tokens timed after the first: every call after
-    the second is one that can run quiet."""
+    """1% sampling (only the first call times every step), no call's tokens timed after the first, one warm-up call
+    a stage (a prefill stage's warm-up is one call a ``generate()``: its warm-up calls are timed, never quiet): every
+    call after the second is one that can run quiet."""
+    kw.setdefault("warmup_calls", 1)
     kw.setdefault("sample_rate", 0.01)
     kw.setdefault("generation_sample_rate", 1e-6)
     kw.setdefault("sample_floor_seconds", 3600.0)
@@ -145,7 +148,7 @@ def test_quiet_calls_count_their_decode_steps_from_the_cache_when_they_return(ma
         _generate(model, new=new, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
         assert _forwards(mon) == truth.forwards == i * new
     assert truth.on_views == 2 * new
-    assert lags[-1] == new - 1  # the last call's decode steps, all of them, while it ran
+    assert lags[-1] == new  # the last call's forwards, all of them (its prefill too), while it ran
     assert mon.flush()
     gen = mon.stats()["generation"]["gpt2"]
     assert gen["requests"]["ok"] == 4 * 2 and gen["generated_tokens"] == 4 * 2 * new
@@ -183,11 +186,13 @@ def _fail_at(module: torch.nn.Module, truth: Truth, at: int, *, pre: bool) -> An
 
 
 @pytest.mark.parametrize("where", ["before the first layer", "in the last layer", "after every layer",
-                                   "a stopping criterion"])
+                                   "a stopping criterion", "the prefill", "the prefill's first layer",
+                                   "the prefill's inputs"])
 def test_a_quiet_call_that_raises_counts_each_forward_and_error_once(make_monitor, where: str) -> None:
-    """A quiet decode step raises: the caller gets its exception unchanged, the error is counted once (never for an
-    error outside the model's forward), and the calls are the forwards that ran, the one that raised included,
-    wherever in the step it raised."""
+    """A quiet forward raises (a decode step, or the prefill): the caller gets its exception unchanged, the error is
+    counted once (never for an error outside the model's forward) under its stage, and the calls are the forwards that
+    ran, the one that raised included, wherever in the forward it raised; an error preparing the prefill's inputs ran
+    no forward."""
     mon = _monitor(make_monitor)
     model = mon.wrap(_gpt2(), name="gpt2")
     truth = Truth(model)
@@ -195,9 +200,28 @@ def test_a_quiet_call_that_raises_counts_each_forward_and_error_once(make_monito
     for _ in range(3):
         _generate(model, new=new)
     assert truth.on_views == new
-    at = 3 * new + 6  # the 6th forward of the 4th call: its 5th decode step, quiet
+    prefill = where.startswith("the prefill")
+    # The 6th forward of the 4th call (its 5th decode step), or its 1st (its prefill): quiet either way.
+    at = 3 * new + (1 if prefill else 6)
     blocks = model.transformer.h
-    if where == "a stopping criterion":
+    if where == "the prefill's inputs":
+        class Broken(Exception):
+            pass
+
+        own = model.prepare_inputs_for_generation
+        before = at - 1  # the 4th call's first: its prefill's
+
+        @functools.wraps(own)  # generate() checks its keywords against this signature
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            if truth.forwards == before:
+                raise Broken("inputs")
+            return own(*args, **kwargs)
+
+        model.prepare_inputs_for_generation = prepare  # the model's dict: the view's too
+        kw: dict[str, Any] = {}
+        handle = None
+        at -= 1  # no forward ran
+    elif where == "a stopping criterion":
         class Broken(Exception):
             pass
 
@@ -207,22 +231,27 @@ def test_a_quiet_call_that_raises_counts_each_forward_and_error_once(make_monito
                     raise Broken("criterion")
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-        kw: dict[str, Any] = {"stopping_criteria": transformers.StoppingCriteriaList([Stop()])}
+        kw = {"stopping_criteria": transformers.StoppingCriteriaList([Stop()])}
         handle = None
     else:
         module, pre = {"before the first layer": (model.transformer.wte, True),
                        "in the last layer": (blocks[-1].mlp, True),
-                       "after every layer": (model.lm_head, True)}[where]
+                       "after every layer": (model.lm_head, True),
+                       "the prefill": (model.lm_head, True),
+                       "the prefill's first layer": (model.transformer.wte, True)}[where]
         Broken, handle = _fail_at(module, truth, at, pre=pre)
         kw = {}
     with pytest.raises(Broken):
         _generate(model, new=new, **kw)
     if handle is not None:
         handle.remove()
+    if where == "the prefill's inputs":
+        del model.prepare_inputs_for_generation
     assert truth.forwards == at
     assert _forwards(mon) == at
+    assert _calls(mon, "prefill") == 4 - (where == "the prefill's inputs")
     errors = value(mon, "perfmon_forward_errors_total", model="gpt2", exception="Broken") or 0.0
-    assert errors == (0 if where == "a stopping criterion" else 1)
+    assert errors == (0 if where in ("a stopping criterion", "the prefill's inputs") else 1)
     _generate(model, new=new)  # the next call is counted as before
     assert _forwards(mon) == truth.forwards == at + new
 
@@ -276,14 +305,17 @@ def test_calls_that_cannot_run_quiet_do_not(make_monitor) -> None:
     assert _forwards(mon) == truth.forwards
 
 
-def test_a_quiet_call_stamps_its_request_span_and_leaves_a_capture_to_the_next_call(make_monitor) -> None:
-    """Inside ``monitor.request()``, a quiet call's end stamps the span's model time past its last forward; a capture
+def test_a_call_in_a_request_span_is_not_quiet_and_a_capture_waits_for_the_next_call(make_monitor) -> None:
+    """Inside ``monitor.request()`` a call runs on perfmon's path, not quiet: the span's model part is from its first
+    forward's start (which a quiet call's bare prefill could not stamp) to past its last forward's end. A capture
     armed while a quiet call runs gets the next call's forwards (which is not quiet while the capture waits)."""
     mon = _monitor(make_monitor)
     model = mon.wrap(_gpt2(), name="gpt2")
     truth = Truth(model)
     ends: list[int] = []
+    starts: list[int] = []
     model.register_forward_hook(lambda module, args, out: ends.append(time.perf_counter_ns()))
+    model.register_forward_pre_hook(lambda module, args: starts.append(time.perf_counter_ns()))
     armed: list[dict[str, Any]] = []
     arm = [False]
 
@@ -299,10 +331,14 @@ def test_a_quiet_call_stamps_its_request_span_and_leaves_a_capture_to_the_next_c
     for _ in range(3):
         _generate(model, new=8, stopping_criteria=criteria)
     assert truth.on_views == 8
+    starts.clear()
     with mon.request("chat") as req:
         _generate(model, new=8, stopping_criteria=criteria)
-    assert truth.on_views == 16
+    assert truth.on_views == 8
     assert req.model == "gpt2" and req.model_end_ns is not None and req.model_end_ns >= ends[-1]
+    assert req.model_start_ns is not None and req.model_start_ns <= starts[0]
+    _generate(model, new=8, stopping_criteria=criteria)
+    assert truth.on_views == 16  # out of the span: quiet again
 
     arm[0] = True
     _generate(model, new=8, stopping_criteria=criteria)

@@ -20,7 +20,7 @@ class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs in this context."""
 
     __slots__ = ("armed", "batch", "cache_key", "entry", "first", "fn", "key", "keywords", "left", "model", "numel",
-                 "prefilled", "quiet", "sampled", "span", "stamps", "state", "step_key", "timed", "verify")
+                 "prefill", "prefilled", "quiet", "sampled", "span", "stamps", "state", "step_key", "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool, *, batch: int = 0,
                  kwargs: Mapping[str, Any] | None = None) -> None:
@@ -66,6 +66,9 @@ class Active:
         #: ``Quiet`` when it runs quiet (``model`` is then the view it runs on).
         self.key: Any = None
         self.quiet: Any = None
+        #: A call that may teach quiet decoding its shape: its prompt's length and its prefill's signature, once its
+        #: prefill returned (``Stages.prefilled``).
+        self.prefill: Any = None
 
     def flush(self) -> None:
         """Count the lean steps taken since the last checked one (``staged_path``): the decode stage's calls and its

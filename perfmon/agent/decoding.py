@@ -358,7 +358,20 @@ def tracked_generate(generate: Callable[..., Any],
             call = None
         if call is None:
             return generate(self, *args, **kwargs)
-        token = generating.set(call.active)
+        active = call.active
+        if active.quiet is not None:
+            # A quiet call (quiet.py): every forward runs bare on the view, none reads ``generating``.
+            try:
+                out = generate(active.model, *args, **call.kwargs)
+            except BaseException as exc:
+                _end(call, ERROR if isinstance(exc, Exception) else CANCELLED, exc, internal)
+                raise
+            try:
+                call.end(OK, out)
+            except Exception as exc:
+                internal.report("generation", exc)
+            return out
+        token = generating.set(active)
         try:
             # The model, or the quiet view of it the call runs on (quiet.py): Active.model, which its forwards check.
             out = generate(call.active.model, *args, **call.kwargs)

@@ -95,14 +95,11 @@ class LateCall:
         try:
             active = self.active
             quiet = self.quiet = active.quiet
-            if (quiet is not None and type(out) is _Tensor and quiet.prefilled and quiet.exact
-                    and active.span is None):
-                # The common quiet call, returned: Active.returned and Quiet.ended's part of it inline (between the
-                # model's last forward and the caller, each frame entered costs ~1-2 µs in situ). Nothing to flush (its
-                # steps ran bare), no span to stamp; the cache goes, the view and this Active back to the pool for the
-                # next call (the settling reads neither: ``self.quiet`` is its own).
+            if quiet is not None and type(out) is _Tensor:
+                # The common quiet call, returned: nothing to flush (its forwards ran bare), no span to stamp
+                # (quiet.py); its view and this Active back to the pool for the next call (the settling reads
+                # neither: ``self.quiet`` is its own).
                 now = perf_counter_ns()
-                quiet.cache = None
                 quiet.release()
             else:
                 error = out if isinstance(out, BaseException) else None
@@ -110,9 +107,11 @@ class LateCall:
                     out = None
                 elif out is not None and type(out) is not _Tensor:
                     out = getattr(out, "sequences", None)
-                now = active.returned(self.internal)
-                if quiet is not None:  # its decode steps are counted when the settling runs, which a read runs first
+                if quiet is not None:  # its forwards are counted when the settling runs, which a read runs first
+                    now = perf_counter_ns()
                     quiet.ended(error)
+                else:
+                    now = active.returned(self.internal)
         except Exception as exc:  # the requests still end (opened: they must not stay in flight), with what is known
             self.internal.report("generation", exc)
             out, now = None, perf_counter_ns()

@@ -1,49 +1,46 @@
-"""Quiet decoding: an untimed ``generate()`` call whose decode steps run with no perfmon code at all.
+"""Quiet decoding: an untimed ``generate()`` call whose forwards run with no perfmon code at all.
 
-Most ``generate()`` calls time nothing (``LateCall``): their decode steps only need counting. Counted in Python one
-step at a time, the least any design does (read a context variable, advance a counter) cost ~0.5-1.2 µs a step in
-situ and perfmon's lean step ~1.7-2 (BENCHMARKS §3b): over the ≤ 2 µs a token #23 allows once a request's own part
-is paid. So a quiet call's decode steps are counted once, when it ends, from what it returned: transformers' ``_sample``
-appends one column to the sequences a step.
+Most ``generate()`` calls time nothing (``LateCall``): their forwards only need counting. Counted in Python one forward
+at a time, the least any design does (read a context variable, advance a counter) cost ~0.5-1.2 µs a step in situ and
+perfmon's lean step ~1.7-2 (BENCHMARKS §3b), and a prefill through perfmon's path (its stage, its signature, three
+frames that repack its keywords) ~4 µs more: over the ≤ 2 µs a token #23 allows once a request's own part is paid. So
+a quiet call's forwards, its prefill and its decode steps, are counted once, when it ends, from what it returned:
+transformers' ``_sample`` runs one prefill, then appends one column to the sequences a step.
 
-How the steps run without perfmon: the call runs on a *view* of the model, a second object of the model's own
-(monitored) class whose ``__dict__`` is a shallow copy of the model's (the same parameters, submodules, buffers, hooks
-and attributes) with one entry more, ``__call__``: ``nn.Module._call_impl`` bound to the view. ``_sample`` reads
-``self.__call__`` once, before the prefill, as what its decode steps call (``model_forward``), and an attribute read
-finds an instance's own entry before a method of its class: on the view, every decode step is the model's bare call
-(one frame fewer than ``nn.Module.__call__``). ``self(...)`` goes by the class, so the prefill (``_prefill`` calls
-``self``) takes perfmon's path as before: its stage, signature (the last prefill's on the same view when its input has
-the same shape and as many keywords: ``stages.step_signature``), cold calls and sampling; then ``in_generate`` keeps the
-cache the steps grow (``Quiet.cache``), for a call that fails. Beam search calls ``self`` for its steps: it is not
-quiet, and a loop that would call ``self`` anyway has them counted on perfmon's path (the first such step ends the
-call's quiet, ``Active.quiet``; its view is not kept for later calls). The view has
-the model's class, so the interpreter's attribute caches, specialised by class, stay warm; what a call sets on
-``self`` lands on the view (transformers' loops set nothing there on the dynamic-cache path).
+How the forwards run without perfmon: the call runs on a *view* of the model, an object of a subclass of the model's
+monitored class (``QuietDecode.view_class``, made once a model) whose ``__call__`` is ``nn.Module._call_impl`` itself,
+and whose ``__dict__`` *is* the model's (the same dict object: its parameters, submodules, buffers, hooks and
+attributes, and whatever a call sets on ``self``, exactly as on the model). ``self(...)`` (the prefill) and
+``self.__call__`` (what ``_sample``'s decode steps call) both find the bare call: one frame fewer than
+``nn.Module.__call__``. Views are kept for later calls (``QuietDecode.views``), so the interpreter's attribute caches,
+specialised by class, stay warm on the view's class, which most calls run on.
 
 A call is quiet (``QuietDecode.begin``) when: it times nothing and is not assisted (``LateCall``); the model is
 decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default; the
-caller passes no cache, asks for no cache implementation or beam search and runs in no process group (``synced_gpus``
-runs steps that append nothing); the decode stage is past its warm-up, with no capture armed and no sampling floor due
-(``next_index`` 0); and an earlier call with the same rows and keywords found its decode steps' signature warm
-(``Stages.remember`` teaches it here), so the quiet steps are counted under it, items included. Anything else takes the
-lean path (stages.py).
+caller passes no cache, asks for no cache implementation or beam search, runs in no process group (``synced_gpus``
+runs steps that append nothing), on no MPS tensor (transformers runs a step more than it keeps there) and in no request
+span (a span's model part starts at the call's first forward: ``requests.py``); the prefill and decode stages are past
+their warm-up, with no capture armed and no sampling floor due (``next_index`` 0); and an earlier call of the same
+rows, keywords and prompt length, run by ``_sample``, found its prefill's and its decode steps' signatures warm
+(``Stages.remember`` teaches them here), so the quiet forwards are counted under them, items included. With the prefill
+stage's signatures churned (not tracked), its calls are counted with their rows as items, the prompt length apart.
+Anything else takes the lean path (stages.py).
 
-What a quiet call gives up: its decode steps are never timed, and a read while it runs sees none of them (a lean call
-lags by at most ``LEAN_STEPS``; its tokens were always counted at its end). The decode stage's timed steps are those of
-the calls that time every step (one in 1/sample_rate, ``CallSampler``): the stage's sampling rate still; a regular
-sampling index a quiet call passes is drawn again after it.
+What a quiet call gives up: its forwards are never timed, and a read while it runs sees none of them (a lean call
+lags by at most ``LEAN_STEPS``; its tokens were always counted at its end). A stage's timed calls are those of the calls
+that time every step (one in 1/sample_rate, ``CallSampler``): the stage's sampling rate still; a regular sampling index
+a quiet call passes is drawn again after it.
 
-A step that raises: the exception's traceback says whether a forward on the view raised it (a frame of
-``nn.Module._call_impl``; counted under the model's errors) and, through ``_sample``'s frame, how long the running
-sequence was (its ``input_ids``: the prompt, then a column a step that returned), so every forward that ran is counted,
-the raising one included, wherever in the step it raised. On MPS, where transformers defers its stop check and runs
-one step more than it keeps, and for a failure outside ``_sample``, the cache's length counts instead.
+A call that raises: the exception's traceback says whether a forward on the view raised it (a frame of
+``nn.Module._call_impl``; counted under its stage's errors: the prefill's when it raised inside ``_prefill``) and,
+through ``_sample``'s frame, how long the running sequence was (its ``input_ids``: the prompt, then a column a step that
+returned), so every forward that ran is counted, the raising one included, wherever in the step it raised. For a
+failure outside ``_sample`` (after it returned), the cache ``generate()`` made (its ``model_kwargs``) says how many ran.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from types import MethodType
 from typing import Any
 
 import torch
@@ -53,7 +50,7 @@ from .active import LEAN_STEPS, Active
 from .gen_events import advance
 from .phases import Signature
 from .requests import current as requests_current
-from .stages import DECODE, Stages
+from .stages import DECODE, PREFILL, Stages, kv_cache
 
 __all__ = ["Quiet", "QuietDecode"]
 
@@ -61,63 +58,52 @@ _Tensor = torch.Tensor
 _CALL_IMPL = torch.nn.Module._call_impl
 _CALL_IMPL_CODE = _CALL_IMPL.__code__
 _set = object.__setattr__
-#: Keyed shapes of calls kept per model (rows, positional count, keyword names); cleared when full.
-MEMO_SIZE = 64
+#: Keyed shapes of calls kept per model (rows, positional count, keyword names; and the prompt's length for the
+#: prefill's signature); each map is cleared when full.
+MEMO_SIZE = 256
 #: Views kept per model for later calls: as many as its calls that run at once, up to this.
 VIEWS = 16
+#: A prompt length no call taught (``QuietDecode.prefills``).
+_UNSEEN: Any = object()
 
 
 class Quiet:
-    """One quiet call's decode steps (``Active.quiet``): what counting them at its end needs."""
+    """One quiet call (``Active.quiet``): what counting its forwards at its end needs."""
 
-    __slots__ = ("active", "cache", "call", "entry", "exact", "own", "owner", "prefilled", "seq0", "state", "steps",
-                 "view")
+    __slots__ = ("active", "entry", "owner", "prefill", "prefills", "rows", "seq0", "state", "steps", "view")
 
-    def __init__(self, owner: QuietDecode, view: Any, own: dict[str, Any], call: Any, active: Active, state: Any,
-                 entry: Signature, seq0: int, exact: bool) -> None:
+    def __init__(self, owner: QuietDecode, view: Any, active: Active, state: Any, entry: Signature,
+                 prefill: tuple[Any, Signature | None], rows: int, seq0: int) -> None:
         self.owner = owner
         self.view = view
-        self.own = own  # the view's __dict__, and its __call__ entry (``QuietDecode.views``)
-        self.call = call
         self.active = active  # the call's Active, kept with the view for the next call on it
         self.state = state  # the decode stage's ModelState
         self.entry = entry  # the decode steps' signature
+        self.prefill = prefill  # the prefill stage's ModelState and its signature (None: that stage's churned)
+        self.rows = rows  # the prompt's rows: a prefill's items
         self.seq0 = seq0  # the prompt's length: the running sequence's at the prefill, and the cache's after it
-        #: The returned sequences have one column a step: not on MPS, where transformers defers its stop check and
-        #: runs one step more than it keeps (``DeferredStopCheck``): the cache says how many ran there.
-        self.exact = exact
-        #: The prefill's forward returned (stages.in_generate sets this and ``cache``, the KV cache the decode steps
-        #: grow, or None: read only for a call on MPS or one that raised outside ``_sample``, dropped at the end).
-        self.prefilled = False
-        self.cache: Any = None
+        self.prefills = 1  # prefill forwards that ran (0: the call raised before its prefill's forward; ``ended``)
         self.steps = -1  # decode steps ran (-1: read from the returned sequences, ``count``)
 
     def ended(self, error: BaseException | None) -> None:
-        """The request thread's part of the call's end: let the cache go (it must not outlive the call for want of a
-        read); for a call that raised, how many decode steps ran and whether one raised (counted now: its traceback
-        holds the call's tensors, which must not wait for a reader either). A call that returned is counted from its
-        sequences by ``count``, off this thread."""
-        cache, self.cache = self.cache, None
-        if not self.prefilled:  # the prefill raised (its own path counted it) or never ran
-            self.steps = 0
+        """The request thread's part of the end of a call that did not return a tensor: one that returned an output
+        object is counted from its sequences by ``count``; for one that raised, how many forwards ran and whether one
+        raised, read now (its traceback holds the call's tensors, which must not wait for a reader)."""
+        if error is None:
             self.release()
             return
-        if error is None:
-            if not self.exact and cache is not None:  # MPS: a step more ran than the sequences show
-                self.steps = max(0, int(cache.get_seq_length()) - self.seq0)
-            self.release()  # (a returned call on CPU and CUDA: LateCall.end, which inlines the rest of this)
-            return
-        raised, running = _where(error, self.view)
+        raised, in_prefill, running, cache = _where(error, self.view)
         if raised:
-            self.state.error(error)
+            (self.prefill[0] if in_prefill else self.state).error(error)
         if running is not None:  # the loop's sequence: one column a step that returned, then the step that raised
+            # Inside _prefill, its forward ran only if it raised (a failure before it, preparing its inputs, did not).
+            self.prefills = int(raised) if in_prefill else 1
             self.steps = max(0, running - self.seq0)
             return
-        # Not raised inside _sample's loop: the cache, where a step that raised before the first layer left no trace.
-        grown = max(0, int(cache.get_seq_length()) - self.seq0) if cache is not None else 0
-        layers = getattr(cache, "layers", None)
-        partial = bool(layers) and int(layers[-1].get_seq_length()) - self.seq0 < grown  # type: ignore[index]
-        self.steps = grown + 1 if raised and not partial else grown
+        # Not raised inside _sample: before it (nothing ran), or after it returned (the cache holds every step's).
+        grown = int(cache.get_seq_length()) - self.seq0 if cache is not None else -1
+        self.prefills = int(grown >= 0)
+        self.steps = max(0, grown)
 
     def release(self) -> None:
         """Give the view back for a later call, with its Active (its generate() returned: nothing runs on it any more,
@@ -125,34 +111,45 @@ class Quiet:
         holds it."""
         views = self.owner.views
         if len(views) < VIEWS:
-            views.append((self.view, self.own, self.call, self.active))
+            views.append((self.view, self.active))
 
     def count(self, out: Any) -> None:
-        """Add the decode steps to the decode stage's and their signature's calls (items included: a signature's calls
-        times its rows); ``out``: the sequences the call returned (None if it raised). A reader runs this (the call's
+        """Add the call's forwards to their stages' and signatures' calls (items included: a signature's calls times
+        its rows); ``out``: the sequences the call returned (None if it raised). A reader runs this (the call's
         settling, handed over: ``LateCall``) before it reads a model's counters (``Models.states``). A regular sampling
-        index the steps passed is drawn again."""
+        index the forwards passed is drawn again."""
+        if self.prefills:
+            st, entry = self.prefill
+            if entry is not None:
+                next(entry.calls)
+            elif st.items_q is not None:  # its signatures churned: items are counted a call (hotpath)
+                st.items_q.append(self.rows)
+            _passed(st, next(st.calls))
         n = self.steps
         if n < 0:
             # _sample appends one column to the sequences a step: the prefill's, then one a decode step.
             n = max(0, int(out.shape[-1]) - self.seq0 - 1) if type(out) is _Tensor else 0
         if n <= 0:
             return
-        st = self.state
-        advance(self.entry.calls, n - 1, st.calls)  # both counters n - 1 steps in one C call, ...
+        advance(self.entry.calls, n - 1, self.state.calls)  # both counters n - 1 steps in one C call, ...
         next(self.entry.calls)
-        last = next(st.calls)  # ... then the last step's, to read the index it reached
-        due = st.next_index
-        if due and last >= due and st.capture is None:
-            st.next_index = st.sampler.next_index(last)
+        _passed(self.state, next(self.state.calls))  # ... then the last step's, to read the index it reached
 
 
-def _where(exc: BaseException, view: Any) -> tuple[bool, int | None]:
+def _passed(st: Any, last: int) -> None:
+    """Counted forwards of ``st`` reached call ``last``: draw the next sampling index if they passed it."""
+    due = st.next_index
+    if due and last >= due and st.capture is None:
+        st.next_index = st.sampler.next_index(last)
+
+
+def _where(exc: BaseException, view: Any) -> tuple[bool, bool, int | None, Any]:
     """Where ``exc`` came from: whether a forward of ``view`` raised it (a frame of ``nn.Module._call_impl`` on the
-    view), and the length of the running sequence in transformers' ``_sample`` when the traceback passes through that
-    loop (its ``input_ids``: the prompt, then one column a decode step that returned), else None."""
-    raised = False
-    running = None
+    view), whether it came through transformers' ``_prefill``, the length of the running sequence in its ``_sample``
+    when the traceback passes through that loop (its ``input_ids``: the prompt, then one column a decode step that
+    returned), else None; and the cache ``generate()`` made (from its ``model_kwargs``), else None."""
+    raised = in_prefill = False
+    running = cache = None
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
@@ -160,12 +157,19 @@ def _where(exc: BaseException, view: Any) -> tuple[bool, int | None]:
         if code is _CALL_IMPL_CODE and frame.f_locals.get("self") is view:
             raised = True
             break
-        if code.co_name == "_sample":
+        name = code.co_name
+        if name == "_sample":
             ids = frame.f_locals.get("input_ids")
             if type(ids) is _Tensor and ids.dim() == 2:
                 running = int(ids.shape[-1])
+        elif name == "_prefill":
+            in_prefill = True
+        elif name == "generate" and cache is None:
+            kw = frame.f_locals.get("model_kwargs")
+            if isinstance(kw, dict):
+                cache = kv_cache(kw)
         tb = tb.tb_next
-    return raised, running
+    return raised, in_prefill, running, cache
 
 
 class QuietDecode:
@@ -174,11 +178,16 @@ class QuietDecode:
     def __init__(self, stages: Stages, internal: InternalErrors) -> None:
         self.stages = stages
         self.internal = internal
-        #: Views calls have returned, with their dict, bound call and Active, for the next calls (a view's type and dict
-        #: stay the same from call to call, and the interpreter's caches with them). At most ``VIEWS`` are kept.
-        self.views: list[tuple[Any, dict[str, Any], Any, Active]] = []
+        #: Views calls have returned, with their Active, for the next calls. At most ``VIEWS`` are kept.
+        self.views: list[tuple[Any, Active]] = []
         #: (rows, positional count, keyword names) -> the decode steps' signature (``Stages.remember``).
         self.memo: dict[Hashable, Signature] = {}
+        #: ((rows, positional count, keyword names), prompt length) -> the prefill's signature, None where the prefill
+        #: stage's signatures are not tracked (``Stages.remember``).
+        self.prefills: dict[Hashable, Signature | None] = {}
+        #: The monitored class the views' class was made for, and that class (``view_class``).
+        self.base: type | None = None
+        self.view_cls: type | None = None
 
     @staticmethod
     def supports(model: Any, *, encoder_decoder: bool) -> bool:
@@ -191,11 +200,21 @@ class QuietDecode:
                 and str(getattr(loop, "__module__", "")).startswith("transformers.")
                 and _default_dynamic(base) and not _synced(model))
 
+    def view_class(self, base: type) -> type:
+        """The views' class for a model of monitored class ``base``: a subclass whose ``__call__`` is the bare
+        ``nn.Module._call_impl`` (its name and module are the model's: what a traceback or a repr shows)."""
+        if self.base is not base or self.view_cls is None:
+            self.view_cls = type(base.__name__, (base,), {
+                "__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__,
+                "__call__": _CALL_IMPL})
+            self.base = base
+        return self.view_cls
+
     def begin(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: list[Any]) -> Active:
         """An untimed call opens: its ``Active``, keyed by the call's shape (``Active.key``, for ``Stages.remember`` to
-        teach) and, when it can run quiet, on a view: ``Active.model`` (what ``generate()`` runs on and its forwards are
-        checked against) and ``Active.quiet``. One frame for all: between two model calls every function entered and
-        object made costs ~1 µs in situ, so a view comes back with its Active (``Quiet.release``).
+        teach) and, when it can run quiet, on a view: ``Active.model`` (what ``generate()`` runs on) and
+        ``Active.quiet``. One frame for all: between two model calls every function entered and object made costs ~1 µs
+        in situ, so a view comes back with its Active (``Quiet.release``).
 
         The key is the call's decode rows (input rows x returned sequences), its positional count and its
         keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
@@ -214,41 +233,55 @@ class QuietDecode:
             return Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
         key = (shape[0] * (k or 1), len(args), tuple(kwargs))
         entry = self.memo.get(key)
-        st = self.stages.states.get(DECODE)
+        states = self.stages.states
+        st = states.get(DECODE)
+        pst = states.get(PREFILL)
+        stages = self.stages
         if (entry is None or entry.warm_left or entry.evicted_ns
-                or st is None or not st.next_index or st.capture is not None or st.sigs is None):
+                or st is None or not st.next_index or st.capture is not None or st.sigs is None
+                or pst is None or not pst.next_index or pst.capture is not None
+                or (stages.hub.requests and requests_current.get() is not None)):
             active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
             active.key = key
             return active
-        seq0, exact = shape[1], not ids.is_mps  # type: ignore[union-attr]  # a tensor: it has a shape
+        # The prefill's signature, by its prompt's length too: an earlier call of this length ran one prefill forward
+        # (a chunked prefill, prefill_chunk_size, runs several: its first chunk's length is not the prompt's).
+        pentry = self.prefills.get((key, shape[1]), _UNSEEN)
+        if (pentry is _UNSEEN or ids.is_mps  # type: ignore[union-attr]
+                or (pst.sigs is not None and (pentry is None or pentry.warm_left or pentry.evicted_ns))):
+            active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+            active.key = key
+            return active
+        if pst.sigs is None:  # the prefill stage's signatures churned: counted with its rows as items (Quiet.count)
+            pentry = None
         theirs = model.__dict__
         try:
-            view, own, call, active = self.views.pop()  # a view a call before left: its dict refreshed in place
-            own.update(theirs)
-            if len(own) != len(theirs) + 1:  # an attribute the model no longer has (or a __call__ of its own)
+            view, active = self.views.pop()  # a view a call before left: the model's dict, unless it has another now
+            if view.__dict__ is not theirs:
                 raise IndexError
-            own["__call__"] = call
-            active.prefilled = False  # what its last call's prefill set (it ran quiet to its end: nothing else)
         except IndexError:
-            cls: Any = type(model)
+            cls: Any = self.view_class(type(model))
             view = cls.__new__(cls)
-            own = dict(theirs)
-            call = own["__call__"] = MethodType(_CALL_IMPL, view)  # what self.__call__ reads on the view: bare
-            _set(view, "__dict__", own)
+            _set(view, "__dict__", theirs)
             active = Active(view, False, False, batch=LEAN_STEPS, kwargs=kwargs)
         active.key = key
-        active.quiet = Quiet(self, view, own, call, active, st, entry, seq0, exact)
-        # A request span open in the caller's context: the call's end stamps it (Active.returned), as a lean call's.
-        active.span = requests_current.get() if self.stages.hub.requests else None
+        active.quiet = Quiet(self, view, active, st, entry, (pst, pentry), shape[0], shape[1])
         return active
 
-    def learn(self, key: Hashable, entry: Signature) -> None:
-        """A call of shape ``key`` found its decode steps' signature warm (``Stages.remember``): later calls of that
-        shape may run quiet and be counted under it."""
+    def learn(self, key: Hashable, entry: Signature, prefill: tuple[int, Signature | None] | None) -> None:
+        """A call of shape ``key`` run by transformers' ``_sample`` found its decode steps' signature warm
+        (``Stages.remember``): later calls of that shape may run quiet and be counted under it. ``prefill``: its
+        prompt's length and its prefill's signature (None: not tracked), when its prefill was seen."""
         memo = self.memo
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
         memo[key] = entry
+        if prefill is not None:
+            prefills = self.prefills
+            pkey = (key, prefill[0])
+            if len(prefills) >= MEMO_SIZE and pkey not in prefills:
+                prefills.clear()
+            prefills[pkey] = prefill[1]
 
 
 def _synced(model: Any) -> bool:

@@ -22,6 +22,7 @@ after the first are ``stage="verify"``, and an encoder-decoder's encoder forward
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Hashable, Mapping
 from time import perf_counter_ns
@@ -210,8 +211,11 @@ class Stages:
                 self.last = (numel, keywords, cache_type, entry)
             quiet = self.quiet
             key = active.key
-            if quiet is not None and key is not None and key[0] == numel:  # later calls of this shape may run quiet
-                quiet.learn(key, entry)
+            if quiet is not None and key is not None and key[0] == numel and _in_sample(active.model):
+                # Later calls of this shape may run quiet: transformers' _sample runs this step (its prefill, then a
+                # column a step: what a quiet call is counted from).
+                quiet.learn(key, entry, active.prefill)
+            active.key = None  # taught once
             active.cache_key = cache_key
             active.span = requests_current.get() if self.hub.requests else None
             active.numel = numel
@@ -223,6 +227,21 @@ class Stages:
         except Exception as exc:
             self.internal.report("stage", exc)
             return False
+
+    def prefilled(self, active: Any) -> None:
+        """The prefill of a call that may teach quiet decoding returned: keep its prompt's length and its signature's
+        entry (None: the prefill stage's signatures are not tracked) on ``active`` for ``remember``."""
+        try:
+            st = self.states.get(PREFILL)
+            memo = active.step_key
+            if st is None or memo is None or memo[0] is None or len(memo[0]) != 2:
+                return
+            sigs = st.sigs
+            entry = sigs.get(memo[2]) if sigs is not None else None
+            if sigs is None or entry is not None:  # (its warm-up is checked when a call would run quiet)
+                active.prefill = (int(memo[0][1]), entry)
+        except Exception as exc:
+            self.internal.report("stage", exc)
 
     def state(self, label: str) -> ModelState:
         """The state of stage ``label``, made if new (a stage timed by a hot path of its own: the encoder's)."""
@@ -249,6 +268,20 @@ class Stages:
                 if label in self.calls:
                     return self.calls[label]
             return self._register(self._make(label))
+
+
+def _in_sample(model: Any) -> bool:
+    """Whether transformers' ``_sample`` on ``model`` is the loop running this forward (a few frames up: it calls the
+    model through ``model_forward``, its ``self.__call__``). Asked once a shape, by a call that teaches quiet
+    decoding."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_sample" and frame.f_locals.get("self") is model:
+            return True
+    return False
 
 
 def step_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
@@ -298,14 +331,12 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         if active.armed:  # lean steps before a step unlike them: counted under the signature they took
             active.flush()
         label = None
-        short = False
+        short = learn = False
         try:
             if generative and active.prefilled and kv_cache(kwargs) is not None:
                 # A step after the first, against the cache this generate() made: that cache holds the prompt, so
                 # pick() would say decode too (its get_seq_length() costs ~0.5 µs a token).
                 label = DECODE
-                # A quiet call's loop calls self() for its steps (beam search): they are counted here, not at its end.
-                active.quiet = None
                 # Its signature already warm: make the short path's memo from this step and take it now (the first
                 # decode step of a call; one signature and one lookup, ~25 µs in situ through the hot path instead).
                 short = not active.verify and not active.timed and stages.remember(active, args, kwargs)
@@ -316,11 +347,11 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 label = first if first is not None else pick(args, kwargs)
                 active.prefilled = True
                 call = calls.get(label) or add(label)
-                if active.quiet is not None:
-                    # A quiet call's prefill: its signature is the last one's on this view when its input has the same
-                    # shape and as many keywords (step_signature, from the Active the view keeps between calls:
-                    # quiet.py), not computed again (a prompt's keywords read ~5 µs in situ).
+                if active.key is not None and label == PREFILL:
+                    # A call that may teach quiet decoding its shape (quiet.py): its prefill's signature is kept on its
+                    # Active (step_signature), to be looked up once it returns.
                     call = steps.get(label, call)
+                    learn = True
         except Exception as exc:  # the stage function failed: count it, time the call under the fallback
             internal.report("stage", exc)
             call = stages.fallback
@@ -337,10 +368,8 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         stamps = active.stamps
         if stamps is not None:
             stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
-        quiet = active.quiet
-        if quiet is not None and not quiet.prefilled:  # a quiet call's prefill returned (quiet.py): its steps follow
-            quiet.prefilled = True
-            quiet.cache = kv_cache(kwargs)
+        if learn:
+            stages.prefilled(active)
         return out
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
