@@ -427,3 +427,53 @@ def test_untimed_calls_of_one_row_count_the_callers_tokens_prompt_and_padding(ma
     assert gen["generated_tokens"] == generated
     assert gen["prompt_tokens"] == prompt and gen["prompt_padding_tokens"] == padding
     assert value(mon, "perfmon_generation_in_flight", model="gpt2") in (0.0, None)
+
+
+def test_with_churned_prefill_signatures_prompts_of_any_length_run_quiet(make_monitor) -> None:
+    """A server's prompts of many lengths churn the prefill stage's signatures (``signature_cache_size``): it stops
+    tracking them, and from then on one call of a shape teaches quiet decoding for every prompt length of it. Each quiet
+    prefill is counted once with its rows as items; prompts of lengths never seen before run quiet."""
+    mon = _monitor(make_monitor, signature_cache_size=4)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    new = 4
+    lengths = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12] + list(range(13, 33))
+    quiet_from = None
+    for i, length in enumerate(lengths):
+        ids = torch.randint(0, 100, (2, length))
+        before = truth.on_views
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)
+        if truth.on_views > before and quiet_from is None:
+            quiet_from = i
+    assert quiet_from is not None and quiet_from < 12
+    assert truth.on_views == new * (len(lengths) - quiet_from)  # every call since: each a prompt length of its own
+    assert _forwards(mon) == truth.forwards
+    assert _calls(mon, "prefill") == len(lengths)
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == 2 * new * len(lengths)
+
+
+def test_a_prefill_in_chunks_never_runs_quiet(make_monitor) -> None:
+    """``prefill_chunk_size`` (the call's, or the model's generation config's) runs a long prompt's prefill as several
+    forwards: such calls never run quiet (a quiet call counts one prefill forward), and every forward is counted."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    new = 4
+    for chunk_in in ("call", "config"):
+        for length in (9, 9, 9, 4, 4, 9, 13):
+            ids = torch.randint(0, 100, (1, length))
+            kw: dict[str, Any] = {"prefill_chunk_size": 4} if chunk_in == "call" else {}
+            if chunk_in == "config":
+                model.generation_config.prefill_chunk_size = 4
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, **kw)
+        assert truth.on_views == 0, chunk_in
+        assert _forwards(mon) == truth.forwards
+    model.generation_config.prefill_chunk_size = None
+    for _ in range(3):
+        _generate(model, new=new)
+    assert truth.on_views > 0  # without chunks the same model's calls run quiet again
+    assert _forwards(mon) == truth.forwards

@@ -46,7 +46,7 @@ from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
 _Tensor = torch.Tensor
 
-__all__ = ["Call", "GenerateCall", "is_encoder_decoder", "tracked_generate", "untimed_options"]
+__all__ = ["Call", "GenerateCall", "chunked_prefill", "is_encoder_decoder", "tracked_generate", "untimed_options"]
 
 class Call(Protocol):
     """What ``tracked_generate`` needs of a call's tracking: the state its forwards read (its ``model``: what
@@ -454,6 +454,12 @@ def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     resolves them (None where unset): one read of the call's config for both."""
     lookup, early_exit, *rest = _options(kwargs, _config(model, args, kwargs), _UNTIMED_OPTIONS)
     return None if _verifies(kwargs, lookup, early_exit) else rest
+
+
+def chunked_prefill(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call's prefill may run in chunks (``prefill_chunk_size``, the call's or its config's): several
+    forwards, each of a part of the prompt."""
+    return _options(kwargs, _config(model, args, kwargs), ("prefill_chunk_size",))[0] is not None
 
 
 def _verifies(kwargs: Mapping[str, Any], lookup: Any, early_exit: Any) -> bool:

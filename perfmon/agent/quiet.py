@@ -23,8 +23,9 @@ span (a span's model part starts at the call's first forward: ``requests.py``); 
 their warm-up, with no capture armed and no sampling floor due (``next_index`` 0); and an earlier call of the same
 rows, keywords and prompt length, run by ``_sample``, found its prefill's and its decode steps' signatures warm
 (``Stages.remember`` teaches them here), so the quiet forwards are counted under them, items included. With the prefill
-stage's signatures churned (not tracked), its calls are counted with their rows as items, the prompt length apart.
-Anything else takes the lean path (stages.py).
+stage's signatures churned (not tracked), its calls are counted with their rows as items, and one call of a shape
+teaches every prompt length of it. A call whose prefill may run in chunks (``prefill_chunk_size``: several forwards)
+teaches nothing. Anything else takes the lean path (stages.py).
 
 What a quiet call gives up: its forwards are never timed, and a read while it runs sees none of them (a lean call
 lags by at most ``LEAN_STEPS``; its tokens were always counted at its end). A stage's timed calls are those of the calls
@@ -47,6 +48,7 @@ import torch
 
 from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active
+from .decoding import chunked_prefill
 from .gen_events import advance
 from .phases import Signature
 from .requests import current as requests_current
@@ -237,22 +239,24 @@ class QuietDecode:
         st = states.get(DECODE)
         pst = states.get(PREFILL)
         stages = self.stages
+        # The prefill's signature, taught for the prompt's length (its stage's signatures tracked), else only that
+        # a call of this shape ran one prefill forward (churned: counted with its rows as items, Quiet.count).
+        tracked = pst is not None and pst.sigs is not None
+        pentry = self.prefills.get((key, shape[1] if tracked else None), _UNSEEN)
         if (entry is None or entry.warm_left or entry.evicted_ns
                 or st is None or not st.next_index or st.capture is not None or st.sigs is None
                 or pst is None or not pst.next_index or pst.capture is not None
-                or (stages.hub.requests and requests_current.get() is not None)):
+                or pentry is _UNSEEN or (tracked and (pentry is None or pentry.warm_left or pentry.evicted_ns))
+                or (stages.hub.requests and requests_current.get() is not None)
+                or ids.is_mps):  # type: ignore[union-attr]
             active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
             active.key = key
+            # What it may teach of its prefill (Stages.prefilled): one forward of the whole prompt. A prefill in chunks
+            # (prefill_chunk_size) runs several, whose number depends on the prompt's length: never taught.
+            if pentry is _UNSEEN and not chunked_prefill(model, args, kwargs):
+                active.prefill = shape[1]
             return active
-        # The prefill's signature, by its prompt's length too: an earlier call of this length ran one prefill forward
-        # (a chunked prefill, prefill_chunk_size, runs several: its first chunk's length is not the prompt's).
-        pentry = self.prefills.get((key, shape[1]), _UNSEEN)
-        if (pentry is _UNSEEN or ids.is_mps  # type: ignore[union-attr]
-                or (pst.sigs is not None and (pentry is None or pentry.warm_left or pentry.evicted_ns))):
-            active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
-            active.key = key
-            return active
-        if pst.sigs is None:  # the prefill stage's signatures churned: counted with its rows as items (Quiet.count)
+        if not tracked:
             pentry = None
         theirs = model.__dict__
         try:
@@ -276,7 +280,7 @@ class QuietDecode:
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
         memo[key] = entry
-        if prefill is not None:
+        if prefill is not None:  # (prompt length or None: churned, its entry)
             prefills = self.prefills
             pkey = (key, prefill[0])
             if len(prefills) >= MEMO_SIZE and pkey not in prefills:

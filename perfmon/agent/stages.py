@@ -229,17 +229,24 @@ class Stages:
             return False
 
     def prefilled(self, active: Any) -> None:
-        """The prefill of a call that may teach quiet decoding returned: keep its prompt's length and its signature's
-        entry (None: the prefill stage's signatures are not tracked) on ``active`` for ``remember``."""
+        """The prefill of a call that may teach quiet decoding returned: when it was one forward of the whole prompt
+        (``active.prefill``: the prompt's length, set by ``QuietDecode.begin``), keep on ``active`` for ``remember``
+        the prompt's length and its signature's entry, or (None, None) where the prefill stage's signatures are not
+        tracked (churned): then any prompt length of the call's shape counts alike."""
         try:
+            length, active.prefill = active.prefill, None
             st = self.states.get(PREFILL)
             memo = active.step_key
-            if st is None or memo is None or memo[0] is None or len(memo[0]) != 2:
+            if (st is None or type(length) is not int or memo is None or memo[0] is None or len(memo[0]) != 2
+                    or memo[0][1] != length):
                 return
             sigs = st.sigs
-            entry = sigs.get(memo[2]) if sigs is not None else None
-            if sigs is None or entry is not None:  # (its warm-up is checked when a call would run quiet)
-                active.prefill = (int(memo[0][1]), entry)
+            if sigs is None:
+                active.prefill = (None, None)
+                return
+            entry = sigs.get(memo[2])
+            if entry is not None:  # (its warm-up is checked when a call would run quiet)
+                active.prefill = (length, entry)
         except Exception as exc:
             self.internal.report("stage", exc)
 
