@@ -138,7 +138,12 @@ class LateCall:
         tracker = self.tracker
         try:
             mask, prompt = self.mask, self.prompt_len
-            real = int(mask.sum()) if mask is not None else prompt
+            if mask is None:
+                real = prompt
+            elif prompt <= 64:  # a short row read as a list: ~0.4 µs against ~2 for torch's sum (its dispatch)
+                real = int(sum(mask.tolist()[0]))
+            else:
+                real = int(mask.sum())
             tracker.add_prompt(g._counts, real, max(0, prompt - real))
             tokens = max(0, int(out.shape[-1]) - prompt) if outcome == OK and type(out) is _Tensor else 0
             tracker.settle(g, [], None, 0, tokens, real)

@@ -60,13 +60,11 @@ _Tensor = torch.Tensor
 _CALL_IMPL = torch.nn.Module._call_impl
 _CALL_IMPL_CODE = _CALL_IMPL.__code__
 _set = object.__setattr__
-#: Keyed shapes of calls kept per model (rows, positional count, keyword names; and the prompt's length for the
-#: prefill's signature); each map is cleared when full.
+#: Keyed shapes of calls kept per model (rows, positional count, keyword names, the prompt's length); cleared when
+#: full.
 MEMO_SIZE = 256
 #: Views kept per model for later calls: as many as its calls that run at once, up to this.
 VIEWS = 16
-#: A prompt length no call taught (``QuietDecode.prefills``).
-_UNSEEN: Any = object()
 
 
 class Quiet:
@@ -182,11 +180,10 @@ class QuietDecode:
         self.internal = internal
         #: Views calls have returned, with their Active, for the next calls. At most ``VIEWS`` are kept.
         self.views: list[tuple[Any, Active]] = []
-        #: (rows, positional count, keyword names) -> the decode steps' signature (``Stages.remember``).
-        self.memo: dict[Hashable, Signature] = {}
-        #: ((rows, positional count, keyword names), prompt length) -> the prefill's signature, None where the prefill
-        #: stage's signatures are not tracked (``Stages.remember``).
-        self.prefills: dict[Hashable, Signature | None] = {}
+        #: (rows, positional count, keyword names, prompt length or None) -> the decode steps' signature and the
+        #: prefill's (None where the prefill stage's signatures are not tracked: then so is the length), taught by
+        #: ``Stages.remember``.
+        self.memo: dict[Hashable, tuple[Signature, Signature | None]] = {}
         #: The monitored class the views' class was made for, and that class (``view_class``).
         self.base: type | None = None
         self.view_cls: type | None = None
@@ -233,27 +230,28 @@ class QuietDecode:
         shape = ids.shape if type(ids) is _Tensor else ()  # one read: each of a tensor's getters costs ~1 µs in situ
         if len(shape) != 2:
             return Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
-        key = (shape[0] * (k or 1), len(args), tuple(kwargs))
-        entry = self.memo.get(key)
         states = self.stages.states
         st = states.get(DECODE)
         pst = states.get(PREFILL)
         stages = self.stages
-        # The prefill's signature, taught for the prompt's length (its stage's signatures tracked), else only that
-        # a call of this shape ran one prefill forward (churned: counted with its rows as items, Quiet.count).
+        # The key: the decode steps' rows, positional count and keyword names, and the prompt's length where the
+        # prefill stage's signatures are tracked (its signature goes with it); churned, any length of the shape counts
+        # alike (its rows as items, Quiet.count). One lookup gives both signatures.
         tracked = pst is not None and pst.sigs is not None
-        pentry = self.prefills.get((key, shape[1] if tracked else None), _UNSEEN)
+        key = (shape[0] * (k or 1), len(args), tuple(kwargs), shape[1] if tracked else None)
+        taught = self.memo.get(key)
+        entry, pentry = taught if taught is not None else (None, None)
         if (entry is None or entry.warm_left or entry.evicted_ns
                 or st is None or not st.next_index or st.capture is not None or st.sigs is None
                 or pst is None or not pst.next_index or pst.capture is not None
-                or pentry is _UNSEEN or (tracked and (pentry is None or pentry.warm_left or pentry.evicted_ns))
+                or (tracked and (pentry is None or pentry.warm_left or pentry.evicted_ns))
                 or (stages.hub.requests and requests_current.get() is not None)
                 or ids.is_mps):  # type: ignore[union-attr]
             active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
             active.key = key
             # What it may teach of its prefill (Stages.prefilled): one forward of the whole prompt. A prefill in chunks
             # (prefill_chunk_size) runs several, whose number depends on the prompt's length: never taught.
-            if pentry is _UNSEEN and not chunked_prefill(model, args, kwargs):
+            if taught is None and not chunked_prefill(model, args, kwargs):
                 active.prefill = shape[1]
             return active
         if not tracked:
@@ -272,20 +270,18 @@ class QuietDecode:
         active.quiet = Quiet(self, view, active, st, entry, (pst, pentry), shape[0], shape[1])
         return active
 
-    def learn(self, key: Hashable, entry: Signature, prefill: tuple[int, Signature | None] | None) -> None:
+    def learn(self, key: tuple[Any, ...], entry: Signature,
+              prefill: tuple[int | None, Signature | None] | None) -> None:
         """A call of shape ``key`` run by transformers' ``_sample`` found its decode steps' signature warm
         (``Stages.remember``): later calls of that shape may run quiet and be counted under it. ``prefill``: its
-        prompt's length and its prefill's signature (None: not tracked), when its prefill was seen."""
+        prompt's length and its prefill's signature ((None, None): that stage's signatures churned), when its prefill
+        was one forward of the whole prompt (``Stages.prefilled``); else it teaches nothing."""
+        if prefill is None or prefill[0] != key[-1]:
+            return
         memo = self.memo
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
-        memo[key] = entry
-        if prefill is not None:  # (prompt length or None: churned, its entry)
-            prefills = self.prefills
-            pkey = (key, prefill[0])
-            if len(prefills) >= MEMO_SIZE and pkey not in prefills:
-                prefills.clear()
-            prefills[pkey] = prefill[1]
+        memo[key] = (entry, prefill[1])
 
 
 def _synced(model: Any) -> bool:

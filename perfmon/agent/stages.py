@@ -228,23 +228,25 @@ class Stages:
             self.internal.report("stage", exc)
             return False
 
-    def prefilled(self, active: Any) -> None:
-        """The prefill of a call that may teach quiet decoding returned: when it was one forward of the whole prompt
-        (``active.prefill``: the prompt's length, set by ``QuietDecode.begin``), keep on ``active`` for ``remember``
-        the prompt's length and its signature's entry, or (None, None) where the prefill stage's signatures are not
-        tracked (churned): then any prompt length of the call's shape counts alike."""
+    def prefilled(self, active: Any, kwargs: dict[str, Any]) -> None:
+        """The prefill (its keywords: ``kwargs``) of a call that may teach quiet decoding returned: when it was one
+        forward of the whole prompt (``active.prefill``: the prompt's length, set by ``QuietDecode.begin``), keep on
+        ``active`` for ``remember`` the prompt's length and its signature's entry, or (None, None) where the prefill
+        stage's signatures are not tracked (churned): then any prompt length of the call's shape counts alike."""
         try:
             length, active.prefill = active.prefill, None
             st = self.states.get(PREFILL)
-            memo = active.step_key
-            if (st is None or type(length) is not int or memo is None or memo[0] is None or len(memo[0]) != 2
-                    or memo[0][1] != length):
+            ids = kwargs.get("input_ids")
+            if st is None or type(length) is not int or type(ids) is not _Tensor or ids.dim() != 2:
+                return
+            if ids.shape[1] != length:  # a part of the prompt: a prefill in chunks
                 return
             sigs = st.sigs
             if sigs is None:
                 active.prefill = (None, None)
                 return
-            entry = sigs.get(memo[2])
+            memo = active.step_key  # this prefill's signature (step_signature)
+            entry = sigs.get(memo[2]) if memo is not None and memo[0] == ids.shape else None
             if entry is not None:  # (its warm-up is checked when a call would run quiet)
                 active.prefill = (length, entry)
         except Exception as exc:
@@ -376,7 +378,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         if stamps is not None:
             stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
         if learn:
-            stages.prefilled(active)
+            stages.prefilled(active, kwargs)
         return out
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
