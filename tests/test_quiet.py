@@ -478,3 +478,30 @@ def test_a_prefill_in_chunks_never_runs_quiet(make_monitor) -> None:
         _generate(model, new=new)
     assert truth.on_views > 0  # without chunks the same model's calls run quiet again
     assert _forwards(mon) == truth.forwards
+
+
+def test_calls_of_one_token_run_quiet_and_teach_no_longer_calls(make_monitor) -> None:
+    """``max_new_tokens=1`` (scoring, classification by generate()): the call runs its prefill only. After a lean call
+    of its shape taught that (its settling, off the request thread), later ones run quiet and count their one forward,
+    its items and its tokens. A call of the same keywords asking for more tokens is not quiet on that alone: it runs
+    on perfmon's path until a call of its own found its decode steps' signature, and every forward is counted."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    for _ in range(6):
+        _generate(model, new=1, min_new_tokens=0)
+        assert _forwards(mon) == truth.forwards  # a read: it settles the returned calls (so a teacher teaches)
+    assert truth.on_views == 4  # not quiet: the first (every step timed; the prefill stage's warm-up), the teacher
+    assert _forwards(mon) == truth.forwards == 6 and _calls(mon, "decode") == 0
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == 2 * 6
+    before = truth.on_views
+    _generate(model, new=5, min_new_tokens=5)  # same keywords: max_new_tokens=5, not 1
+    assert truth.on_views == before
+    _generate(model, new=5, min_new_tokens=5)  # its decode steps' signature found: this one is quiet
+    assert truth.on_views == before + 5
+    _generate(model, new=1, min_new_tokens=0)
+    assert truth.on_views == before + 6
+    assert _forwards(mon) == truth.forwards == 6 + 5 + 5 + 1
+    assert mon.flush()
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["requests"]["ok"] == 2 * 9 and gen["generated_tokens"] == 2 * (7 * 1 + 2 * 5)

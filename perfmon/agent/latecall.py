@@ -32,8 +32,8 @@ class LateCall:
     made here cost ~20 µs and its settling hand-over ~13 (BENCHMARKS §3b): what is left here is a few µs.
     """
 
-    __slots__ = ("active", "args", "call", "encoder_decoder", "ended", "internal", "kwargs", "mask", "model", "name",
-                 "one", "options", "prompt_len", "quiet", "start_ns", "tracker")
+    __slots__ = ("active", "args", "call", "decoder", "encoder_decoder", "ended", "internal", "kwargs", "mask", "model",
+                 "name", "one", "options", "prompt_len", "quiet", "start_ns", "tracker")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
                  name: str, internal: InternalErrors, *, encoder_decoder: bool, quiet: QuietDecode | None = None,
@@ -48,6 +48,7 @@ class LateCall:
             except Exception as exc:
                 internal.report("generation", exc)
         self.active = active or Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
+        self.decoder = quiet
         self.quiet: Quiet | None = None  # the call's Quiet when it ran quiet to its end (end: its Active goes back)
         self.model = model
         self.args = args
@@ -120,12 +121,18 @@ class LateCall:
 
     def _close(self) -> None:
         quiet = self.quiet
-        if quiet is not None:
-            try:
-                quiet.count(self.ended[1])
-            except Exception as exc:
-                self.internal.report("generation", exc)
         outcome, out, now = self.ended
+        try:
+            if quiet is not None:
+                quiet.count(out)
+            else:
+                active = self.active
+                if (active.key is not None and type(active.prefill) is tuple and outcome == OK
+                        and self.kwargs.get("max_new_tokens") == 1 and self.decoder is not None):
+                    # A lean call of one token (its prefill, no decode step) teaches its shape to later such calls.
+                    self.decoder.learn(active.key, None, active.prefill)
+        except Exception as exc:
+            self.internal.report("generation", exc)
         if self.one is not None:
             self._settle_one(self.one, outcome, out, now)
         elif self.call is not None:  # None: opening it failed (counted as an internal error)

@@ -72,13 +72,13 @@ class Quiet:
 
     __slots__ = ("active", "entry", "owner", "prefill", "prefills", "rows", "seq0", "state", "steps", "view")
 
-    def __init__(self, owner: QuietDecode, view: Any, active: Active, state: Any, entry: Signature,
+    def __init__(self, owner: QuietDecode, view: Any, active: Active, state: Any, entry: Signature | None,
                  prefill: tuple[Any, Signature | None], rows: int, seq0: int) -> None:
         self.owner = owner
         self.view = view
         self.active = active  # the call's Active, kept with the view for the next call on it
-        self.state = state  # the decode stage's ModelState
-        self.entry = entry  # the decode steps' signature
+        self.state = state  # the decode stage's ModelState (None: none yet, for a call of one token)
+        self.entry = entry  # the decode steps' signature (None: a call of one token)
         self.prefill = prefill  # the prefill stage's ModelState and its signature (None: that stage's churned)
         self.rows = rows  # the prompt's rows: a prefill's items
         self.seq0 = seq0  # the prompt's length: the running sequence's at the prefill, and the cache's after it
@@ -94,7 +94,7 @@ class Quiet:
             return
         raised, in_prefill, running, cache = _where(error, self.view)
         if raised:
-            (self.prefill[0] if in_prefill else self.state).error(error)
+            (self.prefill[0] if in_prefill or self.state is None else self.state).error(error)
         if running is not None:  # the loop's sequence: one column a step that returned, then the step that raised
             # Inside _prefill, its forward ran only if it raised (a failure before it, preparing its inputs, did not).
             self.prefills = int(raised) if in_prefill else 1
@@ -129,7 +129,7 @@ class Quiet:
         if n < 0:
             # _sample appends one column to the sequences a step: the prefill's, then one a decode step.
             n = max(0, int(out.shape[-1]) - self.seq0 - 1) if type(out) is _Tensor else 0
-        if n <= 0:
+        if n <= 0 or self.entry is None:  # (None: a call of one token, max_new_tokens=1, runs no decode step)
             return
         advance(self.entry.calls, n - 1, self.state.calls)  # both counters n - 1 steps in one C call, ...
         next(self.entry.calls)
@@ -183,7 +183,7 @@ class QuietDecode:
         #: (rows, positional count, keyword names, prompt length or None) -> the decode steps' signature and the
         #: prefill's (None where the prefill stage's signatures are not tracked: then so is the length), taught by
         #: ``Stages.remember``.
-        self.memo: dict[Hashable, tuple[Signature, Signature | None]] = {}
+        self.memo: dict[Hashable, tuple[Signature | None, Signature | None]] = {}
         #: The monitored class the views' class was made for, and that class (``view_class``).
         self.base: type | None = None
         self.view_cls: type | None = None
@@ -241,17 +241,23 @@ class QuietDecode:
         key = (shape[0] * (k or 1), len(args), tuple(kwargs), shape[1] if tracked else None)
         taught = self.memo.get(key)
         entry, pentry = taught if taught is not None else (None, None)
-        if (entry is None or entry.warm_left or entry.evicted_ns
-                or st is None or not st.next_index or st.capture is not None or st.sigs is None
+        if entry is None:  # taught by calls of one token (no decode step): quiet only for another (max_new_tokens=1)
+            decoding = taught is None or kwargs.get("max_new_tokens") != 1
+        else:
+            decoding = (entry.warm_left or entry.evicted_ns or st is None or not st.next_index
+                        or st.capture is not None or st.sigs is None)
+        if (decoding
                 or pst is None or not pst.next_index or pst.capture is not None
                 or (tracked and (pentry is None or pentry.warm_left or pentry.evicted_ns))
                 or (stages.hub.requests and requests_current.get() is not None)
                 or ids.is_mps):  # type: ignore[union-attr]
             active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
             active.key = key
-            # What it may teach of its prefill (Stages.prefilled): one forward of the whole prompt. A prefill in chunks
+            # What it may teach of its prefill (Stages.prefilled): one forward of the whole prompt, when nothing (or a
+            # call of one token, or a signature since evicted from its table) taught this shape. A prefill in chunks
             # (prefill_chunk_size) runs several, whose number depends on the prompt's length: never taught.
-            if taught is None and not chunked_prefill(model, args, kwargs):
+            if ((entry is None or entry.evicted_ns or (pentry is not None and pentry.evicted_ns))
+                    and not chunked_prefill(model, args, kwargs)):
                 active.prefill = shape[1]
             return active
         if not tracked:
@@ -270,15 +276,18 @@ class QuietDecode:
         active.quiet = Quiet(self, view, active, st, entry, (pst, pentry), shape[0], shape[1])
         return active
 
-    def learn(self, key: tuple[Any, ...], entry: Signature,
+    def learn(self, key: tuple[Any, ...], entry: Signature | None,
               prefill: tuple[int | None, Signature | None] | None) -> None:
         """A call of shape ``key`` run by transformers' ``_sample`` found its decode steps' signature warm
-        (``Stages.remember``): later calls of that shape may run quiet and be counted under it. ``prefill``: its
+        (``Stages.remember``), or ran no decode step (``entry`` None: a call of one token, ``LateCall``): later calls
+        of that shape may run quiet and be counted under them (with None, only calls of one token). ``prefill``: its
         prompt's length and its prefill's signature ((None, None): that stage's signatures churned), when its prefill
         was one forward of the whole prompt (``Stages.prefilled``); else it teaches nothing."""
         if prefill is None or prefill[0] != key[-1]:
             return
         memo = self.memo
+        if entry is None and key in memo:  # what a call with decode steps taught serves calls of one token too
+            return
         if len(memo) >= MEMO_SIZE and key not in memo:
             memo.clear()
         memo[key] = (entry, prefill[1])

@@ -211,9 +211,7 @@ class Stages:
                 self.last = (numel, keywords, cache_type, entry)
             quiet = self.quiet
             key = active.key
-            if quiet is not None and key is not None and key[0] == numel and _in_sample(active.model):
-                # Later calls of this shape may run quiet: transformers' _sample runs this step (its prefill, then a
-                # column a step: what a quiet call is counted from).
+            if quiet is not None and key is not None and key[0] == numel:  # later calls of this shape may run quiet
                 quiet.learn(key, entry, active.prefill)
             active.key = None  # taught once
             active.cache_key = cache_key
@@ -239,8 +237,8 @@ class Stages:
             ids = kwargs.get("input_ids")
             if st is None or type(length) is not int or type(ids) is not _Tensor or ids.dim() != 2:
                 return
-            if ids.shape[1] != length:  # a part of the prompt: a prefill in chunks
-                return
+            if ids.shape[1] != length or not _in_sample(active.model):  # a part of the prompt (a prefill in chunks),
+                return  # or a loop other than _sample (whose prefill, then a column a step, a quiet call is counted by)
             sigs = st.sigs
             if sigs is None:
                 active.prefill = (None, None)
@@ -280,9 +278,8 @@ class Stages:
 
 
 def _in_sample(model: Any) -> bool:
-    """Whether transformers' ``_sample`` on ``model`` is the loop running this forward (a few frames up: it calls the
-    model through ``model_forward``, its ``self.__call__``). Asked once a shape, by a call that teaches quiet
-    decoding."""
+    """Whether transformers' ``_sample`` on ``model`` is the loop running this forward (a few frames up: its prefill
+    through ``_prefill``). Asked by the calls that may teach quiet decoding (until a shape is taught)."""
     frame = sys._getframe(1)
     for _ in range(8):
         frame = frame.f_back  # type: ignore[assignment]
