@@ -113,6 +113,11 @@ class LateCall:
                     quiet.ended(error)
                 else:
                     now = active.returned(self.internal)
+                    if (type(active.prefill) is tuple and error is None and active.key is not None
+                            and self.decoder is not None and self.kwargs.get("max_new_tokens") == 1):
+                        # A lean call of one token (its prefill, no decode step) teaches its shape to later such calls
+                        # (here, not at its settling: the next call may come before any read).
+                        self.decoder.learn(active.key, None, active.prefill)
         except Exception as exc:  # the requests still end (opened: they must not stay in flight), with what is known
             self.internal.report("generation", exc)
             out, now = None, perf_counter_ns()
@@ -122,17 +127,11 @@ class LateCall:
     def _close(self) -> None:
         quiet = self.quiet
         outcome, out, now = self.ended
-        try:
-            if quiet is not None:
+        if quiet is not None:
+            try:
                 quiet.count(out)
-            else:
-                active = self.active
-                if (active.key is not None and type(active.prefill) is tuple and outcome == OK
-                        and self.kwargs.get("max_new_tokens") == 1 and self.decoder is not None):
-                    # A lean call of one token (its prefill, no decode step) teaches its shape to later such calls.
-                    self.decoder.learn(active.key, None, active.prefill)
-        except Exception as exc:
-            self.internal.report("generation", exc)
+            except Exception as exc:
+                self.internal.report("generation", exc)
         if self.one is not None:
             self._settle_one(self.one, outcome, out, now)
         elif self.call is not None:  # None: opening it failed (counted as an internal error)

@@ -353,7 +353,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 label = first if first is not None else pick(args, kwargs)
                 active.prefilled = True
                 call = calls.get(label) or add(label)
-                if active.key is not None and label == PREFILL:
+                if type(active.prefill) is int and label == PREFILL:
                     # A call that may teach quiet decoding its shape (quiet.py): its prefill's signature is kept on its
                     # Active (step_signature), to be looked up once it returns.
                     call = steps.get(label, call)
