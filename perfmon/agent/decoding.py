@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any, Protocol
 
@@ -42,11 +42,12 @@ from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active, generating
 from .gen_events import advance
 from .generation import Generation, GenerationTracker
+from .options import CALL_OPTIONS, CUT_OPTIONS, config_of, options, verifies
 from .streams import CANCELLED, ERROR, OK, Consumer, is_streamer, watch_consumer
 
 _Tensor = torch.Tensor
 
-__all__ = ["Call", "GenerateCall", "chunked_prefill", "is_encoder_decoder", "tracked_generate", "untimed_options"]
+__all__ = ["Call", "GenerateCall", "is_encoder_decoder", "tracked_generate"]
 
 class Call(Protocol):
     """What ``tracked_generate`` needs of a call's tracking: the state its forwards read (its ``model``: what
@@ -108,10 +109,10 @@ class GenerateCall:
         and ``start_ns``: a call opened after it started (``LateCall``), with the state its forwards already read."""
         self.tracker = tracker
         self.internal = internal
-        cfg = _config(model, args, kwargs)
-        beams, k, lookup, early_exit = _options(kwargs, cfg, _CALL_OPTIONS)
+        cfg = config_of(model, args, kwargs)
+        beams, k, lookup, early_exit = options(kwargs, cfg, CALL_OPTIONS)
         self.k = max(1, int(k or 1))
-        self.verify = _verifies(kwargs, lookup, early_exit)
+        self.verify = verifies(kwargs, lookup, early_exit)
         self.beam = int(beams or 1) > 1 and not self.verify
         if encoder_decoder is None:  # known when the model was wrapped (models.py): its config's, read once
             encoder_decoder = is_encoder_decoder(model)
@@ -166,7 +167,7 @@ class GenerateCall:
         self.eos: frozenset[int] = frozenset()
         self.pad: int | None = None
         if rows > 1 or self.beam:  # rows are cut at their EOS (_cut): read now, as this call's config says
-            eos, pad, stop_strings = _options(kwargs, cfg, _CUT_OPTIONS)
+            eos, pad, stop_strings = options(kwargs, cfg, CUT_OPTIONS)
             self.eos = _token_ids(eos)
             # HF pads a row that one of its per-row criteria ended; only EOS (cut at above) and, when given, stop
             # strings or the caller's own criteria end a single row. Trailing padding is cut only then: a model
@@ -406,90 +407,6 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    cfg = kwargs.get("generation_config")
-    if cfg is None and len(args) > 1 and hasattr(args[1], "num_beams"):
-        cfg = args[1]
-    if cfg is None:  # the model's own: read in its __dict__ (where nn.Module keeps a plain attribute), no class walk
-        own = getattr(model, "__dict__", None)
-        cfg = own.get("generation_config") if type(own) is dict else None
-    return cfg if cfg is not None else getattr(model, "generation_config", None)
-
-
-#: The generation options every GenerateCall reads (``_options``), in its order: what decides its requests and its tap.
-_CALL_OPTIONS = ("num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "assistant_early_exit")
-#: ... and those only a call whose rows are cut at their EOS reads (several rows, or beam search).
-_CUT_OPTIONS = ("eos_token_id", "pad_token_id", "stop_strings")
-
-
-def _options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list[Any]:
-    """The generation options ``keys`` as generate() resolves them: the call's keyword first, then the
-    config's (None where neither sets one). A GenerationConfig keeps its options in its ``__dict__``: read there,
-    each costs one dict lookup instead of an attribute lookup through the class."""
-    own = getattr(cfg, "__dict__", None)
-    if not isinstance(own, dict):
-        own = {}
-    out = []
-    for key in keys:
-        value = kwargs.get(key)
-        if value is None:
-            value = own.get(key)
-            if value is None and cfg is not None and key not in own:
-                value = getattr(cfg, key, None)
-        out.append(value)
-    return out
-
-
-#: What a call that may time nothing reads before it runs (``untimed_options``): whether it is assisted, then what
-#: quiet decoding keys it by (quiet.py).
-_UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_beams", "num_return_sequences",
-                    "cache_implementation")
-
-
-def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
-    """None for an assisted call (an assistant model, prompt lookup, early exit: its main model's forwards after the
-    first verify drafts); else its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` as generate()
-    resolves them (None where unset): one read of the call's config for both (``_config`` and ``_options`` inline:
-    asked on the request thread of most calls, where each function entered costs ~1-1.5 µs in situ)."""
-    cfg = kwargs.get("generation_config")
-    if cfg is None:
-        if len(args) > 1 and hasattr(args[1], "num_beams"):
-            cfg = args[1]
-        else:  # the model's own: read in its __dict__ (where nn.Module keeps a plain attribute), no class walk
-            theirs = getattr(model, "__dict__", None)
-            cfg = theirs.get("generation_config") if type(theirs) is dict else None
-            if cfg is None:
-                cfg = getattr(model, "generation_config", None)
-    own = getattr(cfg, "__dict__", None)
-    get = own.get if type(own) is dict else _NOTHING.get
-    out = []
-    for key in _UNTIMED_OPTIONS:
-        value = kwargs.get(key)
-        if value is None:
-            value = get(key, _ABSENT)
-            if value is _ABSENT:  # not the config's own: a class default, or no config
-                value = getattr(cfg, key, None) if cfg is not None else None
-        out.append(value)
-    if kwargs.get("assistant_model") is not None or out[0] is not None or out[1] is not None:
-        return None
-    return out[2:]
-
-
-#: An empty ``__dict__`` (``untimed_options`` on a config without one), and a key a dict lacks.
-_NOTHING: dict[str, Any] = {}
-_ABSENT: Any = object()
-
-
-def chunked_prefill(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call's prefill may run in chunks (``prefill_chunk_size``, the call's or its config's): several
-    forwards, each of a part of the prompt."""
-    return _options(kwargs, _config(model, args, kwargs), ("prefill_chunk_size",))[0] is not None
-
-
-def _verifies(kwargs: Mapping[str, Any], lookup: Any, early_exit: Any) -> bool:
-    return kwargs.get("assistant_model") is not None or lookup is not None or early_exit is not None
 
 
 def is_encoder_decoder(model: Any) -> bool:

@@ -39,7 +39,7 @@ class LateCall:
                  name: str, internal: InternalErrors, *, encoder_decoder: bool, quiet: QuietDecode | None = None,
                  options: list[Any] | None = None, start_ns: int | None = None) -> None:
         """``quiet``: the model's quiet decoding (quiet.py), when it has one: the call may run on its view.
-        ``options``: the call's ``decoding.untimed_options``, which quiet decoding keys it by. ``start_ns``: when the
+        ``options``: the call's ``options.untimed_options``, which quiet decoding keys it by. ``start_ns``: when the
         call started (``perf_counter_ns``; the sampling decision's clock read), now if not given."""
         active = None
         if quiet is not None:  # generate() may then run on the view quiet.begin() puts in Active.model

@@ -18,9 +18,10 @@ import torch
 from ..config import Config
 from ..exceptions import ConfigError, WrapError
 from .batching import BatchTokens, ContinuousBatching
-from .decoding import GenerateCall, is_encoder_decoder, untimed_options
+from .decoding import GenerateCall, is_encoder_decoder
 from .generation import GenerationTracker
 from .latecall import LateCall
+from .options import untimed_options
 from .quiet import QuietDecode
 from .sampling import EVERY_STEP, TIMELINE, CallSampler
 from .span import UNTRACKED, Span, Untracked

@@ -48,8 +48,8 @@ import torch
 
 from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active
-from .decoding import chunked_prefill
 from .gen_events import advance
+from .options import chunked_prefill
 from .phases import Signature
 from .requests import current as requests_current
 from .stages import DECODE, PREFILL, Stages, kv_cache
@@ -217,7 +217,7 @@ class QuietDecode:
 
         The key is the call's decode rows (input rows x returned sequences), its positional count and its
         keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
-        ``num_return_sequences`` and ``cache_implementation`` (``decoding.untimed_options``)."""
+        ``num_return_sequences`` and ``cache_implementation`` (``options.untimed_options``)."""
         beams, k, implementation = options
         if (len(args) > 1 or implementation is not None or (beams or 1) > 1  # beam search calls self() a step
                 or kwargs.get("past_key_values") is not None

@@ -1,0 +1,98 @@
+"""A ``generate()`` call's generation options, as transformers' ``generate()`` resolves them: the call's keyword first,
+then its generation config's (``config_of``). ``decoding.GenerateCall`` reads those that decide its requests and its
+tap; ``untimed_options`` those an untimed call (``LateCall``, quiet decoding) is decided by, on the request thread."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["CALL_OPTIONS", "CUT_OPTIONS", "chunked_prefill", "config_of", "options", "untimed_options", "verifies"]
+
+
+def config_of(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The generation config a ``generate()`` call runs with: its ``generation_config=``, a config passed second, or
+    the model's own."""
+    cfg = kwargs.get("generation_config")
+    if cfg is None and len(args) > 1 and hasattr(args[1], "num_beams"):
+        cfg = args[1]
+    if cfg is None:  # the model's own: read in its __dict__ (where nn.Module keeps a plain attribute), no class walk
+        own = getattr(model, "__dict__", None)
+        cfg = own.get("generation_config") if type(own) is dict else None
+    return cfg if cfg is not None else getattr(model, "generation_config", None)
+
+
+#: The generation options every GenerateCall reads (``options``), in its order: what decides its requests and its tap.
+CALL_OPTIONS = ("num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "assistant_early_exit")
+#: ... and those only a call whose rows are cut at their EOS reads (several rows, or beam search).
+CUT_OPTIONS = ("eos_token_id", "pad_token_id", "stop_strings")
+
+
+def options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list[Any]:
+    """The generation options ``keys`` as generate() resolves them: the call's keyword first, then the
+    config's (None where neither sets one). A GenerationConfig keeps its options in its ``__dict__``: read there,
+    each costs one dict lookup instead of an attribute lookup through the class."""
+    own = getattr(cfg, "__dict__", None)
+    if not isinstance(own, dict):
+        own = {}
+    out = []
+    for key in keys:
+        value = kwargs.get(key)
+        if value is None:
+            value = own.get(key)
+            if value is None and cfg is not None and key not in own:
+                value = getattr(cfg, key, None)
+        out.append(value)
+    return out
+
+
+#: What a call that may time nothing reads before it runs (``untimed_options``): whether it is assisted, then what
+#: quiet decoding keys it by (quiet.py).
+_UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_beams", "num_return_sequences",
+                    "cache_implementation")
+
+
+def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
+    """None for an assisted call (an assistant model, prompt lookup, early exit: its main model's forwards after the
+    first verify drafts); else its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` as generate()
+    resolves them (None where unset): one read of the call's config for both (``_config`` and ``options`` inline:
+    asked on the request thread of most calls, where each function entered costs ~1-1.5 µs in situ)."""
+    cfg = kwargs.get("generation_config")
+    if cfg is None:
+        if len(args) > 1 and hasattr(args[1], "num_beams"):
+            cfg = args[1]
+        else:  # the model's own: read in its __dict__ (where nn.Module keeps a plain attribute), no class walk
+            theirs = getattr(model, "__dict__", None)
+            cfg = theirs.get("generation_config") if type(theirs) is dict else None
+            if cfg is None:
+                cfg = getattr(model, "generation_config", None)
+    own = getattr(cfg, "__dict__", None)
+    get = own.get if type(own) is dict else _NOTHING.get
+    out = []
+    for key in _UNTIMED_OPTIONS:
+        value = kwargs.get(key)
+        if value is None:
+            value = get(key, _ABSENT)
+            if value is _ABSENT:  # not the config's own: a class default, or no config
+                value = getattr(cfg, key, None) if cfg is not None else None
+        out.append(value)
+    if kwargs.get("assistant_model") is not None or out[0] is not None or out[1] is not None:
+        return None
+    return out[2:]
+
+
+#: An empty ``__dict__`` (``untimed_options`` on a config without one), and a key a dict lacks.
+_NOTHING: dict[str, Any] = {}
+_ABSENT: Any = object()
+
+
+def chunked_prefill(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call's prefill may run in chunks (``prefill_chunk_size``, the call's or its config's): several
+    forwards, each of a part of the prompt."""
+    return options(kwargs, config_of(model, args, kwargs), ("prefill_chunk_size",))[0] is not None
+
+
+def verifies(kwargs: Mapping[str, Any], lookup: Any, early_exit: Any) -> bool:
+    """Whether a call is assisted (its main model's forwards after the first verify drafts): an assistant model, or
+    prompt lookup (``lookup``) or early exit (``early_exit``) set."""
+    return kwargs.get("assistant_model") is not None or lookup is not None or early_exit is not None
