@@ -66,8 +66,8 @@ class Active:
         #: ``Quiet`` when it runs quiet (``model`` is then the view it runs on).
         self.key: Any = None
         self.quiet: Any = None
-        #: A call that may teach quiet decoding its shape: its prompt's length and its prefill's signature, once its
-        #: prefill returned (``Stages.prefilled``).
+        #: A call that may teach quiet decoding its shape: its prompt's length (an int, ``QuietDecode.begin``); once its
+        #: prefill returned as one forward of the whole prompt, (length, the prefill's signature): ``Stages.prefilled``.
         self.prefill: Any = None
 
     def flush(self) -> None:

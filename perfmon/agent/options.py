@@ -55,35 +55,9 @@ _UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_bea
 def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
     """None for an assisted call (an assistant model, prompt lookup, early exit: its main model's forwards after the
     first verify drafts); else its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` as generate()
-    resolves them (None where unset): one read of the call's config for both (``_config`` and ``options`` inline:
-    asked on the request thread of most calls, where each function entered costs ~1-1.5 µs in situ)."""
-    cfg = kwargs.get("generation_config")
-    if cfg is None:
-        if len(args) > 1 and hasattr(args[1], "num_beams"):
-            cfg = args[1]
-        else:  # the model's own: read in its __dict__ (where nn.Module keeps a plain attribute), no class walk
-            theirs = getattr(model, "__dict__", None)
-            cfg = theirs.get("generation_config") if type(theirs) is dict else None
-            if cfg is None:
-                cfg = getattr(model, "generation_config", None)
-    own = getattr(cfg, "__dict__", None)
-    get = own.get if type(own) is dict else _NOTHING.get
-    out = []
-    for key in _UNTIMED_OPTIONS:
-        value = kwargs.get(key)
-        if value is None:
-            value = get(key, _ABSENT)
-            if value is _ABSENT:  # not the config's own: a class default, or no config
-                value = getattr(cfg, key, None) if cfg is not None else None
-        out.append(value)
-    if kwargs.get("assistant_model") is not None or out[0] is not None or out[1] is not None:
-        return None
-    return out[2:]
-
-
-#: An empty ``__dict__`` (``untimed_options`` on a config without one), and a key a dict lacks.
-_NOTHING: dict[str, Any] = {}
-_ABSENT: Any = object()
+    resolves them (None where unset): one read of the call's config for both."""
+    lookup, early_exit, *rest = options(kwargs, config_of(model, args, kwargs), _UNTIMED_OPTIONS)
+    return None if verifies(kwargs, lookup, early_exit) else rest
 
 
 def chunked_prefill(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
