@@ -107,9 +107,9 @@ def test_quiet_calls_count_every_forward_with_its_items_and_signature(make_monit
 
 
 def test_a_quiet_calls_prefill_is_counted_under_its_own_prompts_signature(make_monitor) -> None:
-    """A quiet call's prefill takes the signature of the last prefill on its view when its input has the same shape
-    (stages.step_signature, across calls): prompts of other rows or lengths, one after another on the same view, are
-    each counted under their own signature, with their own rows as items."""
+    """A quiet call's prefill is counted at its end under the signature a lean call of the same rows, keywords and
+    prompt length taught (QuietDecode.learn): prompts of other rows or lengths, one after another, are each counted
+    under their own signature, with their own rows as items."""
     mon = _monitor(make_monitor)
     model = mon.wrap(_gpt2(), name="gpt2")
     truth = Truth(model)
@@ -352,8 +352,8 @@ def test_a_call_in_a_request_span_is_not_quiet_and_a_capture_waits_for_the_next_
 
 
 def test_a_view_sees_the_models_attributes_as_they_are_at_each_call(make_monitor) -> None:
-    """Views are kept for later calls, their dict refreshed from the model's at each call: an attribute set, changed
-    or deleted on the model between two calls is what the next quiet call's forwards see."""
+    """Views are kept for later calls, and a view's dict is the model's own: an attribute set, changed or deleted on
+    the model between two calls is what the next quiet call's forwards see."""
     mon = _monitor(make_monitor)
     model = mon.wrap(_gpt2(), name="gpt2")
     seen: list[tuple[bool, Any]] = []
