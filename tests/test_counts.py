@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -275,3 +276,26 @@ def test_track_past_max_models_or_with_a_bad_name_never_raises_into_the_request(
     assert value(mon, "perfmon_internal_errors_total", stage="track") == 9
     assert value(mon, "perfmon_forward_calls_total", model="postprocess") is None
     assert sorted(mon.models.by_name) == ["a", "b"]
+
+
+def test_resolved_samples_carry_each_field_under_its_name_in_one_batch_a_pass(make_monitor) -> None:
+    """The request thread and the resolver build their records field by field in order (no named-tuple __new__): each
+    value is read back under its own name, and a sink gets a pass's samples in one call, in the calls' order."""
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1)
+    batches: list[list[Any]] = []
+    mon.resolver.sinks.append(batches.append)
+    model = mon.wrap(_lin(), name="lin")
+    with torch.inference_mode():
+        for rows in (3, 3, 3, 3, 5):
+            model(torch.randn(rows, 8))
+    assert mon.flush()
+    assert len(batches) == 1 and len(batches[0]) == 5
+    first, *_, fourth, fifth = batches[0]
+    assert (first.model, first.device, first.phase, first.seq, first.stage) == ("lin", "cpu", "cold", 0, "")
+    assert [s.seq for s in batches[0]] == [0, 1, 2, 3, 4]
+    assert (fourth.phase, fifth.phase) == ("steady", "cold")  # a new shape is cold
+    assert (first.items, fifth.items) == (3, 5) and (first.size, fifth.size) == (24, 40)
+    assert first.duration_seconds == first.host_seconds > 0
+    assert first.end_ns < fourth.end_ns < fifth.end_ns
+    assert first.trace is None and first.gc_seconds == 0.0 and first.gc_generation == -1
+    assert fourth.sig is not None and fourth.sig.items == 3  # its signature (phases.Signature): 3 rows a call

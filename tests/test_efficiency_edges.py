@@ -193,7 +193,7 @@ def test_a_series_whose_figures_fail_is_left_out_of_the_scrape_and_counted() -> 
 
     eff = Efficiency(FlopCounter(per_minute=1, timeout_seconds=1.0), window_seconds=60.0, peaks=broken_peaks,
                      state_of=lambda model, stage: None)
-    eff.observe(Sample("m", "cuda:0", "steady", 0, 0.001, 0.001, perf_counter_ns()))
+    eff.observe([Sample("m", "cuda:0", "steady", 0, 0.001, 0.001, perf_counter_ns())])
     internal = InternalErrors()
     registry = CollectorRegistry()
     registry.register(EfficiencyCollector(eff, internal))

@@ -136,8 +136,7 @@ def test_regression_reason_gets_a_gc_entry_for_the_regressed_windows() -> None:
     marked = pauses.mark([_sample(t + i * 100 * MS + 31 * MS, 40.0) for i in range(7)]
                          + [_sample(t + 800 * MS + i * MS, 0.5) for i in range(891)]
                          + [_sample(t + 2_000 * MS, 35.0), _sample(t + 2_100 * MS, 33.0)])
-    for s in marked:
-        windows.add(s)
+    windows.add(marked)
     logged: list[dict[str, Any]] = []
 
     class Log:
@@ -261,7 +260,7 @@ def test_a_forced_gen2_collection_during_traffic_is_timed_and_marks_exactly_the_
     itself, so calls away from every pause stay unmarked."""
     mon = make_monitor(sample_rate=1.0).start()
     samples: list[Sample] = []
-    mon.resolver.sinks.append(samples.append)
+    mon.resolver.sinks.append(samples.extend)
     model = mon.wrap(HoldsTheGil(), name="tiny")
     heap = _cyclic_heap(500_000)
     go, done = threading.Event(), threading.Event()

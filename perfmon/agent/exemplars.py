@@ -22,12 +22,15 @@ OTEL: object = object()
 def otel_reader() -> TraceReader | None:
     """A reader of the current OpenTelemetry span, or None when opentelemetry-api is not installed."""
     try:
-        from opentelemetry.trace import get_current_span
+        from opentelemetry.trace import INVALID_SPAN, get_current_span
     except ImportError:
         return None
 
     def read() -> tuple[int, int] | None:
-        ctx = get_current_span().get_span_context()
+        span = get_current_span()
+        if span is INVALID_SPAN:  # no span around the call (the common case: ~180 against ~350 ns a timed call)
+            return None
+        ctx = span.get_span_context()
         # A span that is not sampled has no trace to link to in the tracing backend: no exemplar. Ids
         # are checked as W3C trace context defines them (a non-SDK tracer may hand anything): a 128-bit
         # trace id and a 64-bit span id, neither zero; anything else would make labels no parser accepts.

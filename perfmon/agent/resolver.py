@@ -2,7 +2,7 @@
 
 Each step drains the queue the hot path appends to, asks every pending CUDA pair whether its end
 event completed (``query()``, no synchronize), converts completed pairs to seconds, returns the
-events to their pool and hands each ``Sample`` to the sinks (metrics, windows). Pairs complete
+events to their pool and hands the pass's ``Sample`` list to each sink (metrics, windows...). Pairs complete
 out of order across streams and devices; each is polled on its own. The step is guarded by a
 lock so ``Monitor.flush()`` can run it from the caller's thread and tests can drive it without
 a thread at all.
@@ -23,8 +23,11 @@ from .state import Hub, ModelState
 
 __all__ = ["Annotate", "Resolver", "Sink"]
 
-#: A stage that consumes resolved samples (structlog-style: a plain callable).
-Sink = Callable[[Sample], None]
+_tuple_new = tuple.__new__
+
+#: A stage that consumes resolved samples (structlog-style: a plain callable), a pass's at once, in order: one call
+#: (and one lock) a pass, not a sample (as ``GenerationSink`` and ``PauseSink``).
+Sink = Callable[[list[Sample]], None]
 #: Runs on each pass's samples before the sinks, every pass (even with none), and returns them (replaced
 #: items allowed): telemetry/gcpauses.py marks the calls that overlapped a GC pause.
 Annotate = Callable[[list[Sample]], list[Sample]]
@@ -118,8 +121,9 @@ class Resolver:
         return done
 
     def _resolve(self, p: Pending) -> Sample | object | None:
-        host_seconds = (p.end_ns - p.start_ns) / 1e9
-        pair = p.events
+        # One unpacking, not a named field's read each (~25 ns apiece).
+        probe, seq, cold, start_ns, end_ns, pair, device, items, size, trace, sig = p
+        host_seconds = (end_ns - start_ns) / 1e9
         if pair is None:
             duration = host_seconds
         else:
@@ -129,13 +133,14 @@ class Resolver:
             try:
                 duration = elapsed_seconds(pair)
             except (RuntimeError, ValueError) as exc:
-                next(p.probe.drops["timing_failed"])
+                next(probe.drops["timing_failed"])
                 self.hub.internal.report("elapsed_time", exc)
                 return _DROPPED
             finally:
                 self.hub.pools.release(pair)
-        return Sample(p.probe.name, p.device, COLD if p.cold else STEADY, p.seq, duration, host_seconds,
-                      p.end_ns, p.items, p.probe.stage, p.size, p.trace, sig=p.sig)
+        # Every field in order, built without the named tuple's Python __new__ (~0.3 µs a sample).
+        return _tuple_new(Sample, (probe.name, device, COLD if cold else STEADY, seq, duration, host_seconds, end_ns,
+                                   items, probe.stage, size, trace, 0.0, -1, sig))
 
     def _release(self, p: Pending) -> None:
         if p.events is not None:
@@ -145,11 +150,11 @@ class Resolver:
                 self.hub.internal.report("resolver", exc)
 
     def _deliver(self, samples: list[Sample]) -> int:
-        for sink in self.sinks:
-            for s in samples:
+        if samples:
+            for sink in self.sinks:
                 try:
-                    sink(s)
-                except Exception as exc:
+                    sink(samples)
+                except Exception as exc:  # that sink's view of this pass is lost; the others still get it
                     self.hub.internal.report("sink", exc)
         return len(samples)
 

@@ -29,6 +29,9 @@ from .sampling import Sampler
 __all__ = ["Hub", "ModelState", "Token"]
 
 _OOM = torch.cuda.OutOfMemoryError
+#: Builds a ``Pending`` from its fields in order without the named tuple's Python ``__new__`` (~70 against ~320 ns a
+#: timed call, all its fields given).
+_tuple_new = tuple.__new__
 #: A timed call in progress: (cold, CUDA event pair or None on a wall clock, stream or None).
 Token = tuple[bool, "EventPair | None", Any]
 _OTHER = "other"
@@ -328,7 +331,8 @@ class ModelState:
                     trace = reader()
                 except Exception as exc:  # a broken tracer costs the exemplar, not the sample
                     hub.internal.report("exemplar", exc)
-            queue.append(Pending(self, index, cold, start_ns, end_ns, pair, self.device, items, size, trace, sig))
+            queue.append(_tuple_new(Pending, (self, index, cold, start_ns, end_ns, pair, self.device, items, size,
+                                                   trace, sig)))
             self.last_sample_ns = end_ns
             if len(queue) >= hub.wake_at:
                 hub.wake.set()

@@ -75,13 +75,19 @@ class CapturePolicy:
         if self.detector is not None:
             self.detector.reset_after_fork()
 
-    def sink(self, sample: Sample) -> None:
-        """Steady-state samples feed the regression detector."""
-        if sample.phase == STEADY and self.detector is not None:
-            # Each stage of a generative model has its own baseline: prefill and decode never mix.
-            # Like with like: each sample is judged against its own size class (its work, Sample.size).
-            self.fire(self.detector.add(series_key(sample.model, sample.stage), sample.duration_seconds,
-                                        sample.end_ns, sample.size))
+    def sink(self, samples: list[Sample]) -> None:
+        """Steady-state samples (a pass's) feed the regression detector."""
+        detector = self.detector
+        if detector is None:
+            return
+        for sample in samples:
+            if sample.phase == STEADY:
+                # Each stage of a generative model has its own baseline: prefill and decode never mix.
+                # Like with like: each sample is judged against its own size class (its work, Sample.size).
+                fired = detector.add(series_key(sample.model, sample.stage), sample.duration_seconds, sample.end_ns,
+                                     sample.size)
+                if fired:
+                    self.fire(fired)
 
     def tick(self, now_ns: int) -> None:
         """Close due windows, arm a deferred regression capture, keep baselines fresh."""

@@ -366,10 +366,12 @@ class GcCollector(Collector):
                 self._pauses[g].observe((end - start) / 1e9)
                 self._collected[g] += collected
 
-    def sample(self, sample: Sample) -> None:
-        """Resolver sink: count a timed call that overlapped a pause."""
-        if sample.gc_generation >= 0:
-            self._overlaps[sample.model] = self._overlaps.get(sample.model, 0) + 1
+    def sample(self, samples: list[Sample]) -> None:
+        """Resolver sink: count the timed calls of a pass that overlapped a pause."""
+        overlaps = self._overlaps
+        for sample in samples:
+            if sample.gc_generation >= 0:
+                overlaps[sample.model] = overlaps.get(sample.model, 0) + 1
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -149,34 +149,59 @@ class Metrics:
         """The agent's HTTP port in perfmon_info (each worker of a multi-process server has its own)."""
         self._info.info({**_versions(), "port": "" if port is None else str(port)})
 
-    def observe(self, sample: Sample) -> None:
-        """Sink: put one resolved sample into the histograms (resolver thread)."""
-        key = (sample.model, sample.device, sample.phase, sample.stage)
-        with self._lock:
-            hist = self._duration.get(key)
-            if hist is None:
-                hist = self._duration[key] = _Histogram(self._bounds, self._les, native=True)
-            exemplar = None
+    def observe(self, samples: list[Sample]) -> None:
+        """Sink: put a pass's resolved samples into the histograms (resolver thread). One lock a pass, and each
+        series' values counted in one loop (``observe_many``: ~0.2 against ~1 µs a value through ``observe``); a
+        sample with a trace goes alone, with its exemplar."""
+        durations: dict[tuple[str, str, str, str], list[float]] = {}
+        hosts: dict[tuple[str, str, str, str], list[float]] = {}
+        items: dict[str, list[float]] = {}
+        traced: list[tuple[tuple[str, str, str, str], Sample]] = []
+        for sample in samples:
+            key = (sample.model, sample.device, sample.phase, sample.stage)
             if sample.trace is not None:
-                try:
-                    exemplar = trace_exemplar(sample.trace, sample.duration_seconds, sample.end_ns)
-                except (TypeError, ValueError, OverflowError):
-                    exemplar = None  # ids a tracer made up: the exemplar goes, the sample stays
-            hist.observe(sample.duration_seconds, exemplar)
+                traced.append((key, sample))
+            else:
+                values = durations.get(key)
+                if values is None:
+                    durations[key] = [sample.duration_seconds]
+                else:
+                    values.append(sample.duration_seconds)
             # On a wall clock, host time is the same measurement: exported only where they differ (CUDA).
             if sample.device.startswith("cuda"):
-                host = self._host.get(key)
-                if host is None:
-                    host = self._host[key] = _Histogram(self._host_bounds, self._host_les, native=True)
-                host.observe(sample.host_seconds)
+                hosts.setdefault(key, []).append(sample.host_seconds)
             if sample.items is not None:
-                batch = self._batch.get(sample.model)
+                items.setdefault(sample.model, []).append(float(sample.items))
+        with self._lock:
+            for key, values in durations.items():
+                self._series(self._duration, key, self._bounds, self._les).observe_many(values)
+            for key, sample in traced:
+                try:
+                    exemplar: Exemplar | None = trace_exemplar(sample.trace, sample.duration_seconds,  # type: ignore[arg-type]
+                                                               sample.end_ns)
+                except (TypeError, ValueError, OverflowError):
+                    exemplar = None  # ids a tracer made up: the exemplar goes, the sample stays
+                self._series(self._duration, key, self._bounds, self._les).observe(sample.duration_seconds, exemplar)
+            for key, values in hosts.items():
+                self._series(self._host, key, self._host_bounds, self._host_les).observe_many(values)
+            for model, values in items.items():
+                batch = self._batch.get(model)
                 if batch is None:
-                    batch = self._batch[sample.model] = _Histogram(BATCH_BUCKETS, self._batch_les)
-                batch.observe(float(sample.items))
-        if sample.seq == 0 and sample.model not in self._firsts:
-            ttff = (sample.end_ns - self._started_ns()) / 1e9
-            self._firsts[sample.model] = (sample.duration_seconds, max(ttff, 0.0))
+                    batch = self._batch[model] = _Histogram(BATCH_BUCKETS, self._batch_les)
+                batch.observe_many(values)
+        for sample in samples:
+            if sample.seq == 0 and sample.model not in self._firsts:
+                ttff = (sample.end_ns - self._started_ns()) / 1e9
+                self._firsts[sample.model] = (sample.duration_seconds, max(ttff, 0.0))
+
+    @staticmethod
+    def _series(table: dict[tuple[str, str, str, str], _Histogram], key: tuple[str, str, str, str],
+                bounds: tuple[float, ...], les: tuple[str, ...]) -> _Histogram:
+        """``table``'s histogram of series ``key`` (a native one), made on its first value."""
+        hist = table.get(key)
+        if hist is None:
+            hist = table[key] = _Histogram(bounds, les, native=True)
+        return hist
 
     def first_call(self, model: str) -> tuple[float, float] | None:
         """(cold start seconds, time to first forward seconds) once the first call is resolved."""

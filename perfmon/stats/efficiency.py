@@ -71,29 +71,34 @@ class Efficiency:
         """Stop the counting thread (Monitor.stop, after the resolver)."""
         self.counter.stop(timeout_seconds)
 
-    def observe(self, sample: Sample) -> None:
-        """Resolver sink: keep a steady sample; count its signature first if it was never counted."""
-        if sample.phase != STEADY:
+    def observe(self, samples: list[Sample]) -> None:
+        """Resolver sink: keep a pass's steady samples; count a signature first if it was never counted."""
+        steady = [s for s in samples if s.phase == STEADY]
+        if not steady:
             return
-        sig = sample.sig
-        if sig is not None and sig.count is None:
-            st = self._state_of(sample.model, sample.stage)
-            self.counter.submit(None if st is None else st.target, sig)  # counted on the counter's own thread
-        key = (sample.model, sample.stage)
-        second = sample.end_ns // 1_000_000_000
+        for sample in steady:
+            sig = sample.sig
+            if sig is not None and sig.count is None:
+                st = self._state_of(sample.model, sample.stage)
+                self.counter.submit(None if st is None else st.target, sig)  # counted on the counter's own thread
+        rings, devices = self._rings, self._devices
         with self._lock:
-            ring = self._rings.get(key)
-            if ring is None:
-                ring = self._rings[key] = collections.deque(maxlen=self._seconds_kept)
-            if not ring or ring[-1][0] != second:
-                ring.append((second, {}))
-            total = ring[-1][1].get(sig)
-            if total is None:
-                ring[-1][1][sig] = [1, sample.duration_seconds]
-            else:
-                total[0] += 1
-                total[1] += sample.duration_seconds
-            self._devices[key] = sample.device
+            for sample in steady:
+                key = (sample.model, sample.stage)
+                second = sample.end_ns // 1_000_000_000
+                ring = rings.get(key)
+                if ring is None:
+                    ring = rings[key] = collections.deque(maxlen=self._seconds_kept)
+                if not ring or ring[-1][0] != second:
+                    ring.append((second, {}))
+                by_sig = ring[-1][1]
+                total = by_sig.get(sample.sig)
+                if total is None:
+                    by_sig[sample.sig] = [1, sample.duration_seconds]
+                else:
+                    total[0] += 1
+                    total[1] += sample.duration_seconds
+                devices[key] = sample.device
 
     def series(self) -> list[tuple[str, str]]:
         """The (model, stage) pairs with steady samples kept."""

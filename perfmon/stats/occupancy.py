@@ -103,13 +103,15 @@ class Occupancy:
 
     # -- feeding ------------------------------------------------------------------------------
 
-    def sample(self, s: Sample) -> None:
-        """Resolver sink: a steady call timed with CUDA events adds its host time / device span."""
-        if s.phase == STEADY and s.duration_seconds > 0 and s.device.startswith("cuda"):
-            ring = self._rings.get(s.model)
-            if ring is None:
-                ring = self._rings[s.model] = collections.deque(maxlen=RING)
-            ring.append((s.end_ns, s.host_seconds / s.duration_seconds))
+    def sample(self, samples: list[Sample]) -> None:
+        """Resolver sink: each steady call of a pass timed with CUDA events adds its host time / device span."""
+        rings = self._rings
+        for s in samples:
+            if s.phase == STEADY and s.duration_seconds > 0 and s.device.startswith("cuda"):
+                ring = rings.get(s.model)
+                if ring is None:
+                    ring = rings[s.model] = collections.deque(maxlen=RING)
+                ring.append((s.end_ns, s.host_seconds / s.duration_seconds))
 
     def capture_done(self, meta: Mapping[str, Any]) -> None:
         """Capture listener (a capture's stored metadata): an ok CUDA capture that saw kernels becomes its

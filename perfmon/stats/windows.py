@@ -55,14 +55,16 @@ class Windows:
         self._rings = {}
         self._lock = threading.Lock()
 
-    def add(self, sample: Sample) -> None:
-        """Sink for resolved samples."""
-        key = (sample.model, sample.stage, sample.phase)
+    def add(self, samples: list[Sample]) -> None:
+        """Sink for a pass's resolved samples (one lock a pass)."""
+        rings = self._rings
         with self._lock:
-            ring = self._rings.get(key)
-            if ring is None:
-                ring = self._rings[key] = collections.deque(maxlen=self.max_samples)
-            ring.append((sample.end_ns, sample.duration_seconds, sample.host_seconds, sample.gc_generation))
+            for sample in samples:
+                key = (sample.model, sample.stage, sample.phase)
+                ring = rings.get(key)
+                if ring is None:
+                    ring = rings[key] = collections.deque(maxlen=self.max_samples)
+                ring.append((sample.end_ns, sample.duration_seconds, sample.host_seconds, sample.gc_generation))
 
     def since(self, model: str, phase: str, since_ns: int, stage: str = "") -> list[float]:
         """Durations (s) of ``model``'s ``phase`` samples (of one ``stage``) that ended after ``since_ns``."""
