@@ -106,6 +106,29 @@ def test_quiet_calls_count_every_forward_with_its_items_and_signature(make_monit
     assert "__call__" not in model.__dict__ and type(model).__name__ == "GPT2LMHeadModel"
 
 
+def test_options_set_in_the_models_generation_config_decide_as_the_calls_own(make_monitor) -> None:
+    """Beam search set in the model's generation config (not the call's keywords) is read as generate() reads it:
+    its calls never run quiet and every step is counted, and the call's own keyword wins over the config's. Back to one
+    beam in the config, calls run quiet again."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    new = 5
+    model.generation_config.num_beams = 3
+    for _ in range(5):
+        assert _generate(model, new=new).shape[0] == 2
+    assert truth.on_views == 0 and _forwards(mon) == truth.forwards
+    for _ in range(4):  # the call's own num_beams=1 wins over the config's 3
+        _generate(model, new=new, num_beams=1)
+    assert truth.on_views > 0 and _forwards(mon) == truth.forwards
+    views = truth.on_views
+    model.generation_config.num_beams = 1
+    for _ in range(4):
+        _generate(model, new=new)
+    assert truth.on_views > views and _forwards(mon) == truth.forwards
+    assert _calls(mon, "prefill") == 13
+
+
 def test_a_quiet_calls_prefill_is_counted_under_its_own_prompts_signature(make_monitor) -> None:
     """A quiet call's prefill is counted at its end under the signature a lean call of the same rows, keywords and
     prompt length taught (QuietDecode.learn): prompts of other rows or lengths, one after another, are each counted
