@@ -4,8 +4,7 @@ tap; ``untimed_options`` those an untimed call (``LateCall``, quiet decoding) is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from operator import itemgetter
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["CALL_OPTIONS", "CUT_OPTIONS", "chunked_prefill", "config_of", "options", "untimed_options", "verifies"]
@@ -32,20 +31,10 @@ CUT_OPTIONS = ("eos_token_id", "pad_token_id", "stop_strings")
 def options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list[Any]:
     """The generation options ``keys`` as generate() resolves them: the call's keyword first, then the
     config's (None where neither sets one). A GenerationConfig keeps its options in its ``__dict__``: read there,
-    each costs one dict lookup instead of an attribute lookup through the class. The common call sets none of
-    ``keys`` and its config holds them all: one C call reads them (a getter made once per ``keys``), not a loop of
-    Python lines a key (~35 bytecodes each, run cold between two model calls: ~0.2 µs each in situ)."""
+    each costs one dict lookup instead of an attribute lookup through the class."""
     own = getattr(cfg, "__dict__", None)
     if not isinstance(own, dict):
         own = {}
-    elif kwargs.keys().isdisjoint(keys):
-        getter = _GETTERS.get(keys)
-        if getter is None:
-            getter = _GETTERS[keys] = _getter(keys)
-        try:
-            return list(getter(own))
-        except KeyError:  # an option this config does not hold (another transformers): one by one, below
-            pass
     out = []
     for key in keys:
         value = kwargs.get(key)
@@ -55,18 +44,6 @@ def options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list[
                 value = getattr(cfg, key, None)
         out.append(value)
     return out
-
-
-def _getter(keys: tuple[str, ...]) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
-    """Reads ``keys`` out of a mapping in one call, as a tuple (``itemgetter`` of one key gives the value alone)."""
-    if len(keys) == 1:
-        key = keys[0]
-        return lambda own: (own[key],)
-    return itemgetter(*keys)
-
-
-#: ``options``' getters, by the keys they read: the few key tuples of this module's callers.
-_GETTERS: dict[tuple[str, ...], Callable[[Mapping[str, Any]], tuple[Any, ...]]] = {}
 
 
 #: What a call that may time nothing reads before it runs (``untimed_options``): whether it is assisted, then what
