@@ -13,6 +13,9 @@ the forward's signature, so perfmon still sees a generative model). Segments of 
 - ``a later step``: one decode step's forward returning to the next's (perfmon: a lean or checked step);
 - ``after the last``: the last forward returning to ``generate()`` returning (perfmon: the call's end).
 
+Two checks are reported apart, outside the sums: ``a forward`` (each forward's own time, which the segments take to be
+the same in every variant) and ``the whole request, a token`` (what ``agent_cost.py`` compares).
+
 A third variant, ``floor``, is the least any exact count of a ``generate()``'s forwards can cost in Python: a subclass
 whose ``__call__`` reads a context variable and advances a counter before ``nn.Module._call_impl``, and whose
 ``generate()`` sets that variable around the call and appends one small object to a deque at its start and its end
@@ -51,6 +54,9 @@ from prometheus_client import CollectorRegistry
 import perfmon
 
 SEGMENTS = ("before the prefill", "to the 1st decode", "a later step", "after the last")
+#: Also reported, not in the sums: each forward's own time (the model's; the segments take it to be the same in every
+#: variant), and the whole request a token (what ``agent_cost.py`` compares: the segments, the forwards and the noise).
+CHECKS = ("a forward", "the whole request, a token")
 QUANTILES = (0.1, 0.25, 0.5)
 
 
@@ -178,14 +184,16 @@ def main() -> None:
             gc.enable()
         s = stamps
         gaps = [(s[i + 1] - s[i]) / 1e3 for i in range(1, len(s) - 1, 2)]  # a forward's exit to the next's entry
-        return {"before the prefill": [(s[0] - t0) / 1e3], "to the 1st decode": gaps[:1], "a later step": gaps[1:],
+        return {"a forward": [(s[i + 1] - s[i]) / 1e3 for i in range(0, len(s) - 1, 2)],
+                "the whole request, a token": [(t1 - t0) / 1e3 / args.tokens],
+                "before the prefill": [(s[0] - t0) / 1e3], "to the 1st decode": gaps[:1], "a later step": gaps[1:],
                 "after the last": [(t1 - s[-1]) / 1e3]}
 
     try:
         for _ in range(3):
             for v in variants:
                 run(v)
-        times: dict[str, dict[str, list[float]]] = {v: {k: [] for k in SEGMENTS} for v in variants}
+        times: dict[str, dict[str, list[float]]] = {v: {k: [] for k in (*SEGMENTS, *CHECKS)} for v in variants}
         for _ in range(args.rounds):
             order = list(variants)
             random.shuffle(order)
@@ -213,6 +221,13 @@ def main() -> None:
         rows.append(["a request, summed", v, "", *(f"{t:+.1f}" for t in totals)])
         rows.append(["a token, summed", v, "", *(f"{t / args.tokens:+.2f}" for t in totals)])
     result["per_request_us"] = per_request
+    for k in CHECKS:  # apart from the sums (CHECKS)
+        bare = [_quantile(times["bare"][k], q) for q in QUANTILES]
+        check: dict[str, Any] = {"bare_us": bare}
+        for v in variants[1:]:
+            check[v] = [_quantile(times[v][k], q) - b for q, b in zip(QUANTILES, bare)]
+            rows.append([k, v, f"{bare[1]:.1f}", *(f"{a:+.2f}" for a in check[v])])
+        result["segments"][k] = check
     print(f"\ngenerate() of a tiny GPT-2, {args.tokens} tokens, {args.rounds} rounds, monitor running, 1% sampling: "
           f"µs added by segment (quantile differences against bare)\n")
     print(table(["segment", "variant", "bare q25 µs", "q10", "q25", "median"], rows))
