@@ -14,7 +14,10 @@ the forward's signature, so perfmon still sees a generative model). Segments of 
 - ``after the last``: the last forward returning to ``generate()`` returning (perfmon: the call's end).
 
 Two checks are reported apart, outside the sums: ``a forward`` (each forward's own time, which the segments take to be
-the same in every variant) and ``the whole request, a token`` (what ``agent_cost.py`` compares).
+the same in every variant) and ``the whole request, a token`` (what ``agent_cost.py`` compares). The stamps partition a
+request, so it is exactly the sum of its parts; quantiles do not add up (the q25 of a sum is not the sum of the parts'
+q25s: a part's slow tail moves the whole's q25), so a last table gives 10%-trimmed means, which nearly do: each part's
+a request (its mean times its count), the forwards', and their sum beside the whole's.
 
 A third variant, ``floor``, is the least any exact count of a ``generate()``'s forwards can cost in Python: a subclass
 whose ``__call__`` reads a context variable and advances a counter before ``nn.Module._call_impl``, and whose
@@ -63,6 +66,14 @@ QUANTILES = (0.1, 0.25, 0.5)
 def _quantile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _trimmed_mean(values: list[float], cut: float = 0.1) -> float:
+    """The mean of ``values`` without their lowest and highest ``cut`` (the host's stalls, either way)."""
+    values = sorted(values)
+    k = int(len(values) * cut)
+    kept = values[k:len(values) - k] or values
+    return sum(kept) / len(kept)
 
 
 class _Open:
@@ -228,9 +239,24 @@ def main() -> None:
             check[v] = [_quantile(times[v][k], q) - b for q, b in zip(QUANTILES, bare)]
             rows.append([k, v, f"{bare[1]:.1f}", *(f"{a:+.2f}" for a in check[v])])
         result["segments"][k] = check
+    # 10%-trimmed means, a request's worth of each part (its mean times its count a request): they add up.
+    means: dict[str, dict[str, float]] = {}
+    for v in variants[1:]:
+        parts = {k: (_trimmed_mean(times[v][k]) - _trimmed_mean(times["bare"][k])) * len(times[v][k]) / args.rounds
+                 for k in (*SEGMENTS, "a forward")}
+        whole = (_trimmed_mean(times[v]["the whole request, a token"])
+                 - _trimmed_mean(times["bare"]["the whole request, a token"])) * args.tokens
+        means[v] = {**parts, "segments": sum(parts[k] for k in SEGMENTS), "whole": whole}
+    result["trimmed_means_us_per_request"] = means
     print(f"\ngenerate() of a tiny GPT-2, {args.tokens} tokens, {args.rounds} rounds, monitor running, 1% sampling: "
           f"µs added by segment (quantile differences against bare)\n")
     print(table(["segment", "variant", "bare q25 µs", "q10", "q25", "median"], rows))
+    print("\nThe same by 10%-trimmed means, µs a token added (a part's mean times its count a request, a token):\n")
+    mean_rows = []
+    for v, m in means.items():
+        figures = (m["segments"], m["a forward"], m["segments"] + m["a forward"], m["whole"])
+        mean_rows.append([v, *(f"{x / args.tokens:+.2f}" for x in figures)])
+    print(table(["variant", "segments", "the forwards", "their sum", "the whole request"], mean_rows))
     dump(args.json, result)
 
 
