@@ -162,11 +162,7 @@ class Metrics:
             if sample.trace is not None:
                 traced.append((key, sample))
             else:
-                values = durations.get(key)
-                if values is None:
-                    durations[key] = [sample.duration_seconds]
-                else:
-                    values.append(sample.duration_seconds)
+                durations.setdefault(key, []).append(sample.duration_seconds)
             # On a wall clock, host time is the same measurement: exported only where they differ (CUDA).
             if sample.device.startswith("cuda"):
                 hosts.setdefault(key, []).append(sample.host_seconds)
