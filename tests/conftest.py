@@ -199,11 +199,11 @@ def http(url: str, body: bytes | None = None, *, method: str | None = None, head
 
 
 @contextlib.contextmanager
-def churning(port: int, *, threads: int = 10, held: int = 15,
+def churning(port: int, *, threads: int = 10, held: int = 15, per_second: float | None = None,
              also: Sequence[Callable[[threading.Event], None]] = ()) -> Iterator[threading.Event]:
     """Idle connections to ``port`` on 127.0.0.1, reopened as fast as they go (``threads`` threads, each
-    keeping its newest ``held`` open), plus the ``also`` targets (given the stop event); all stopped and
-    joined (bounded) when the block ends. Yields the stop event."""
+    keeping its newest ``held`` open), or at most ``per_second`` a thread, plus the ``also`` targets (given
+    the stop event); all stopped and joined (bounded) when the block ends. Yields the stop event."""
     stop = threading.Event()
 
     def churn() -> None:
@@ -215,6 +215,8 @@ def churning(port: int, *, threads: int = 10, held: int = 15,
                 mine.append(socket.create_connection(("127.0.0.1", port), timeout=1))
             if len(mine) > held:
                 mine.pop(0).close()
+            if per_second is not None:
+                stop.wait(1.0 / per_second)  # pacing the load, not waiting for anything
         for s in mine:
             s.close()
 
