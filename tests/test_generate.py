@@ -707,11 +707,14 @@ def test_a_generate_given_a_cache_with_a_prefix_asks_the_stage_of_its_first_forw
     assert _calls(mon, "decode") == 3 + 4
 
 
-def test_a_call_that_times_nothing_is_in_flight_from_its_start_and_its_output_is_not_kept(make_monitor) -> None:
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_call_that_times_nothing_is_in_flight_from_its_start_and_its_output_is_not_kept(make_monitor,
+                                                                                         rows: int) -> None:
     """A generate() call that times nothing (no tap, no streamer of the caller's, no assistant) opens and settles its
     requests through the tracker's pending queue, run by the next read or drain: a read while it runs sees its
-    requests in flight since the call began, a read after it returns counts them exactly, and what it returned is not
-    kept for that (an output of ``return_dict_in_generate`` holds the KV cache: freed with the caller's reference)."""
+    requests in flight since the call began, a read after it returns counts them exactly (a call of one row opened in
+    flight, and one opened after it returned, counted whole, alike), and what it returned is not kept for that (an
+    output of ``return_dict_in_generate`` holds the KV cache: freed with the caller's reference)."""
     import gc
     import weakref
 
@@ -728,14 +731,21 @@ def test_a_call_that_times_nothing_is_in_flight_from_its_start_and_its_output_is
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     began = time.perf_counter()
-    _generate(model, batch=2, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
+    _generate(model, batch=rows, stopping_criteria=transformers.StoppingCriteriaList([Reads()]))
     for in_flight, oldest, since in seen:
-        assert in_flight == 2 and oldest is not None and 0 < oldest <= since
+        assert in_flight == rows and oldest is not None and 0 < oldest <= since
     assert seen[1][1] > seen[0][1]  # the same requests, older at the second step
     gen = mon.stats()["generation"]["gpt2"]
-    assert gen["in_flight"] == 0 and gen["requests"]["ok"] == 3 and gen["generated_tokens"] == 3 * NEW
+    assert gen["in_flight"] == 0 and gen["requests"]["ok"] == 1 + rows and gen["generated_tokens"] == (1 + rows) * NEW
+    _generate(model, batch=1)  # opened after it returned (no read in between): counted whole
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["in_flight"] == 0 and gen["requests"]["ok"] == 2 + rows and gen["generated_tokens"] == (2 + rows) * NEW
     mon.generations.drain()
     assert value(mon, "perfmon_time_to_first_token_seconds_count", model="gpt2") == 1  # the first call's only
+    assert value(mon, "perfmon_generation_duration_seconds_count", model="gpt2") == 2 + rows
+    assert value(mon, "perfmon_generation_output_tokens_sum", model="gpt2") == (2 + rows) * NEW
+    assert value(mon, "perfmon_generation_prompt_tokens_sum", model="gpt2") == (2 + rows) * PROMPT
+    assert value(mon, "perfmon_prompt_tokens_total", model="gpt2") == (2 + rows) * PROMPT
 
     ids = torch.randint(0, 100, (1, PROMPT))
     with torch.inference_mode():
@@ -747,4 +757,4 @@ def test_a_call_that_times_nothing_is_in_flight_from_its_start_and_its_output_is
     del out, cache
     gc.collect()
     assert gone() is None  # before any read: perfmon kept the sequences, not the output
-    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == 4 * NEW
+    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == (3 + rows) * NEW

@@ -129,6 +129,37 @@ def test_options_set_in_the_models_generation_config_decide_as_the_calls_own(mak
     assert _calls(mon, "prefill") == 13
 
 
+def test_options_a_config_holds_on_its_class_or_comes_with_the_call_decide_too(make_monitor) -> None:
+    """Beam search set where the common read does not look (a config class's own attribute, not the config's) or in a
+    config passed as the call's ``generation_config=``: its calls never run quiet and every step is counted, as for
+    beam search set anywhere else; calls with one beam run quiet."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+
+    class Beams(transformers.GenerationConfig):
+        num_beams = 3  # the class's, once the instance's own is gone
+
+    cfg = Beams(**model.generation_config.to_dict())
+    del cfg.__dict__["num_beams"]
+    assert cfg.num_beams == 3
+    model.generation_config = cfg
+    for _ in range(4):
+        assert _generate(model, new=5).shape[0] == 2
+    assert truth.on_views == 0 and _forwards(mon) == truth.forwards
+    model.generation_config = transformers.GenerationConfig(**cfg.to_dict())
+    model.generation_config.num_beams = 1
+    for _ in range(4):
+        _generate(model, new=5)
+    views = truth.on_views
+    assert views > 0 and _forwards(mon) == truth.forwards
+    passed = transformers.GenerationConfig(**model.generation_config.to_dict())
+    passed.num_beams = 3
+    for _ in range(4):
+        _generate(model, new=5, generation_config=passed)
+    assert truth.on_views == views and _forwards(mon) == truth.forwards
+
+
 def test_a_quiet_calls_prefill_is_counted_under_its_own_prompts_signature(make_monitor) -> None:
     """A quiet call's prefill is counted at its end under the signature a lean call of the same rows, keywords and
     prompt length taught (QuietDecode.learn): prompts of other rows or lengths, one after another, are each counted

@@ -297,6 +297,30 @@ class GenerationTracker:
         else:
             self.queue.append((counts, DONE, now - g.start_ns, g.tokens, now, outcome, g.prompt_tokens))
 
+    def count_ended(self, name: str, start_ns: int, end_ns: int, outcome: str, tokens: int, real: int,
+                    padding: int) -> None:
+        """Count a request that already ended, all at once: what ``start``, ``add_prompt``, ``settle`` (no token times)
+        and ``finish_at`` would count for it (started, its prompt's ``real`` tokens and ``padding``, its ``tokens``, its
+        ``outcome``, and its end record: duration from ``start_ns`` to ``end_ns``, ``perf_counter_ns``), with no
+        ``Generation`` made and no live-table entry (it was never in flight for a reader to see). A ``generate()``
+        call's opening that runs after the call returned (``LateCall``, usually: a reader's pass runs both)."""
+        counts = self._names.get(name) if name.__class__ is str else None
+        if counts is None:
+            counts = self._register(name)
+        with self._lock:
+            counts.prompt += real
+            counts.padding += padding
+        next(counts.started)
+        if tokens:
+            advance(counts.generated, tokens)
+        next(counts.requests[outcome])
+        if not self._timing():  # counted only, as a request started while the monitor is stopped
+            return
+        if len(self.queue) >= self.queue_size:
+            next(counts.dropped["queue_full"])
+        else:
+            self.queue.append((counts, DONE, end_ns - start_ns, tokens, end_ns, outcome, real))
+
     def add_prompt(self, counts: GenerationCounts, real: int, padding: int) -> None:
         """Add a generate() call's prompt tokens (real ones and padding), known when the call ends."""
         with self._lock:

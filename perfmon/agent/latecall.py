@@ -32,8 +32,8 @@ class LateCall:
     made here cost ~20 µs and its settling hand-over ~13 (BENCHMARKS §3b): what is left here is a few µs.
     """
 
-    __slots__ = ("active", "args", "call", "decoder", "encoder_decoder", "ended", "internal", "kwargs", "mask", "model",
-                 "name", "one", "options", "prompt_len", "quiet", "start_ns", "tracker")
+    __slots__ = ("active", "args", "call", "closed", "decoder", "encoder_decoder", "ended", "internal", "kwargs",
+                 "mask", "model", "name", "one", "options", "prompt_len", "quiet", "start_ns", "tracker", "whole")
 
     def __init__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: GenerationTracker,
                  name: str, internal: InternalErrors, *, encoder_decoder: bool, quiet: QuietDecode | None = None,
@@ -63,8 +63,14 @@ class LateCall:
         self.mask: Any = None
         self.prompt_len = 0
         self.ended: tuple[Any, ...] = ()
+        self.whole = False  # counted whole when it closes (``_open``: it had returned)
+        self.closed = False
         self.start_ns = perf_counter_ns() if start_ns is None else start_ns
-        tracker.hand_over(self._open)
+        # GenerationTracker.hand_over, inline: a frame less on the request thread, where each costs ~1 µs in situ.
+        pending = tracker.pending
+        pending.append(self._open)
+        if len(pending) >= tracker.wake_at and tracker.wake is not None:
+            tracker.wake()
 
     def _open(self) -> None:
         """Open the call's requests (on a reader's thread). The common call, one sequence from one row of input ids (a
@@ -83,6 +89,10 @@ class LateCall:
                 and (mask is None or (type(mask) is _Tensor and mask.dim() == 2 and mask.is_cpu))):
             self.prompt_len = int(ids.shape[1])
             self.mask = mask
+            if self.ended:  # it returned before this ran (usual: one pass runs both): counted whole, no Generation
+                self.whole = True
+                self._close()
+                return
             self.one = self.tracker.start(self.name, now=self.start_ns)
             return
         self.call = GenerateCall(self.model, args, kwargs, self.tracker, self.name, False, self.internal,
@@ -122,9 +132,17 @@ class LateCall:
             self.internal.report("generation", exc)
             out, now = None, perf_counter_ns()
         self.ended = (outcome, out, now)
-        self.tracker.hand_over(self._close)
+        tracker = self.tracker  # GenerationTracker.hand_over, inline (as when the call opened)
+        pending = tracker.pending
+        pending.append(self._close)
+        if len(pending) >= tracker.wake_at and tracker.wake is not None:
+            tracker.wake()
 
     def _close(self) -> None:
+        """Settle the returned call (on a reader's thread, once: ``_open`` runs it first for a call counted whole)."""
+        if self.closed:
+            return
+        self.closed = True
         quiet = self.quiet
         outcome, out, now = self.ended
         if quiet is not None:
@@ -132,16 +150,18 @@ class LateCall:
                 quiet.count(out)
             except Exception as exc:
                 self.internal.report("generation", exc)
-        if self.one is not None:
+        if self.one is not None or self.whole:
             self._settle_one(self.one, outcome, out, now)
         elif self.call is not None:  # None: opening it failed (counted as an internal error)
             self.call.end(outcome, out, now=now)
 
-    def _settle_one(self, g: Generation, outcome: str, out: Any, now: int) -> None:
+    def _settle_one(self, g: Generation | None, outcome: str, out: Any, now: int) -> None:
         """End a call of one sequence as ``GenerateCall`` would: its prompt's real tokens (the mask's ones; padding
         apart), its generated tokens (the returned sequence's columns after the prompt: it stops right after its EOS),
-        none for a call that raised; the request ends either way."""
+        none for a call that raised; the request ends either way. ``g`` None: the request was never opened (the call
+        returned before its opening ran): counted whole (``GenerationTracker.count_ended``)."""
         tracker = self.tracker
+        real = tokens = 0
         try:
             mask, prompt = self.mask, self.prompt_len
             if mask is None:
@@ -150,12 +170,17 @@ class LateCall:
                 real = int(sum(mask.tolist()[0]))
             else:
                 real = int(mask.sum())
-            tracker.add_prompt(g._counts, real, max(0, prompt - real))
             tokens = max(0, int(out.shape[-1]) - prompt) if outcome == OK and type(out) is _Tensor else 0
-            tracker.settle(g, [], None, 0, tokens, real)
+            if g is not None:
+                tracker.add_prompt(g._counts, real, max(0, prompt - real))
+                tracker.settle(g, [], None, 0, tokens, real)
         except Exception as exc:  # never the caller's problem: the request still ends, with what was known
             self.internal.report("generation", exc)
         try:
-            tracker.finish_at(g, outcome, now)
+            if g is None:
+                tracker.count_ended(self.name, self.start_ns, now, outcome, tokens, real,
+                                    max(0, self.prompt_len - real))
+            else:
+                tracker.finish_at(g, outcome, now)
         except Exception as exc:
             self.internal.report("generation", exc)

@@ -60,6 +60,9 @@ _Tensor = torch.Tensor
 _CALL_IMPL = torch.nn.Module._call_impl
 _CALL_IMPL_CODE = _CALL_IMPL.__code__
 _set = object.__setattr__
+#: Whether this torch can hold MPS tensors at all: where it cannot (every Linux and Windows build), a prompt's place is
+#: not read a call (a tensor's getter costs ~1 µs in situ, between two model calls).
+_MPS = bool(torch.backends.mps.is_built())
 #: Keyed shapes of calls kept per model (rows, positional count, keyword names, the prompt's length); cleared when
 #: full.
 MEMO_SIZE = 256
@@ -250,7 +253,7 @@ class QuietDecode:
                 or pst is None or not pst.next_index or pst.capture is not None
                 or (tracked and (pentry is None or pentry.warm_left or pentry.evicted_ns))
                 or (stages.hub.requests and requests_current.get() is not None)
-                or ids.is_mps):  # type: ignore[union-attr]
+                or (_MPS and ids.is_mps)):  # type: ignore[union-attr]
             active = Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
             active.key = key
             # What it may teach of its prefill (Stages.prefilled): one forward of the whole prompt, when nothing (or a
