@@ -139,6 +139,7 @@ class Models:
         # (generation_sample_rate), and always when every forward of it is.
         calls = CallSampler(cfg.generation_sample_rate or cfg.sample_rate, cfg.sample_floor_seconds,
                             every=max(1, round(1 / cfg.sample_rate)))
+        counted, every, floor_ns = calls.calls, calls.every, calls.floor_ns
         clock = perf_counter_ns
         generations = self._generations
         internal = self._hub.internal
@@ -156,15 +157,16 @@ class Models:
             if kwargs.get("cache_implementation") == "paged":  # generate() hands over to continuous batching:
                 return None  # its requests are tracked there, by id (batching.py), not counted twice
             now = clock()
-            picked = calls.pick(now)
+            index = next(counted)  # CallSampler.pick, inline: a frame less on the request thread (~2 µs in situ)
+            picked = (0 if index % every and index < calls.next and now - calls.last_ns < floor_ns
+                      else calls.due(index, now))
             if (not picked and returns_sequences and streamable and hub.timing
                     and kwargs.get("streamer") is None and len(generations.pending) < generations.queue_size):
                 options = untimed_options(module, args, kwargs)
                 if options is not None:  # not assisted
                     # Times nothing, needs nothing while it runs: opened and settled by the next read or drain.
-                    return LateCall(module, args, kwargs, generations, label, internal,
-                                    encoder_decoder=encoder_decoder, quiet=quiet[0] if quiet else None,
-                                    options=options, start_ns=now)
+                    return LateCall(module, args, kwargs, generations, label, internal, encoder_decoder,
+                                    quiet[0] if quiet else None, options, now)
             return GenerateCall(module, args, kwargs, generations, label, picked == TIMELINE | EVERY_STEP, internal,
                                 streamable=streamable, encoder_decoder=encoder_decoder,
                                 timeline=picked != 0 or not returns_sequences, own=returns_sequences)

@@ -53,34 +53,39 @@ class CallSampler:
     call more or one fewer, never change a count.
     """
 
-    # Slots: the five reads a call makes are slot reads, not an instance dict's lookups (each ~0.3 µs in situ).
-    __slots__ = ("_calls", "_every", "_floor_ns", "_last_ns", "_next", "_sampler")
+    # Slots: the reads a call makes are slot reads, not an instance dict's lookups (each ~0.3 µs in situ).
+    __slots__ = ("_sampler", "calls", "every", "floor_ns", "last_ns", "next")
 
     def __init__(self, rate: float, floor_seconds: float, *, seed: int | None = None, every: int = 0) -> None:
         """``every``: ``pick`` also says which calls have every step timed: the first, then one in ``every``
         (a fixed stride: the share of the model's forwards that are timed stays ``1/every``)."""
         self._sampler = Sampler(rate, floor_seconds, seed=seed)
-        self._floor_ns = self._sampler.floor_ns
-        self._every = every if every > 0 else 1 << 62  # 0: only the first call (index 0)
-        self._calls = itertools.count()
-        self._next = 0
-        self._last_ns = -self._floor_ns  # the first call is due
+        #: The calls so far (``next()``: a call's index), the every-step stride and the floor (ns): fixed.
+        self.calls = itertools.count()
+        self.every = every if every > 0 else 1 << 62  # 0: only the first call (index 0)
+        self.floor_ns = self._sampler.floor_ns
+        #: The next call whose tokens are timed, and when the last one started (``perf_counter_ns``).
+        self.next = 0
+        self.last_ns = -self.floor_ns  # the first call is due
 
     def pick(self, now_ns: int) -> int:
         """One decision for the call starting at ``now_ns`` (``perf_counter_ns``): 0 (counted, not timed),
         ``TIMELINE`` (its tokens timed) or ``TIMELINE | EVERY_STEP`` (its tokens and every forward timed). One
-        counter and two compares, on the request thread between two calls of the model, where every object
-        touched costs ~0.3-1 µs (BENCHMARKS §3b): the floor is compared here, not asked of the Sampler."""
-        index = next(self._calls)
-        if index % self._every == 0:
-            self._next = self._sampler.next_index(index)
-            self._last_ns = now_ns
-            return TIMELINE | EVERY_STEP
-        if index >= self._next or now_ns - self._last_ns >= self._floor_ns:
-            self._next = self._sampler.next_index(index)
-            self._last_ns = now_ns
-            return TIMELINE
-        return 0
+        counter and three compares, on the request thread between two calls of the model, where every object
+        touched costs ~0.3-1 µs (BENCHMARKS §3b): the floor is compared here, not asked of the Sampler. A caller
+        on the request path may take the same test inline (its frame costs ~2 µs in situ) and ask ``due`` only
+        for a call it finds due."""
+        index = next(self.calls)
+        if index % self.every and index < self.next and now_ns - self.last_ns < self.floor_ns:
+            return 0
+        return self.due(index, now_ns)
+
+    def due(self, index: int, now_ns: int) -> int:
+        """Call ``index``, starting at ``now_ns``, is due (``pick``'s test failed): the next index drawn; what it
+        times."""
+        self.next = self._sampler.next_index(index)
+        self.last_ns = now_ns
+        return TIMELINE | EVERY_STEP if index % self.every == 0 else TIMELINE
 
 
 #: ``CallSampler.pick``: the call's tokens are timed (TTFT, inter-token latency) ...
