@@ -39,6 +39,7 @@ __all__ = [
     "advance",
     "check_name",
     "check_prompt",
+    "done_event",
     "events_of",
 ]
 
@@ -165,8 +166,17 @@ def events_of(rec: tuple[Any, ...]) -> Iterator[GenerationEvent]:
         if seconds:
             yield TokenRun(name, seconds, weights, ends)
     else:
-        _, _, duration_ns, output, end, outcome, prompt = rec
-        yield RequestDone(name, outcome, duration_ns / 1e9, prompt, output, end)
+        yield done_event(rec)
+
+
+def done_event(rec: tuple[Any, ...]) -> RequestDone:
+    """The one event a ``DONE`` record stands for, every request's last: the resolver takes it without a generator
+    (``GenerationTracker.drain``), built as a plain tuple of its class (a NamedTuple's ``__new__`` is a Python call)."""
+    counts, _, duration_ns, output, end, outcome, prompt = rec
+    return _tuple_new(RequestDone, (counts.name, outcome, duration_ns / 1e9, prompt, output, end))
+
+
+_tuple_new = tuple.__new__
 
 
 def advance(counter: itertools.count[int], n: int, *more: itertools.count[int]) -> None:

@@ -51,6 +51,7 @@ from .gen_events import (
     advance,
     check_name,
     check_prompt,
+    done_event,
     events_of,
 )
 from .streams import (
@@ -419,7 +420,10 @@ class GenerationTracker:
                 except IndexError:
                     break
                 try:
-                    batch.extend(events_of(rec))
+                    if rec[1] == DONE:  # every request's last record: one event, no generator
+                        batch.append(done_event(rec))
+                    else:
+                        batch.extend(events_of(rec))
                 except Exception as exc:  # pragma: no cover - records are built by this module
                     self._internal.report("generation", exc)
             if not batch:

@@ -11,7 +11,7 @@ from ..faults import InternalErrors
 from .active import LEAN_STEPS, Active
 from .decoding import GenerateCall
 from .generation import Generation, GenerationTracker
-from .quiet import Quiet, QuietDecode
+from .quiet import VIEWS, Quiet, QuietDecode
 from .streams import OK
 
 __all__ = ["LateCall"]
@@ -112,7 +112,9 @@ class LateCall:
                 # (quiet.py); its view and this Active back to the pool for the next call (the settling reads
                 # neither: ``self.quiet`` is its own).
                 now = perf_counter_ns()
-                quiet.release()
+                views = quiet.owner.views  # Quiet.release, inline: a frame less on the request thread (~1 µs in situ)
+                if len(views) < VIEWS:
+                    views.append((quiet.view, active))
             else:
                 error = out if isinstance(out, BaseException) else None
                 if error is not None:

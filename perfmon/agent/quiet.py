@@ -54,7 +54,7 @@ from .phases import Signature
 from .requests import current as requests_current
 from .stages import DECODE, PREFILL, Stages, kv_cache
 
-__all__ = ["Quiet", "QuietDecode"]
+__all__ = ["VIEWS", "Quiet", "QuietDecode"]
 
 _Tensor = torch.Tensor
 _CALL_IMPL = torch.nn.Module._call_impl
