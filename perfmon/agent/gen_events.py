@@ -16,13 +16,14 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from ..config import log_buckets
 from ..exceptions import ConfigError
 from ..faults import count_value
-from .streams import OUTCOMES
+from .streams import OK, OUTCOMES
 
 __all__ = [
     "DONE",
@@ -30,6 +31,7 @@ __all__ = [
     "FIRST",
     "NEXT",
     "TIMELINE",
+    "EventRings",
     "GenerationCounts",
     "GenerationEvent",
     "GenerationSink",
@@ -107,6 +109,49 @@ class TokenRun(NamedTuple):
 GenerationEvent = TokenTiming | TokenRun | RequestDone
 #: A stage that consumes a batch of generation events (resolver thread).
 GenerationSink = Callable[[list[GenerationEvent]], None]
+
+
+class EventRings:
+    """The /stats rings of generation events: (end_ns, value) per name and kind (``ttft``, ``itl``, ``duration``: an
+    ``ok`` request's seconds, ``output``: a request's tokens), each bounded by ``cap`` (the latest kept)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
+        self._lock = threading.Lock()
+
+    def _ring(self, model: str, kind: str) -> collections.deque[tuple[int, float]]:
+        r = self._rings.get((model, kind))
+        if r is None:
+            r = self._rings[(model, kind)] = collections.deque(maxlen=self.cap)
+        return r
+
+    def remember(self, events: list[GenerationEvent]) -> None:
+        """Sink: a drained batch (resolver thread). A chunk's n tokens are n observations, as in the histograms."""
+        ring, cap = self._ring, self.cap
+        with self._lock:
+            for ev in events:
+                if isinstance(ev, TokenRun):
+                    if ev.tokens is None:
+                        ring(ev.model, "itl").extend(zip(ev.end_ns, ev.seconds))
+                    else:
+                        itl = ring(ev.model, "itl")
+                        for end, seconds, n in zip(ev.end_ns, ev.seconds, ev.tokens):
+                            itl.extend(itertools.repeat((end, seconds), min(n, cap)))
+                elif isinstance(ev, TokenTiming):
+                    if ev.tokens == 1:
+                        ring(ev.model, ev.kind).append((ev.end_ns, ev.seconds))
+                    else:
+                        ring(ev.model, ev.kind).extend(itertools.repeat((ev.end_ns, ev.seconds), min(ev.tokens, cap)))
+                else:
+                    if ev.outcome == OK:
+                        ring(ev.model, "duration").append((ev.end_ns, ev.duration_seconds))
+                    ring(ev.model, "output").append((ev.end_ns, float(ev.output_tokens)))
+
+    def since(self, cutoff_ns: int) -> dict[tuple[str, str], list[float]]:
+        """(name, kind) -> the values of the events that ended at ``cutoff_ns`` or later (``perf_counter_ns``)."""
+        with self._lock:
+            return {key: [v for end, v in ring if end >= cutoff_ns] for key, ring in self._rings.items()}
 
 
 class GenerationCounts:

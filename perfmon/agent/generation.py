@@ -42,6 +42,7 @@ from .gen_events import (
     TIMELINE,
     TOKEN_BUCKETS,
     TTFT_BUCKETS,
+    EventRings,
     GenerationCounts,
     GenerationEvent,
     GenerationSink,
@@ -225,8 +226,7 @@ class GenerationTracker:
         #: One reader at a time runs the work handed over: a late generate() call's opening must finish before its
         #: closing runs (latecall.LateCall), and two readers popping them could run them at once. Readers only.
         self._settling = threading.RLock()
-        self._rings: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
-        self._rings_lock = threading.Lock()
+        self._rings = EventRings(self.max_samples)
 
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's requests are the parent's; a lock held at fork() is replaced.
@@ -429,42 +429,12 @@ class GenerationTracker:
             if not batch:
                 break
             done += len(batch)
-            for stage in (self._remember, *self.sinks):
+            for stage in (self._rings.remember, *self.sinks):
                 try:
                     stage(batch)
                 except Exception as exc:
                     self._internal.report("generation", exc)
         return done
-
-    def _remember(self, events: list[GenerationEvent]) -> None:
-        """The /stats rings: (end_ns, value) per name and kind, bounded by max_samples."""
-        rings = self._rings
-        cap = self.max_samples
-
-        def ring(model: str, kind: str) -> collections.deque[tuple[int, float]]:
-            r = rings.get((model, kind))
-            if r is None:
-                r = rings[(model, kind)] = collections.deque(maxlen=cap)
-            return r
-
-        with self._rings_lock:
-            for ev in events:
-                if isinstance(ev, TokenRun):
-                    if ev.tokens is None:
-                        ring(ev.model, "itl").extend(zip(ev.end_ns, ev.seconds))
-                    else:  # a chunk's n tokens are n observations, as in the histogram
-                        itl = ring(ev.model, "itl")
-                        for end, seconds, n in zip(ev.end_ns, ev.seconds, ev.tokens):
-                            itl.extend(itertools.repeat((end, seconds), min(n, cap)))
-                elif isinstance(ev, TokenTiming):
-                    if ev.tokens == 1:
-                        ring(ev.model, ev.kind).append((ev.end_ns, ev.seconds))
-                    else:  # a chunk's n tokens are n observations, as in the histogram
-                        ring(ev.model, ev.kind).extend(itertools.repeat((ev.end_ns, ev.seconds), min(ev.tokens, cap)))
-                else:
-                    if ev.outcome == OK:
-                        ring(ev.model, "duration").append((ev.end_ns, ev.duration_seconds))
-                    ring(ev.model, "output").append((ev.end_ns, float(ev.output_tokens)))
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -488,8 +458,7 @@ class GenerationTracker:
         span_s = (now - cutoff) / 1e9
         with self._lock:
             live = list(self._live.values())
-        with self._rings_lock:
-            rings = {key: [v for end, v in ring if end >= cutoff] for key, ring in self._rings.items()}
+        rings = self._rings.since(cutoff)
         oldest: dict[str, int] = {}
         for counts, start in live:
             oldest[counts.name] = min(start, oldest.get(counts.name, start))
