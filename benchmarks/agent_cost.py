@@ -175,39 +175,43 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
         for k in order:
             times[k].append(run(k))
     # What the resolver (or any reader) runs for the untimed calls, ~99%: each LateCall's opening and settling handed
-    # over by the request thread (the calls' own, not a synthetic request), then the drain of their records.
+    # over by the request thread (the calls' own, not a synthetic request), then the drain of their records, timed
+    # together, a batch of 100 calls, as the resolver would run them, divided by the requests the batch settled (its
+    # ``_close`` works: one a call). Each call's works are taken as it returns: the resolver's own pass (every second)
+    # would otherwise run most of a batch first. The least of six batches: the work, without the host's stalls.
     if not wrapped:
         mon.wrap(model, name="gpt2_tiny")
         wrapped = True
     tracker = mon.generations
-    late: dict[str, list[float]] = {"open": [], "close": [], "drain": []}
+    late: list[tuple[float, float, float]] = []  # (µs a request: the works, the drain, both), a batch each
     with torch.inference_mode():
         for _ in range(settle):
             model.generate(ids, **kw)
         tracker.settle_pending()
         tracker.drain()
-        for _ in range(3):
+        for _ in range(6):
+            works = []
             for _ in range(100):
                 model.generate(ids, **kw)
-            works = []
-            while True:  # taken before the resolver's next tick does: timed here, in its batch, as it would run them
-                try:
-                    works.append(tracker.pending.popleft())
-                except IndexError:
-                    break
+                while True:  # taken as each call returns, before the resolver's tick (a second) does: run below
+                    try:
+                        works.append(tracker.pending.popleft())
+                    except IndexError:
+                        break
+            requests = sum(getattr(w, "__name__", "") == "_close" for w in works)
+            if not requests:
+                continue
             gc.disable()
             try:
-                for part, name in (("open", "_open"), ("close", "_close")):
-                    mine = [w for w in works if getattr(w, "__name__", "") == name]
-                    t0 = time.perf_counter_ns()
-                    for w in mine:
-                        w()
-                    late[part].append((time.perf_counter_ns() - t0) / 1e3 / max(1, len(mine)))
                 t0 = time.perf_counter_ns()
-                drained = tracker.drain()
-                late["drain"].append((time.perf_counter_ns() - t0) / 1e3 / max(1, drained))
+                for w in works:
+                    w()
+                t1 = time.perf_counter_ns()
+                tracker.drain()
+                t2 = time.perf_counter_ns()
             finally:
                 gc.enable()
+            late.append(((t1 - t0) / 1e3 / requests, (t2 - t1) / 1e3 / requests, (t2 - t0) / 1e3 / requests))
     if wrapped:
         mon.unwrap(model)
     for v in times.values():
@@ -235,9 +239,10 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
             drain.append((time.perf_counter_ns() - t0) / 1e3 / 200 / new)
         result[f"resolver_{kind.split()[-1]}_us_per_token"] = min(drain)
         rows.append([f"the resolver's settling and drain, {kind} call", "", "", f"+{min(drain):.2f}"])
-    untimed = sum(min(v) for v in late.values()) / new
+    least = min(late, key=lambda parts: parts[2]) if late else (0.0, 0.0, 0.0)
+    untimed = least[2] / new
     result["resolver_untimed_us_per_token"] = untimed
-    result["resolver_untimed_parts_us_per_request"] = {k: min(v) for k, v in late.items()}
+    result["resolver_untimed_parts_us_per_request"] = {"works": least[0], "drain": least[1], "batches": len(late)}
     rows.append(["the resolver's opening, settling and drain, an untimed call (its own)", "", "", f"+{untimed:.2f}"])
     # What the user's serving thread pays on a GIL-bound server: the request thread's part and the reader's (~99% of
     # calls untimed; a timed call's drain is the row above, 1 in 100).

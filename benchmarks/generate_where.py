@@ -13,11 +13,14 @@ the forward's signature, so perfmon still sees a generative model). Segments of 
 - ``a later step``: one decode step's forward returning to the next's (perfmon: a lean or checked step);
 - ``after the last``: the last forward returning to ``generate()`` returning (perfmon: the call's end).
 
-Two checks are reported apart, outside the sums: ``a forward`` (each forward's own time, which the segments take to be
-the same in every variant) and ``the whole request, a token`` (what ``agent_cost.py`` compares). The stamps partition a
-request, so it is exactly the sum of its parts; quantiles do not add up (the q25 of a sum is not the sum of the parts'
-q25s: a part's slow tail moves the whole's q25), so a last table gives 10%-trimmed means, which nearly do: each part's
-a request (its mean times its count), the forwards', and their sum beside the whole's.
+Four checks are reported apart, outside the sums: ``a forward`` (each forward's own time, which the segments take to be
+the same in every variant), ``the whole request, a token`` (what ``agent_cost.py`` compares), and ``into generate()`` /
+``out of generate()``: from calling ``generate()`` to transformers' own ``generate()`` starting, and from its return to
+the caller's (a stamp there too, under every variant's wrapper): the part of the first and last segments that is the
+wrapper's own work, without transformers' ~1 ms of preparation and its spread (the A/A reads ±0.05 µs). The stamps
+partition a request, so it is exactly the sum of its parts; quantiles do not add up (the q25 of a sum is not the sum of
+the parts' q25s: a part's slow tail moves the whole's q25), so a last table gives 10%-trimmed means, which nearly do:
+each part's a request (its mean times its count), the forwards', and their sum beside the whole's.
 
 A third variant, ``floor``, is the least any exact count of a ``generate()``'s forwards can cost in Python: a subclass
 whose ``__call__`` reads a context variable and advances a counter before ``nn.Module._call_impl``, and whose
@@ -59,7 +62,7 @@ import perfmon
 SEGMENTS = ("before the prefill", "to the 1st decode", "a later step", "after the last")
 #: Also reported, not in the sums: each forward's own time (the model's; the segments take it to be the same in every
 #: variant), and the whole request a token (what ``agent_cost.py`` compares: the segments, the forwards and the noise).
-CHECKS = ("a forward", "the whole request, a token")
+CHECKS = ("a forward", "the whole request, a token", "into generate()", "out of generate()")
 QUANTILES = (0.1, 0.25, 0.5)
 
 
@@ -172,6 +175,18 @@ def main() -> None:
         return out
 
     base.forward = stamped  # type: ignore[method-assign]
+    edges: list[int] = []
+    edge = edges.append
+    generate = base.generate
+
+    @functools.wraps(generate)  # transformers' own generate(), stamped at its start and return: under every wrapper
+    def edged(self: Any, *a: Any, **k: Any) -> Any:
+        edge(clock())
+        out = generate(self, *a, **k)
+        edge(clock())
+        return out
+
+    base.generate = edged  # type: ignore[method-assign]
     mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", count_flops=False,
                           sample_floor_seconds=1e9).start()
     ids = torch.randint(2, 1000, (1, 8))
@@ -188,6 +203,7 @@ def main() -> None:
                 for _ in range(settle):  # after the switch: not measured (SETTLE_EXECUTIONS)
                     model.generate(ids, **kw)
                 stamps.clear()
+                edges.clear()
                 t0 = clock()
                 model.generate(ids, **kw)
                 t1 = clock()
@@ -198,7 +214,8 @@ def main() -> None:
         return {"a forward": [(s[i + 1] - s[i]) / 1e3 for i in range(0, len(s) - 1, 2)],
                 "the whole request, a token": [(t1 - t0) / 1e3 / args.tokens],
                 "before the prefill": [(s[0] - t0) / 1e3], "to the 1st decode": gaps[:1], "a later step": gaps[1:],
-                "after the last": [(t1 - s[-1]) / 1e3]}
+                "after the last": [(t1 - s[-1]) / 1e3],
+                "into generate()": [(edges[0] - t0) / 1e3], "out of generate()": [(t1 - edges[-1]) / 1e3]}
 
     try:
         for _ in range(3):
@@ -215,6 +232,7 @@ def main() -> None:
     finally:
         mon.stop()
         base.forward = forward  # type: ignore[method-assign]
+        base.generate = generate  # type: ignore[method-assign]
     result: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "tokens": args.tokens, "segments": {}}
     rows = []
     for k in SEGMENTS:
