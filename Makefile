@@ -61,6 +61,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python background.py --json results/background.json
 	cd benchmarks && ../$(BIN)/python agent_cost.py --json results/agent_cost.json
 	cd benchmarks && ../$(BIN)/python generate_where.py --json results/generate_where.json
+	cd benchmarks && ../$(BIN)/python generate_solo.py --json results/generate_solo.json
 	cd benchmarks && ../$(BIN)/python instructions.py --json results/instructions.json
 	cd benchmarks && ../$(BIN)/python generation_cost.py
 	cd benchmarks && ../$(BIN)/python gc_cost.py --json results/gc_cost.json

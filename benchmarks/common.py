@@ -147,3 +147,36 @@ def settle_calls(tokens: int) -> int:
     """Unmeasured ``generate()`` calls after a switch: enough for every decode-step line to run ``SETTLE_EXECUTIONS``
     times, plus one (the first call of a new wrap is timed in full: ``CallSampler``)."""
     return 1 + -(-SETTLE_EXECUTIONS // max(1, tokens - 1))
+
+
+def tiny_gpt2() -> Any:
+    """The benchmarks' tiny random GPT-2 (2 layers, d=64, a 1,000-token vocabulary), in eval mode, one torch thread,
+    transformers' logging at errors only."""
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
+                                  eos_token_id=1)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def stamp_method(cls: type, name: str, stamps: list[int]) -> Callable[[], None]:
+    """Replace ``cls.<name>`` with a wrapper that appends ``perf_counter_ns()`` to ``stamps`` at its start and at its
+    return (``functools.wraps``: the signature stays, so perfmon still finds a model generative); returns what puts
+    the original back."""
+    import functools
+    import time
+
+    original = getattr(cls, name)
+    stamp, clock = stamps.append, time.perf_counter_ns
+
+    @functools.wraps(original)
+    def stamped(self: Any, *a: Any, **k: Any) -> Any:
+        stamp(clock())
+        out = original(self, *a, **k)
+        stamp(clock())
+        return out
+
+    setattr(cls, name, stamped)
+    return lambda: setattr(cls, name, original)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextvars
-import functools
 import gc
 import itertools
 import random
@@ -54,7 +53,7 @@ import time
 from typing import Any
 
 import torch
-from common import dump, machine, settle_calls, table
+from common import dump, machine, settle_calls, stamp_method, table, tiny_gpt2
 from prometheus_client import CollectorRegistry
 
 import perfmon
@@ -154,39 +153,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.tokens < 3 or args.rounds < 1:
         ap.error("--tokens must be at least 3 (a prefill, a first decode step and a later one) and --rounds at least 1")
-    torch.set_num_threads(1)
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    transformers.logging.set_verbosity_error()
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
-                     eos_token_id=1)
-    model = GPT2LMHeadModel(cfg).eval()
+    model = tiny_gpt2()
     base = type(model)
-    stamps: list[int] = []
-    stamp, clock = stamps.append, time.perf_counter_ns
-    forward = base.forward
-
-    @functools.wraps(forward)  # keeps the signature: perfmon finds the model generative from it
-    def stamped(self: Any, *a: Any, **k: Any) -> Any:
-        stamp(clock())
-        out = forward(self, *a, **k)
-        stamp(clock())
-        return out
-
-    base.forward = stamped  # type: ignore[method-assign]
-    edges: list[int] = []
-    edge = edges.append
-    generate = base.generate
-
-    @functools.wraps(generate)  # transformers' own generate(), stamped at its start and return: under every wrapper
-    def edged(self: Any, *a: Any, **k: Any) -> Any:
-        edge(clock())
-        out = generate(self, *a, **k)
-        edge(clock())
-        return out
-
-    base.generate = edged  # type: ignore[method-assign]
+    stamps: list[int] = []  # each forward's start and return
+    edges: list[int] = []  # transformers' own generate()'s start and return, under every wrapper
+    clock = time.perf_counter_ns
+    restore = [stamp_method(base, "forward", stamps), stamp_method(base, "generate", edges)]
     mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", count_flops=False,
                           sample_floor_seconds=1e9).start()
     ids = torch.randint(2, 1000, (1, 8))
@@ -231,8 +203,8 @@ def main() -> None:
         switch.close()
     finally:
         mon.stop()
-        base.forward = forward  # type: ignore[method-assign]
-        base.generate = generate  # type: ignore[method-assign]
+        for put_back in restore:
+            put_back()
     result: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "tokens": args.tokens, "segments": {}}
     rows = []
     for k in SEGMENTS:
