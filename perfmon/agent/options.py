@@ -70,6 +70,8 @@ def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     if type(own) is not dict:
         return _untimed_slow(model, args, kwargs)
     read = own.get
+    # Unrolled: the same five reads in a loop over _UNTIMED_OPTIONS cost ~1.7 µs more in situ (stamped: 6.9 against
+    # 5.1 µs), the loop's own objects being first touches too.
     lookup = get("prompt_lookup_num_tokens")
     if lookup is None:
         lookup = read("prompt_lookup_num_tokens", _UNSET)
