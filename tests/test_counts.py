@@ -109,6 +109,24 @@ def test_cold_steady_split_follows_warmup_and_new_signatures(make_monitor) -> No
     assert value(mon, "perfmon_input_signatures", model="lin") == 4
 
 
+def test_a_shape_evicted_from_the_signature_table_is_new_again_when_it_returns(make_monitor) -> None:
+    """A warm shape pushed out of a full signature table by a new one is a new shape when it comes back: its first call
+    is cold again, and every call and item is still counted (the one-tensor fast path forgets it with the table)."""
+    mon = make_monitor(sample_rate=1e-6, sample_floor_seconds=3600.0, warmup_calls=0, signature_cache_size=4)
+    model = mon.wrap(_lin(), name="lin")
+    rows = [1, 2, 3, 4, 5, 1, 1, 1]  # 1..4 fill the table; 5 evicts 1; 1 comes back (and evicts 2)
+    for n in rows:
+        for _ in range(3):
+            model(torch.randn(n, 8))
+    mon.flush()
+    # each shape's first call is cold (signature_warmup_calls=1): 1..5, then 1 again; no steady sample at this rate
+    assert hist_count(mon, "lin", "cold") == 6
+    assert hist_count(mon, "lin", "steady") == 0
+    assert value(mon, "perfmon_forward_calls_total", model="lin") == 3 * len(rows)
+    assert value(mon, "perfmon_forward_items_total", model="lin") == 3 * sum(rows)
+    assert mon.stats()["models"]["lin"]["signature_tracking"] is True
+
+
 def test_signature_tracking_off_uses_warmup_only(make_monitor) -> None:
     """With track_signatures=False only the warm-up calls are cold."""
     mon = make_monitor(sample_rate=1.0, warmup_calls=2, track_signatures=False)

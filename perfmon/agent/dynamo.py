@@ -80,10 +80,11 @@ def _inner_code(fn: Any, name: str = "__call__") -> types.CodeType:
     return next(c for c in fn.__code__.co_consts if getattr(c, "co_name", None) == name)  # type: ignore[no-any-return]
 
 
-#: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them (a call in a
-#: request span runs inside ``in_request``, a timed or captured one inside ``sampled``, one tensor's due call when
-#: the monitor is not timing inside ``due_one``, a forward of the model's own generate() inside ``in_generate`` or
-#: ``decode_due``).
-_HOT_CODES = (_inner_code(hot_path), _inner_code(hot_path, "in_request"), _inner_code(hot_path, "due_one"),
+#: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them (a call the fast
+#: path does not take inside ``general``, one in a request span inside ``in_request``, a timed or captured one
+#: inside ``sampled``, one tensor's due call when the monitor is not timing inside ``due_one``, a forward of the
+#: model's own generate() inside ``in_generate`` or ``decode_due``).
+_HOT_CODES = (_inner_code(hot_path), _inner_code(hot_path, "general"), _inner_code(hot_path, "in_request"),
+              _inner_code(hot_path, "due_one"),
               _inner_code(sampled_path, "sampled"),
               _inner_code(staged_path), _inner_code(staged_path, "in_generate"), decode_due.__code__)

@@ -55,6 +55,9 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
     name = st.name
     span_of = current.get
     sampled = sampled_path(st, fn)
+    # The warm one-tensor signatures (SignatureTable.warm): one dict for the state's life, so a closure cell. A model
+    # with an ``items`` callable counts its items a call (the general path): its fast path never hits.
+    warm = st.warm if items_fn is None else {}
 
     def in_request(span: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An unsampled call in a request span's context: the call, with the span's model stamps around it.
@@ -96,30 +99,9 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
                 raise
         return sampled(self, (x,), {}, n, token, entry, None, None)
 
-    def __call__(self: Any, x: Any = _NO, /, *args: Any, **kwargs: Any) -> Any:
-        # ``x`` is the first positional argument, apart from the rest: most calls are one tensor, read then without
-        # packing or indexing a tuple (~60 ns a call). ``_NO`` when the call has none (keywords only).
-        if not kwargs and not args and type(x) is tensor and not hub.requests:
-            # The common call first, in as few lines as it takes (~55 bytecodes against ~88 through the general path
-            # below): one tensor of a warm signature, no request span open, no ``items`` callable. Nothing here can
-            # raise but the call itself. Anything else (a new or warming shape, churned signatures, an ``items``
-            # callable) goes on below, not yet counted; a call due for a sample is counted here (``due_one``).
-            sigs = st.sigs
-            if sigs is not None and items_fn is None:
-                # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and reading dtype costs
-                # ~50 ns more): the dtype is checked on timed calls (``due_one``).
-                entry = sigs.get(x.shape)
-                if entry is not None and not entry.warm_left:
-                    # st.calls, not a captured counter: after fork() the child gets fresh ones (reset_after_fork).
-                    n = next(st.calls)
-                    next(entry.calls)
-                    if n < st.next_index:
-                        try:
-                            return fn(self, x)
-                        except BaseException as exc:
-                            st.error(exc)
-                            raise
-                    return due_one(self, x, n, entry)
+    def general(self: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Every call the fast path below does not take: keywords, several or no positional arguments, a new or
+        warming shape, churned signatures, an ``items`` callable, a request span open. Not yet counted."""
         # A request span is open somewhere in the process (Hub.requests): is this call in one?
         span = span_of() if hub.requests else None
         items = entry = None
@@ -178,6 +160,31 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
         if token is None:
             return in_request(span, self, args, kwargs)
         return sampled(self, args, kwargs, n, token, entry, items, span)
+
+    def __call__(self: Any, x: Any = _NO, /, *args: Any, **kwargs: Any) -> Any:
+        # ``x`` is the first positional argument, apart from the rest: most calls are one tensor, read then without
+        # packing or indexing a tuple (~60 ns a call). ``_NO`` when the call has none (keywords only).
+        if not kwargs and not args and type(x) is tensor and not hub.requests:
+            # The common call, in as few lines as it takes (~45 bytecodes against ~90 through ``general``): one tensor
+            # of a warm signature, no request span open, no ``items`` callable. Nothing here can raise but the call
+            # itself. Anything else (a new or warming shape, churned signatures, an ``items`` callable) goes to
+            # ``general``, not yet counted; a call due for a sample is counted here (``due_one``).
+            # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and reading dtype costs
+            # ~50 ns more): the dtype is checked on timed calls (``due_one``). Making and looking up the torch.Size is
+            # most of this path's cost (~250 of ~350 ns in situ), and what tells a new shape's cold call apart.
+            entry = warm.get(x.shape)
+            if entry is not None:
+                # st.calls, not a captured counter: after fork() the child gets fresh ones (reset_after_fork).
+                n = next(st.calls)
+                next(entry.calls)
+                if n < st.next_index:
+                    try:
+                        return fn(self, x)
+                    except BaseException as exc:
+                        st.error(exc)
+                        raise
+                return due_one(self, x, n, entry)
+        return general(self, x, args, kwargs)
 
     return __call__
 

@@ -153,19 +153,27 @@ class Signature:
 class SignatureTable:
     """Signatures seen by one model: which calls are cold, and exact item counts per signature.
 
-    The hot path reads ``seen`` directly: a hit with ``warm_left == 0`` costs one ``next()`` on the
-    signature's counter. Items are ``calls x items-per-call`` summed at scrape time, so counting them
-    adds nothing to the request path. Evicted signatures are kept aside for a second before their
-    totals are folded in, so a call racing the eviction is still counted.
+    The hot path reads ``seen`` directly (its general path) and ``warm`` (its one-tensor fast path):
+    a hit costs one ``next()`` on the signature's counter. Items are ``calls x items-per-call`` summed
+    at scrape time, so counting them adds nothing to the request path. Evicted signatures are kept
+    aside for a second before their totals are folded in, so a call racing the eviction is still counted.
     """
 
-    def __init__(self, capacity: int, warm_calls: int, *, count_items: bool = True, specs: bool = False) -> None:
+    def __init__(self, capacity: int, warm_calls: int, *, count_items: bool = True, specs: bool = False,
+                 warm: dict[Hashable, Signature] | None = None) -> None:
+        """``warm``: a dict this table keeps filled with the signatures of ``seen`` that are warm (``warm_left``
+        0), emptied when they turn cold again or leave (``rewarm``, eviction, ``stop_warm``); None: not kept. The
+        caller owns it: the hot path holds it for the model's life (one dict across tables: ``reset_after_fork``),
+        and a hit there needs no ``warm_left`` read (~50 ns a call on Linear(64, 64): docs/design.md)."""
         self.capacity = capacity
         #: Keep each new signature's abstract inputs (abstract.describe: a few µs, on this rare path only).
         self.specs = specs
         self.warm_calls = warm_calls
         self.count_items = count_items
         self.seen: dict[Hashable, Signature] = {}
+        self.warm = warm
+        if warm is not None:
+            warm.clear()
         self.evicted: collections.deque[Signature] = collections.deque()
         self.retired_items = 0
         self.evictions = 0
@@ -183,7 +191,10 @@ class SignatureTable:
                     self.distinct += 1
                     if len(seen) >= self.capacity:
                         try:
-                            old = seen.pop(next(iter(seen)))
+                            oldest = next(iter(seen))
+                            old = seen.pop(oldest)
+                            if self.warm is not None:
+                                self.warm.pop(oldest, None)
                             old.evicted_ns = time.monotonic_ns()
                             self.evicted.append(old)
                             self.evictions += 1
@@ -194,9 +205,14 @@ class SignatureTable:
                     spec = describe(args, kwargs) if self.specs else None
                     entry = seen[key] = Signature(items, self.warm_calls, dtypes, work_of(args, kwargs), spec)
         next(entry.calls)
+        warm = self.warm
         if entry.warm_left > 0:
             entry.warm_left -= 1
+            if not entry.warm_left and warm is not None:
+                warm[key] = entry  # this call is still cold; the next ones may take the fast path
             return True
+        if warm is not None:
+            warm[key] = entry  # warm from the start (signature_warmup_calls=0)
         return False
 
     def items(self, now_ns: int | None = None) -> int:
@@ -220,8 +236,16 @@ class SignatureTable:
         its first calls there pay for kernel selection and workspace allocation, like a new shape)."""
         warm = max(self.warm_calls, 1)
         with self._lock:
+            if self.warm is not None:
+                self.warm.clear()
             for entry in list(self.seen.values()):
                 entry.warm_left = max(entry.warm_left, warm)
+
+    def stop_warm(self) -> None:
+        """Keep ``warm`` no longer, and empty it: the model's signatures churned (its calls take the general path)."""
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            warm.clear()
 
     @property
     def churning(self) -> bool:

@@ -88,7 +88,7 @@ class ModelState:
         "_error_lock", "_error_names", "_items_lock", "_resolve_device", "attached", "calls", "capturable", "capture",
         "cuda_index", "device", "drops", "errors", "hub", "items_fn", "items_on", "items_padded", "items_q",
         "items_total", "last_sample_ns", "name", "next_index", "padded_total", "sampled", "sampler", "sigs", "stage",
-        "stages", "table", "target", "warmup",
+        "stages", "table", "target", "warm", "warmup",
     )
 
     def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True,
@@ -124,8 +124,9 @@ class ModelState:
         # 0 until warm-up ends: every warm-up call takes the (cold, timed) slow path.
         self.next_index = 0 if cfg.warmup_calls else self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
-        self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls,
-                                    count_items=self.items_on and self.items_fn is None, specs=cfg.count_flops)
+        #: The warm signatures of the hot path's one-tensor fast path (SignatureTable.warm): one dict for good.
+        self.warm: dict[Hashable, Signature] = {}
+        self.table = _table(self)
         self.sigs: dict[Hashable, Signature] | None = self.table.seen if cfg.track_signatures else None
         self.target: Any = None  #: weakref to the wrapped module (FLOPs are counted on a fake copy of it), else None
         self._resolve_device = resolve_device
@@ -152,8 +153,7 @@ class ModelState:
         if self.items_q is not None:
             self.items_q = collections.deque()
         tracking = self.sigs is not None or self.table.churning
-        self.table = SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls,
-                                    count_items=self.items_on and self.items_fn is None, specs=cfg.count_flops)
+        self.table = _table(self)
         self.sigs = self.table.seen if (tracking and cfg.track_signatures) else None
         if self.sigs is not None and self.items_fn is None and self.items_q is not None:
             self.items_q = None  # counted through signatures again
@@ -193,6 +193,7 @@ class ModelState:
             if self.items_fn is None and self.items_on:
                 self.items_q = collections.deque()  # items are counted per call from now on
             self.sigs = None
+            table.stop_warm()
             self.hub.internal.report("signatures", _Churn(self.name, table.capacity))
         if index < self.warmup:
             return self.due(index)
@@ -384,3 +385,11 @@ class _Churn(Exception):
             f"model {model!r}: more than {capacity} distinct input signatures; new signatures are no "
             "longer treated as cold for this model (warm-up calls still are)"
         )
+
+
+def _table(st: ModelState) -> SignatureTable:
+    """A model's signature table; it fills ``st.warm`` unless an ``items`` callable counts the items (call by call)."""
+    cfg = st.hub.config
+    return SignatureTable(cfg.signature_cache_size, cfg.signature_warmup_calls, specs=cfg.count_flops,
+                          count_items=st.items_on and st.items_fn is None,
+                          warm=st.warm if st.items_fn is None else None)
