@@ -78,6 +78,25 @@ def test_items_callable_counts_effective_and_padded_exactly(make_monitor) -> Non
     assert stats["padding_ratio"] == pytest.approx(1 - effective / padded)
 
 
+def test_an_items_callable_counts_every_one_tensor_call_of_a_warm_shape(make_monitor) -> None:
+    """A module called with one tensor of one shape (the hot path's common call) still has its ``items`` callable run
+    on every call once the shape is warm: the rows that are not padding, which the batch dimension would not give."""
+    mon = make_monitor(sample_rate=0.01, warmup_calls=0)
+
+    def real_rows(args, kwargs):
+        return int((args[0].abs().sum(dim=1) > 0).sum())
+
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin", items=real_rows)
+    expected = 0
+    for k in range(300):
+        x = torch.zeros(8, 4)
+        x[: k % 9] = 1.0  # 0..8 real rows of 8
+        model(x)
+        expected += k % 9
+    assert value(mon, "perfmon_forward_calls_total", model="lin") == 300
+    assert value(mon, "perfmon_forward_items_total", model="lin") == expected
+
+
 @pytest.mark.parametrize("bad", [
     lambda a, k: -1, lambda a, k: "many", lambda a, k: (5, 3), lambda a, k: 1 / 0, lambda a, k: 2.5,
     lambda a, k: True,

@@ -55,9 +55,9 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
     name = st.name
     span_of = current.get
     sampled = sampled_path(st, fn)
-    # The warm one-tensor signatures (SignatureTable.warm): one dict for the state's life, so a closure cell. A model
-    # with an ``items`` callable counts its items a call (the general path): its fast path never hits.
-    warm = st.warm if items_fn is None else {}
+    # The warm signatures (SignatureTable.warm): one dict for the state's life, so a closure cell. Its table never fills
+    # it for a model with an ``items`` callable, which counts its items a call (``general``).
+    warm = st.warm
 
     def in_request(span: Any, self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An unsampled call in a request span's context: the call, with the span's model stamps around it.
@@ -171,7 +171,8 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
             # ``general``, not yet counted; a call due for a sample is counted here (``due_one``).
             # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and reading dtype costs
             # ~50 ns more): the dtype is checked on timed calls (``due_one``). Making and looking up the torch.Size is
-            # most of this path's cost (~250 of ~350 ns in situ), and what tells a new shape's cold call apart.
+            # most of this path's cost (~260 of ~430 ns over a do-nothing wrapper), and what tells a new shape's cold
+            # call apart (docs/design.md, "Warm signatures apart").
             entry = warm.get(x.shape)
             if entry is not None:
                 # st.calls, not a captured counter: after fork() the child gets fresh ones (reset_after_fork).

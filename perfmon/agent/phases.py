@@ -162,7 +162,7 @@ class SignatureTable:
     def __init__(self, capacity: int, warm_calls: int, *, count_items: bool = True, specs: bool = False,
                  warm: dict[Hashable, Signature] | None = None) -> None:
         """``warm``: a dict this table keeps filled with the signatures of ``seen`` that are warm (``warm_left``
-        0), emptied when they turn cold again or leave (``rewarm``, eviction, ``stop_warm``); None: not kept. The
+        0), emptied of them when they turn cold again or leave (``rewarm``, eviction); None: not kept. The
         caller owns it: the hot path holds it for the model's life (one dict across tables: ``reset_after_fork``),
         and a hit there needs no ``warm_left`` read (~50 ns a call on Linear(64, 64): docs/design.md)."""
         self.capacity = capacity
@@ -240,12 +240,6 @@ class SignatureTable:
                 self.warm.clear()
             for entry in list(self.seen.values()):
                 entry.warm_left = max(entry.warm_left, warm)
-
-    def stop_warm(self) -> None:
-        """Keep ``warm`` no longer, and empty it: the model's signatures churned (its calls take the general path)."""
-        warm, self.warm = self.warm, None
-        if warm is not None:
-            warm.clear()
 
     @property
     def churning(self) -> bool:

@@ -192,8 +192,7 @@ class ModelState:
         if table.churning and self.sigs is not None:
             if self.items_fn is None and self.items_on:
                 self.items_q = collections.deque()  # items are counted per call from now on
-            self.sigs = None
-            table.stop_warm()
+            self.sigs = None  # (``warm`` keeps what it holds: churned, the table no longer changes)
             self.hub.internal.report("signatures", _Churn(self.name, table.capacity))
         if index < self.warmup:
             return self.due(index)
