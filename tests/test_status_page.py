@@ -338,6 +338,12 @@ def test_a_regression_capture_says_what_moved(browser, make_monitor) -> None:
     assert line == f"what moved: {summary}", (line, summary)
 
 
+def _gc_debug(mon: Any) -> str:
+    """The model's GC overlap figures and its slowest steady latencies, for a failure message."""
+    m = mon.stats()["models"]["collected"]
+    return f"gc={m['gc']} steady={m['latency'].get('steady')} pauses={mon.stats().get('gc')}"
+
+
 def test_page_shows_gc_pauses_and_marks_a_model_whose_slowest_calls_overlapped_a_gen2_pause(browser,
                                                                                              make_monitor) -> None:
     """The GC table lists pauses per generation; a model whose slowest call overlapped a gen-2 collection gets the
@@ -362,6 +368,13 @@ def test_page_shows_gc_pauses_and_marks_a_model_whose_slowest_calls_overlapped_a
     for _ in range(300):
         model(torch.ones(2))
     assert mon.flush()
+    # What the page shows, from /stats first: the slowest steady calls include the one that collected (diagnostics if
+    # not: every overlap count, and the durations of the slowest calls).
+    try:
+        wait_until(lambda: (mon.stats()["models"]["collected"]["gc"] or {}).get("slowest_generation") == 2,
+                   timeout=10, what="a gen-2 pause among the slowest calls' overlaps in /stats")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {_gc_debug(mon)}") from None
     browser.get(mon.url + "/")
     _wait(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", what="first load")
     gen2 = _wait(lambda: browser.find_element(By.CSS_SELECTOR, '#gc-pauses tr[data-generation="2"]').text,
