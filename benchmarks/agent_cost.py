@@ -113,6 +113,24 @@ class Waker:
         self._thread.join(timeout=5)
 
 
+class Wrapping:
+    """One module wrapped and unwrapped between variants, in place (``Monitor.unwrap`` restores its class; wrapped
+    again under the same name, its counters continue). Two copies instead (one bare, one wrapped) would differ by
+    their objects' places in memory alone: two wrapped copies of one Linear(64,64), same code, read +309 and +425 ns
+    a call added; two bare GPT-2 twins ±9 µs a token."""
+
+    def __init__(self, mon: perfmon.Monitor, module: Any, name: str) -> None:
+        self.mon, self.module, self.name = mon, module, name
+        self.wrapped = False
+
+    def set(self, want: bool) -> None:
+        if want and not self.wrapped:
+            self.mon.wrap(self.module, name=self.name)
+        elif self.wrapped and not want:
+            self.mon.unwrap(self.module)
+        self.wrapped = want
+
+
 def pct(values: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return q[0], statistics.median(values), q[2]
@@ -142,17 +160,11 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
     variants = ("bare", "bare again (A/A)", "wrapped")
     ids = torch.randint(2, 1000, (1, 8))
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
-    wrapped = False
+    wrapping = Wrapping(mon, model, "gpt2_tiny")
     settle = settle_calls(new)
 
     def run(variant: str) -> float:
-        nonlocal wrapped
-        want = variant == "wrapped"
-        if want and not wrapped:
-            mon.wrap(model, name="gpt2_tiny")  # the same name again: its counters continue
-        elif wrapped and not want:
-            mon.unwrap(model)
-        wrapped = want
+        wrapping.set(variant == "wrapped")
         gc.disable()
         try:
             with torch.inference_mode():
@@ -178,9 +190,7 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
     # together, a batch of 100 calls, as the resolver would run them, divided by the requests the batch settled (its
     # ``_close`` works: one a call). Each call's works are taken as it returns: the resolver's own pass (every second)
     # would otherwise run most of a batch first. The least of six batches: the work, without the host's stalls.
-    if not wrapped:
-        mon.wrap(model, name="gpt2_tiny")
-        wrapped = True
+    wrapping.set(True)
     tracker = mon.generations
     late: list[tuple[float, float, float]] = []  # (µs a request: the works, the drain, both), a batch each
     with torch.inference_mode():
@@ -211,8 +221,7 @@ def generate_cost(mon: perfmon.Monitor, rounds: int, new: int = 32) -> dict[str,
             finally:
                 gc.enable()
             late.append(((t1 - t0) / 1e3 / requests, (t2 - t1) / 1e3 / requests, (t2 - t0) / 1e3 / requests))
-    if wrapped:
-        mon.unwrap(model)
+    wrapping.set(False)
     for v in times.values():
         v.sort()
     qs = {"q10": 0.10, "q25": 0.25, "median": 0.5}
@@ -282,15 +291,7 @@ def main() -> None:
         with torch.inference_mode():
             return model(x)
 
-    wrapped = False
-
-    def set_wrapped(want: bool) -> None:
-        nonlocal wrapped
-        if want and not wrapped:
-            mon.wrap(model, name="gil_bound")  # the same name again: its counters continue
-        elif wrapped and not want:
-            mon.unwrap(model)
-        wrapped = want
+    set_wrapped = Wrapping(mon, model, "gil_bound").set
 
     for want in (True, False, True, False):  # warm both paths and the monitor's cold calls
         set_wrapped(want)
@@ -369,24 +370,21 @@ def main() -> None:
               f"is {split['q25'][0] / n:+.2f} µs a token.")
 
     # The per-call hot path on a tiny model, the monitor running.
-    # One module, wrapped and unwrapped between rounds: two copies (one bare, one wrapped) differ by their objects'
-    # places in memory alone by up to ±100 ns a call (two wrapped copies of one Linear, same code: +309 and +425 ns).
+    linear = Wrapping(mon, lin, "linear64")  # one module, not a bare and a wrapped copy (Wrapping)
     lb, lw = [], []
     for want in (True, False, True):  # the wrapped class's first calls (its signature's cold calls) and both paths warm
-        mon.wrap(lin, name="linear64") if want else mon.unwrap(lin)
+        linear.set(want)
         with torch.inference_mode():
             time_calls(functools.partial(lin, x1), 2000)
     for _ in range(args.rounds):
         order = ["bare", "wrapped"]
         random.shuffle(order)
         for name in order:
-            if (name == "wrapped") != hasattr(lin, "perfmon_name"):
-                mon.wrap(lin, name="linear64") if name == "wrapped" else mon.unwrap(lin)
+            linear.set(name == "wrapped")
             # Under one inference_mode (a per-call context manager costs ~1 µs, noise around a ~0.4 µs difference).
             with torch.inference_mode():
                 (lb if name == "bare" else lw).append(time_calls(functools.partial(lin, x1), 20000))
-    if hasattr(lin, "perfmon_name"):
-        mon.unwrap(lin)
+    linear.set(False)
     diffs = [(w - b) * 1e9 for w, b in zip(lw, lb)]
     lo, med, hi = pct(diffs)
     # The minimum of each, a difference noise cannot make smaller than the path's cost: it only adds to a time.
