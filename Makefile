@@ -60,6 +60,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python scrape.py --json results/scrape.json
 	cd benchmarks && ../$(BIN)/python background.py --json results/background.json
 	cd benchmarks && ../$(BIN)/python agent_cost.py --json results/agent_cost.json
+	cd benchmarks && ../$(BIN)/python nvml_cost.py --json results/nvml_cost.json
 	cd benchmarks && ../$(BIN)/python generate_where.py --json results/generate_where.json
 	cd benchmarks && ../$(BIN)/python generate_solo.py --json results/generate_solo.json
 	cd benchmarks && ../$(BIN)/python instructions.py --json results/instructions.json

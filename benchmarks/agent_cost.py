@@ -45,13 +45,23 @@ import importlib.util
 import random
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import ScraperProcess, dump, free_port, machine, settle_calls, table
+from common import (
+    ScraperProcess,
+    Waker,
+    agent_threads,
+    dump,
+    free_port,
+    machine,
+    settle_calls,
+    table,
+    thread_cost,
+    thread_deltas,
+)
 from prometheus_client import CollectorRegistry
 
 import perfmon
@@ -73,44 +83,6 @@ def time_calls(fn: Callable[[], Any], calls: int) -> float:
         return (time.perf_counter() - t0) / calls
     finally:
         gc.enable()
-
-
-def agent_threads(prefix: str = "perfmon") -> dict[str, tuple[int, int]]:
-    """name -> (voluntary context switches, CPU ns) of this process's threads named ``prefix``...: a switch is a
-    wake or a wait for the GIL; CPU time of a Python thread is time it held the GIL (or ran C code that released
-    it)."""
-    out: dict[str, tuple[int, int]] = {}
-    for t in threading.enumerate():
-        if not t.name.startswith(prefix) or t.native_id is None or t.ident is None:
-            continue
-        try:
-            with open(f"/proc/self/task/{t.native_id}/status") as f:
-                text = f.read()
-            cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
-        except (OSError, ValueError):
-            continue
-        switches = int(text.split("voluntary_ctxt_switches:")[1].split()[0])
-        old = out.get(t.name, (0, 0))
-        out[t.name] = (old[0] + switches, old[1] + cpu)
-    return out
-
-
-class Waker:
-    """The calibration: a plain Python thread waking every ``interval`` seconds and doing nothing, for the serving
-    time one background switch costs (the issue measured +4.8% for one at 1 ms, +0.0% at 50 ms)."""
-
-    def __init__(self, interval: float = 0.001) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval,), name="bench-waker", daemon=True)
-        self._thread.start()
-
-    def _run(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 class Wrapping:
@@ -321,17 +293,18 @@ def main() -> None:
             t0, w0, before = time.perf_counter(), time.time(), agent_threads(prefix)
             per[variant].append(time_calls(call, args.calls))
             after = agent_threads(prefix)
+            moved = thread_deltas(before, after)
             if waker is not None:
                 waker.stop()
-                waker_switches = sum(after[k][0] - before[k][0] for k in after.keys() & before.keys())
-                waker_cpu = sum(after[k][1] - before[k][1] for k in after.keys() & before.keys())
+                waker_switches = sum(d[0] for d in moved.values())
+                waker_cpu = sum(d[1] for d in moved.values())
             if running:  # the agent's threads while the loop ran (wrapped: its drains are the resolver's work too)
                 windows.append((w0, time.time()))
                 wake_seconds[variant] += time.perf_counter() - t0
-                for name in after.keys() & before.keys():
+                for name, (switches, cpu) in moved.items():
                     w = wakes[variant].setdefault(name, [0, 0])
-                    w[0] += after[name][0] - before[name][0]
-                    w[1] += after[name][1] - before[name][1]
+                    w[0] += switches
+                    w[1] += cpu
         if waker_switches:
             per_switch.append((per[calibrate][-1] - per["stopped"][-1]) * args.calls * 1e9 / waker_switches)
             cpu_per_switch.append(waker_cpu / waker_switches)
@@ -408,9 +381,7 @@ def main() -> None:
     out["scrapes"] = scraper.scrapes
 
     def cost(switches: int, cpu: int) -> tuple[float, float]:
-        """(CPU beyond a do-nothing wake, ns; that plus the switches at their price, ns)."""
-        work = max(0.0, cpu - switches * wake_cpu_ns)
-        return work, work + switches * lost_ns
+        return thread_cost(switches, cpu, lost_ns, wake_cpu_ns)
 
     print(f"\nThe agent's threads as a bound, while the loop ran with the monitor running (one switch of a do-nothing "
           f"thread cost the loop {lost_ns / 1e3:.1f} µs, median of {len(per_switch)} rounds, p25..p75 "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import threading
+import time
 import urllib.request
 import warnings
 from collections.abc import Callable, Sequence
@@ -98,6 +99,77 @@ class ScraperProcess:
         self.times = [float(line.split()[1]) for line in out.splitlines() if line.startswith("ok ")]
 
 
+def agent_threads(prefix: str = "perfmon") -> dict[str, tuple[int, int]]:
+    """name -> (voluntary context switches, CPU ns) of this process's threads named ``prefix``...: a switch is a
+    wake or a wait for the GIL; CPU time of a Python thread is time it held the GIL (or ran C code that released
+    it)."""
+    out: dict[str, tuple[int, int]] = {}
+    for t in threading.enumerate():
+        if not t.name.startswith(prefix) or t.native_id is None or t.ident is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/status") as f:
+                text = f.read()
+            cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+        except (OSError, ValueError):
+            continue
+        switches = int(text.split("voluntary_ctxt_switches:")[1].split()[0])
+        old = out.get(t.name, (0, 0))
+        out[t.name] = (old[0] + switches, old[1] + cpu)
+    return out
+
+
+def thread_deltas(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """name -> (switches, CPU ns) between two ``agent_threads`` readings (threads present in both)."""
+    return {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after.keys() & before.keys()}
+
+
+def thread_cost(switches: int, cpu_ns: float, price_ns: float, wake_cpu_ns: float) -> tuple[float, float]:
+    """A background thread's cost to a GIL-bound serving thread, as a bound: (its CPU ns beyond what a do-nothing
+    wake spends, ``wake_cpu_ns`` a switch: work it could do holding the GIL; that plus its ``switches`` at
+    ``price_ns`` each, the serving time one switch of a do-nothing thread cost, calibrated with ``Waker``)."""
+    work = max(0.0, cpu_ns - switches * wake_cpu_ns)
+    return work, work + switches * price_ns
+
+
+def gil_stalls(seconds: float, threshold_ns: int = 20_000) -> list[tuple[float, int]]:
+    """The stalls of a pure-Python loop run for ``seconds``, each as (``time.time()`` at its end, ns): the loop holds
+    the GIL as a GIL-bound serving thread does, reading the clock ~10 million times a second, and a gap over
+    ``threshold_ns`` between two reads is time it could not run: another thread of this process held the GIL (with
+    the hand-offs either side), or the OS ran something else on its core. Run beside a monitor running and
+    stopped, the difference is what the agent's threads take from a serving thread that always wants the GIL (the
+    worst case), whatever their wakes do; the host's speed wandering changes the loop's pace, not its gaps."""
+    clock = time.perf_counter_ns
+    wall = time.time() - clock() / 1e9
+    last = clock()
+    end = last + int(seconds * 1e9)
+    stalls: list[tuple[float, int]] = []
+    while last < end:
+        now = clock()
+        if now - last > threshold_ns:
+            stalls.append((wall + now / 1e9, now - last))
+        last = now
+    return stalls
+
+
+class Waker:
+    """The calibration: a plain Python thread waking every ``interval`` seconds and doing nothing, for the serving
+    time one background switch costs (the issue measured +4.8% for one at 1 ms, +0.0% at 50 ms)."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), name="bench-waker", daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     import socket
@@ -166,7 +238,6 @@ def stamp_method(cls: type, name: str, stamps: list[int]) -> Callable[[], None]:
     return (``functools.wraps``: the signature stays, so perfmon still finds a model generative); returns what puts
     the original back."""
     import functools
-    import time
 
     original = getattr(cls, name)
     stamp, clock = stamps.append, time.perf_counter_ns

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfmon.telemetry.nvml import NvmlPoller
+from perfmon.telemetry.nvml import STATIC_REFRESH_SECONDS, NvmlPoller
 from perfmon.testing import FakeNvml, FakeTorchMemory
 
 from .conftest import HandClock, promtool_check, value, wait_until
@@ -118,6 +118,51 @@ def test_lost_gpu_series_disappear_and_whole_failure_sets_up_zero_then_recovers(
     nvml.lost.clear()
     assert poller.poll()  # re-initialised NVML and read both GPUs again
     assert nvml.calls["nvmlInit"] == 2 and len(poller.snapshot().gpus) == 2
+
+
+def test_a_poll_asks_only_what_changes_and_rereads_the_rest_on_its_own_schedule() -> None:
+    """Handles and UUIDs are looked up once, the power limit and maximum clock every STATIC_REFRESH_SECONDS; a lost
+    GPU is looked up again, and a re-initialised NVML starts over (its handles are new)."""
+    nvml, clock = FakeNvml(), HandClock()
+    poller = NvmlPoller(nvml, clock=clock)
+    assert poller.poll()
+    first = dict(nvml.calls)
+    for _ in range(3):
+        clock.t += 1.0
+        assert poller.poll()
+    per_poll = {k: (nvml.calls.get(k, 0) - first.get(k, 0)) / 3 for k in nvml.calls}
+    for call in ("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetEnforcedPowerLimit",
+                 "nvmlDeviceGetMaxClockInfo"):
+        assert per_poll[call] == 0, call
+    assert per_poll["nvmlDeviceGetCount"] == 1 and per_poll["nvmlDeviceGetPowerUsage"] == 2  # one a GPU
+    assert sum(per_poll.values()) == 1 + 2 * 9
+    # An operator's new power limit shows once the static fields are due again, not before.
+    nvml.gpus[0]["limit_mw"] = 300_000
+    clock.t += STATIC_REFRESH_SECONDS - 4.0
+    assert poller.poll() and poller.snapshot().gpus[0].values["power_limit_watts"] == 400.0
+    clock.t += 4.0
+    assert poller.poll() and poller.snapshot().gpus[0].values["power_limit_watts"] == 300.0
+    # A failing static read is absent and tried again at the next poll, not kept for a minute.
+    nvml.failing.add((1, "nvmlDeviceGetMaxClockInfo"))
+    clock.t += STATIC_REFRESH_SECONDS
+    assert poller.poll() and "sm_clock_max_hertz" not in poller.snapshot().gpus[1].values
+    nvml.failing.clear()
+    clock.t += 1.0
+    assert poller.poll() and poller.snapshot().gpus[1].values["sm_clock_max_hertz"] == 1980e6
+    # A GPU lost with its handle kept drops out, then is looked up again once it answers.
+    handles = nvml.calls["nvmlDeviceGetHandleByIndex"]
+    nvml.lost.add(1)
+    assert poller.poll() and [g.index for g in poller.snapshot().gpus] == [0]
+    nvml.gpus[1]["limit_mw"] = 350_000  # reset while it was lost
+    nvml.lost.clear()
+    assert poller.poll() and [g.index for g in poller.snapshot().gpus] == [0, 1]
+    assert nvml.calls["nvmlDeviceGetHandleByIndex"] == handles + 1
+    assert poller.snapshot().gpus[1].values["power_limit_watts"] == 350.0  # its static fields read again at once
+    # NVML failing as a whole, then re-initialised: every handle is looked up again.
+    nvml.failing.add("nvmlDeviceGetCount")
+    assert not poller.poll()
+    nvml.failing.clear()
+    assert poller.poll() and nvml.calls["nvmlDeviceGetHandleByIndex"] == handles + 3
 
 
 def test_poller_backs_off_while_failing_and_stops_with_the_monitor(make_monitor) -> None:

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from perfmon import Monitor
 
-from ..common import SETTLE_EXECUTIONS, Scraper
+from ..common import SETTLE_EXECUTIONS, ScraperProcess, agent_threads, free_port, gil_stalls, thread_deltas
 from .common import Check, Figure, encoder
 from .rig import Rig
 
@@ -125,6 +125,55 @@ def _wakes(mon: Monitor) -> dict[str, float]:
             if s.name == "perfmon_agent_wakeups_total"}
 
 
+class _Threads:
+    """The agent's threads' switches and CPU ns, summed over the blocks of each slot they are read around."""
+
+    def __init__(self) -> None:
+        self.by_slot: dict[str, dict[str, list[int]]] = {}
+        self.seconds: dict[str, float] = {}
+
+    def add(self, slot: str, moved: dict[str, tuple[int, int]], seconds: float) -> None:
+        into = self.by_slot.setdefault(slot, {})
+        for name, (switches, cpu) in moved.items():
+            acc = into.setdefault(name, [0, 0])
+            acc[0] += switches
+            acc[1] += cpu
+        self.seconds[slot] = self.seconds.get(slot, 0.0) + seconds
+
+
+def _path_ns(rig: Rig, mon: Monitor, dtype: torch.dtype, rounds: int) -> float:
+    """ns a call the wrapper adds on this host, at 1%: a tiny Linear(64, 64) on the device (its launch sets the
+    pace), the same module wrapped and unwrapped between blocks of 1,000 calls, by the difference of the two
+    variants' fastest blocks (noise only adds to a block's time; the path's cost does not depend on the model)."""
+    lin = torch.nn.Linear(64, 64).to(rig.device, dtype).eval()
+    x = torch.randn(1, 64, device=rig.device, dtype=dtype)
+    best = {"bare": float("inf"), "wrapped": float("inf")}
+    wrapped = False
+
+    def block(calls: int) -> float:
+        rig.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            lin(x)
+        rig.synchronize()
+        return (time.perf_counter_ns() - t0) / calls
+
+    with torch.inference_mode():
+        for _ in range(rounds):
+            order = list(best)
+            random.shuffle(order)
+            for slot in order:
+                want = slot == "wrapped"
+                if want != wrapped:
+                    mon.wrap(lin, name="linear64", device=rig.device) if want else mon.unwrap(lin)
+                    wrapped = want
+                    block(SETTLE_EXECUTIONS)  # the class switch's attribute caches, a new wrap's cold call
+                best[slot] = min(best[slot], block(1000))
+    if wrapped:
+        mon.unwrap(lin)
+    return best["wrapped"] - best["bare"]
+
+
 def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
     """Serving-thread time of a launch-bound bf16 encoder (1x32x512) with the monitor running, as users run it.
 
@@ -132,31 +181,43 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
     seconds, so long blocks measure the host, not perfmon; the first try, 0.7 s blocks, had a bare-vs-bare
     p25..p75 of x0.88..x1.15):
 
-    - **wrapped**: the monitor running throughout (threads, a scrape every 15 s), the same module unwrapped,
-      unwrapped again (the noise floor) and wrapped at 1%, in a shuffled order every round; a switch between
-      wrapped and unwrapped is followed by ``SETTLE_EXECUTIONS`` unmeasured calls;
-    - **background**: the monitor stopped, stopped again (the noise floor) and running with the module
-      unwrapped, in a shuffled order; each slot starts with the switch (or none), a 0.5 s settle and an
-      unrecorded block, then several recorded blocks. The agent's own wake counter is read over the running
-      slots.
+    - **wrapped**: the monitor running throughout (threads, a child process scraping every 5 s), the same module
+      unwrapped, unwrapped again (the noise floor) and wrapped at 1%, in a shuffled order every round; a switch
+      between wrapped and unwrapped is followed by ``SETTLE_EXECUTIONS`` unmeasured calls;
+    - **background**: the monitor stopped, stopped again (the noise floor) and running with the module unwrapped,
+      in a shuffled order; each slot starts with the switch (or none), a 0.5 s settle and an unrecorded block, then
+      several recorded blocks.
 
-    Two figures per comparison: the median over rounds of each slot's mean time per call divided by the same
-    round's reference slot (with p25..p75), and the ratio of the two slots' 10th-percentile blocks (the quiet
-    blocks: on a lent host whose per-block time wanders by ±10%, the per-round ratios' spread exceeds what is
-    measured). Pass: by the quiet blocks, wrapped/unwrapped ≤ x1.005 (issue 23's GPU target) and
-    running/stopped ≤ x1.005.
+    Two direct figures per comparison: the median over rounds of each slot's mean time per call divided by the
+    same round's reference slot (with p25..p75), and the ratio of the two slots' 10th-percentile blocks (the quiet
+    blocks). On the lent hosts so far their A/A moved by ±0.5-6%, wider than the x1.005 target. So the verdict is
+    a bound built from figures that noise cannot hide:
+
+    - **the background's GIL time**: a pure-Python loop that never lets go of the GIL (``common.gil_stalls``, the
+      worst case of a GIL-bound serving thread) beside the monitor running and stopped, shuffled: the time it
+      stood still over 20 µs at a time, running minus stopped, over the time it ran. It counts whatever the
+      agent's threads take (their GIL holds and each hand-off) and nothing of the host's speed wandering, which
+      changes the loop's pace, not its gaps. The scraper calls every 5 s, three times Prometheus' default;
+    - **the request path**: ``_path_ns``, by minima, over the encoder's time a call;
+    - **the samples' work**: the agent threads' CPU a second in the wrapped slots beyond the unwrapped ones
+      (the resolver resolving the 1% sample's events), all of it counted as if it held the GIL.
+
+    Pass: background ≤ +0.1% and wrapped ≤ +0.5% (x1.005), and neither quiet-block ratio above x1.005 by more
+    than its own A/A's distance from x1.
     The generate() figures are reported, not judged (a tiny model on a shared host's clock).
     """
     if not rig.real:
         return Check("agent_cost", "skip", "needs a real GPU")
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     model = encoder(dtype)
-    x = torch.randn(1, 32, 512, device="cuda", dtype=dtype)
+    x = torch.randn(1, 32, 512, device=rig.device, dtype=dtype)
     hf = _load_gpt2()
     n = 40
     rounds_w, rounds_b, blocks_b = (10, 3, 2) if quick else (120, 16, 8)
+    rounds_p, probe_s = (2, 0.5) if quick else (10, 1.5)
     with tempfile.TemporaryDirectory(prefix="perfmon-gpucheck-") as tmp:
-        mon = Monitor(registry=CollectorRegistry(), cuda=rig.backend, port=0, log_level="error",
+        port = free_port()  # fixed: the scraper (another process, as Prometheus is) finds it after every restart
+        mon = Monitor(registry=CollectorRegistry(), cuda=rig.backend, port=port, host="127.0.0.1", log_level="error",
                       log_format="json", trace_dir=f"{tmp}/traces", trace_store=f"file://{tmp}/store")
         wrapped = False
 
@@ -183,13 +244,22 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
             rig.synchronize()
             return (time.perf_counter() - t0) / n
 
+        def watched(slot: str, prefix: str = "perfmon") -> float:
+            """One block, the threads named ``prefix`` read around it into ``threads``."""
+            before = agent_threads(prefix)
+            t = block()
+            threads.add(slot, thread_deltas(before, agent_threads(prefix)), t * n)
+            return t
+
         mon.start()
-        scraper = Scraper(lambda: mon.url)
+        scraper = ScraperProcess(f"http://127.0.0.1:{port}", period=5.0, limit=1800.0)
         running = True
         per_w: dict[str, list[float]] = {"unwrapped": [], "unwrapped again": [], "wrapped": []}
         per_b: dict[str, list[float]] = {"stopped": [], "stopped again": [], "running": []}
-        wakes: dict[str, float] = {}
-        running_s = 0.0
+        stalls: dict[str, list[tuple[float, int]]] = {"stopped": [], "running": []}  # (when, ns) each
+        probed = dict.fromkeys(stalls, 0.0)  # seconds
+        threads = _Threads()
+        wakes: dict[str, float] = {}  # the agent's own perfmon_agent_wakeups_total over the running slots
         try:
             with torch.inference_mode():
                 for want in (True, False, True, False):  # cuBLAS, kernels, the monitor's cold calls
@@ -200,7 +270,7 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                     random.shuffle(order)
                     for slot in order:
                         set_wrapped(slot == "wrapped")
-                        per_w[slot].append(block())
+                        per_w[slot].append(watched(slot))
                 set_wrapped(False)
                 for _ in range(rounds_b):
                     order = list(per_b)
@@ -212,14 +282,24 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                             running = want
                         time.sleep(0.5)  # threads settled: a start's own work is not the steady cost
                         block()
-                        before, t0 = _wakes(mon), time.perf_counter()
-                        per_b[slot].extend(block() for _ in range(blocks_b))  # paired with the others' by index
+                        own = _wakes(mon)
+                        # paired with the other slots' blocks by index
+                        per_b[slot].extend(watched(slot) for _ in range(blocks_b))
                         if want:
-                            running_s += time.perf_counter() - t0
                             for k, v in _wakes(mon).items():
-                                wakes[k] = wakes.get(k, 0.0) + v - before.get(k, 0.0)
+                                wakes[k] = wakes.get(k, 0.0) + v - own.get(k, 0.0)
+                for _ in range(rounds_p):  # the background's GIL time, seen by a loop that never lets go of it
+                    for slot in random.sample(list(stalls), 2):
+                        want = slot == "running"
+                        if want != running:
+                            mon.start() if want else mon.stop()
+                            running = want
+                        time.sleep(0.5)
+                        stalls[slot] += gil_stalls(probe_s)
+                        probed[slot] += probe_s
             if not running:
                 mon.start()
+            path_ns = _path_ns(rig, mon, dtype, 8 if quick else 40)
             try:
                 gen = _generate(rig, mon, 4 if quick else 60, hf)
             except Exception as exc:  # the encoder's figures stand without it
@@ -229,7 +309,8 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
             scraper.stop()
             mon.stop()
     rw, rb = _ratios(per_w, "unwrapped"), _ratios(per_b, "stopped")
-    figures: dict[str, Figure] = {"unwrapped_per_call": (statistics.median(per_w["unwrapped"]) * 1e6, "µs")}
+    call_ns = statistics.median(per_w["unwrapped"]) * 1e9
+    figures: dict[str, Figure] = {"unwrapped_per_call": (call_ns / 1e3, "µs")}
     for r, key, short in ((rw, "unwrapped again", "noise_w"), (rw, "wrapped", "wrapped"),
                           (rb, "stopped again", "noise_b"), (rb, "running", "running")):
         lo, med, hi, added, p10 = r[key]
@@ -237,15 +318,50 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         figures[f"ratio_{short}_quiet_blocks"] = (p10, "1")
         figures[f"ratio_{short}_p25_p75"] = (f"{lo:.4f}..{hi:.4f}", "1")
         figures[f"added_{short}"] = (added * 1e6, "µs")
+    # A scrape's stalls (the 100 ms before the scraper read its answer), charged at one every 15 s (Prometheus'
+    # default; the scraper here calls every 5 s so that several fall in the probe's running slots); the rest: the
+    # threads' own wakes.
+    ends = scraper.times
+
+    def at_scrape(when: float) -> bool:
+        return any(e - 0.1 <= when <= e + 0.005 for e in ends)
+
+    scraped = [ns for when, ns in stalls["running"] if at_scrape(when)]
+    seen = sum(1 for e in ends if any(e - 0.1 <= when <= e + 0.005 for when, _ in stalls["running"]))
+    per_scrape = sum(scraped) / seen if seen else 0.0
+    share = {k: sum(ns for when, ns in got if k == "stopped" or not at_scrape(when)) / max(probed[k] * 1e9, 1e-9)
+             for k, got in stalls.items()}
+    background = share["running"] - share["stopped"] + per_scrape / 15e9
+    for k, got in stalls.items():
+        figures[f"gil_stalled.{k}"] = (sum(ns for _, ns in got) / max(probed[k], 1e-9) / 1e6, "ms/s")
+        figures[f"gil_stalls_per_s.{k}"] = (len(got) / max(probed[k], 1e-9), "1/s")
+    figures["gil_stalled.running_apart_from_scrapes"] = (share["running"] * 1e3, "ms/s")
+    figures.update({"scrape_stalled": (per_scrape / 1e6, "ms"), "scrapes_probed": (seen, "")})
+    cpu_per_s = {}
+    for slot, moved in sorted(threads.by_slot.items()):
+        sec = max(threads.seconds.get(slot, 0.0), 1e-9)
+        cpu_per_s[slot] = sum(cpu for name, (_, cpu) in moved.items() if name != "perfmon-http") / sec
+        for name, (sw, cpu) in sorted(moved.items()):
+            figures[f"switches_per_s.{slot}.{name}"] = (sw / sec, "1/s")
+            figures[f"cpu_per_s.{slot}.{name}"] = (cpu / sec / 1e3, "µs/s")
+    unwrapped_cpu = (cpu_per_s.get("unwrapped", 0.0) + cpu_per_s.get("unwrapped again", 0.0)) / 2
+    samples = max(0.0, cpu_per_s.get("wrapped", 0.0) - unwrapped_cpu) / 1e9
+    wrapped_bound = background + path_ns / call_ns + samples
+    running_s = threads.seconds.get("running", 0.0)
     figures.update({f"wakes_per_s.{k}": (v / max(running_s, 1e-9), "1/s") for k, v in sorted(wakes.items())})
+    figures.update({"path_per_call": (path_ns, "ns"), "samples_cpu_share": (samples * 100, "%"),
+                    "bound_background": (background * 100, "%"), "bound_wrapped": (wrapped_bound * 100, "%")})
     figures.update({"rounds_wrapped": (rounds_w, ""), "rounds_background": (rounds_b, ""),
                     "calls_per_block": (n, ""), "scrapes": (scraper.scrapes, ""), **gen})
     wr, run = rw["wrapped"][4], rb["running"][4]
-    ok = wr <= 1.005 and run <= 1.005
+    floor_w, floor_b = abs(rw["unwrapped again"][4] - 1), abs(rb["stopped again"][4] - 1)
+    ok = (background <= 0.001 and wrapped_bound <= 0.005 and wr <= 1.005 + floor_w and run <= 1.005 + floor_b)
     gen_txt = (f"; generate() {gen['gen_added_wrapped'][0]:+.1f} µs/token wrapped (a streamer alone "
                f"{gen['gen_added_streamer'][0]:+.1f})" if "gen_added_wrapped" in gen else "")
     return Check("agent_cost", "pass" if ok else "fail",
-                 f"encoder {figures['unwrapped_per_call'][0]:.0f} µs/call; quiet blocks: wrapped 1% vs unwrapped "
-                 f"x{wr:.4f} (A/A x{rw['unwrapped again'][4]:.4f}), running vs stopped x{run:.4f} "
-                 f"(A/A x{rb['stopped again'][4]:.4f}); per-round medians x{rw['wrapped'][1]:.4f}, "
-                 f"x{rb['running'][1]:.4f}{gen_txt}", figures)
+                 f"encoder {call_ns / 1e3:.0f} µs/call; bounds: background {background * 100:+.3f}% (a loop holding "
+                 f"the GIL stood still {share['running'] * 1e3:.2f} ms/s running, {share['stopped'] * 1e3:.2f} "
+                 f"stopped, {per_scrape / 1e6:.1f} ms a scrape at one every 15 s), wrapped 1% "
+                 f"{wrapped_bound * 100:+.3f}% (path {path_ns:+.0f} ns a call); quiet blocks: "
+                 f"wrapped vs unwrapped x{wr:.4f} (A/A x{rw['unwrapped again'][4]:.4f}), running vs stopped "
+                 f"x{run:.4f} (A/A x{rb['stopped again'][4]:.4f}){gen_txt}", figures)

@@ -32,7 +32,8 @@ import pynvml
 from ..backoff import backoff_seconds
 from ..selfcost import AgentCpu
 
-__all__ = ["CLOCK_EVENT_REASONS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors", "normalize_uuid"]
+__all__ = ["CLOCK_EVENT_REASONS", "STATIC_REFRESH_SECONDS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors",
+           "normalize_uuid"]
 
 #: The ``reason`` label of ``perfmon_gpu_clocks_event_reasons`` -> NVML's bit (nvmlClocksEventReason*).
 CLOCK_EVENT_REASONS: dict[str, int] = {
@@ -48,6 +49,18 @@ CLOCK_EVENT_REASONS: dict[str, int] = {
 }
 
 _MAX_BACKOFF_SECONDS = 60.0
+
+#: Seconds between reads of what rarely changes (an operator's ``nvidia-smi -pl`` changes the power limit; the maximum
+#: SM clock never does): a poll skips those calls in between.
+STATIC_REFRESH_SECONDS = 60.0
+
+
+#: The calls ``_statics`` makes.
+_STATIC_CALLS = ("nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetMaxClockInfo")
+
+
+class _Lost(Exception):
+    """A GPU answered ``NVMLError_GpuIsLost``: it drops out of the reading and is looked up again next poll."""
 
 
 def errors() -> Any:
@@ -85,6 +98,14 @@ class NvmlPoller:
     """Polls NVML on a daemon thread; ``snapshot()`` returns the latest reading.
 
     The thread runs ``tick()`` whenever it says a poll is due, by ``clock`` (monotonic seconds).
+
+    What a poll costs a GIL-bound serving thread is its NVML calls: each is a ctypes call that lets go of the GIL
+    and takes it back, and a slow one (a driver ioctl) hands the GIL to the serving thread and has to take it back
+    from it (a forced switch, two thread wakes). On a lent H200 host a poll of ~17 calls stalled a loop holding
+    the GIL ~2.6 ms. So a poll makes only the calls whose answer changes: each GPU's handle and UUID are kept
+    until NVML re-initialises or the GPU is lost, and its power limit and maximum SM clock are read again every
+    ``STATIC_REFRESH_SECONDS``; per GPU that leaves 9 reads (11 C calls) and the device count, the poll's
+    liveness check.
     """
 
     def __init__(self, backend: Any = None, *, interval_seconds: float = 1.0, log: Any = None,
@@ -104,6 +125,8 @@ class NvmlPoller:
         self._unsupported: set[tuple[int, str]] = set()
         self._errors: dict[str, int] = {}
         self._last_seen_us: dict[int, int] = {}
+        self._devices: dict[int, tuple[Any, str]] = {}  # index -> (handle, UUID), until re-init or lost
+        self._static: dict[int, tuple[float, dict[str, float]]] = {}  # index -> (clock() read, values)
         self._failures = 0
         self._logged_down = False
         self._snapshot = NvmlSnapshot(False, [], {})
@@ -116,6 +139,8 @@ class NvmlPoller:
         self._initialized = False
         self._errors = {}
         self._last_seen_us = {}
+        self._devices = {}
+        self._static = {}
         self._failures = 0
         self._due = 0.0
         self._snapshot = NvmlSnapshot(False, [], {})
@@ -200,6 +225,8 @@ class NvmlPoller:
                 self._log.warning("nvml_unavailable", error=type(exc).__name__, detail=str(exc))
             return False
         self._initialized = True
+        self._devices.clear()  # handles do not outlive an nvmlShutdown or a failed NVML
+        self._static.clear()
         return True
 
     # -- one poll -----------------------------------------------------------------------------
@@ -226,13 +253,48 @@ class NvmlPoller:
         return up
 
     def _read_gpu(self, index: int) -> GpuReading | None:
+        try:
+            return self._read_device(index)
+        except _Lost:
+            self._devices.pop(index, None)
+            self._static.pop(index, None)
+            self._count("nvmlDeviceGetHandleByIndex")
+            return None  # a lost GPU: its series disappear rather than go stale
+
+    def _device(self, index: int) -> tuple[Any, str]:
+        """(handle, UUID) of GPU ``index``, looked up once (raises ``_Lost`` when it cannot be)."""
+        known = self._devices.get(index)
+        if known is not None:
+            return known
         nvml = self.nvml
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = normalize_uuid(nvml.nvmlDeviceGetUUID(handle))
-        except Exception:
-            self._count("nvmlDeviceGetHandleByIndex")
-            return None  # a lost GPU: its series disappear rather than go stale
+            known = (handle, normalize_uuid(nvml.nvmlDeviceGetUUID(handle)))
+        except Exception as exc:
+            raise _Lost from exc
+        self._devices[index] = known
+        return known
+
+    def _statics(self, index: int, handle: Any) -> dict[str, float]:
+        """The power limit and maximum SM clock, read again every ``STATIC_REFRESH_SECONDS``."""
+        now = self._clock()
+        known = self._static.get(index)
+        if known is not None and now - known[0] < STATIC_REFRESH_SECONDS:
+            return known[1]
+        nvml, v = self.nvml, {}
+        limit = self._call(index, "nvmlDeviceGetEnforcedPowerLimit", handle)
+        if limit is not None:
+            v["power_limit_watts"] = limit / 1000.0
+        max_clock = self._call(index, "nvmlDeviceGetMaxClockInfo", handle, nvml.NVML_CLOCK_SM)
+        if max_clock is not None:
+            v["sm_clock_max_hertz"] = max_clock * 1e6
+        if len(v) + sum((index, n) in self._unsupported for n in _STATIC_CALLS) == len(_STATIC_CALLS):
+            self._static[index] = (now, v)  # kept only when complete: a failing read is tried again next poll
+        return v
+
+    def _read_device(self, index: int) -> GpuReading:
+        nvml = self.nvml
+        handle, uuid = self._device(index)
         r = GpuReading(index, uuid)
         v = r.values
         util = self._call(index, "nvmlDeviceGetUtilizationRates", handle)
@@ -249,18 +311,13 @@ class NvmlPoller:
         power = self._call(index, "nvmlDeviceGetPowerUsage", handle)
         if power is not None:
             v["power_watts"] = power / 1000.0  # milliwatts
-        limit = self._call(index, "nvmlDeviceGetEnforcedPowerLimit", handle)
-        if limit is not None:
-            v["power_limit_watts"] = limit / 1000.0
         energy = self._call(index, "nvmlDeviceGetTotalEnergyConsumption", handle)
         if energy is not None:
             v["energy_joules"] = energy / 1000.0  # millijoules since the driver loaded
         clock = self._call(index, "nvmlDeviceGetClockInfo", handle, nvml.NVML_CLOCK_SM)
         if clock is not None:
             v["sm_clock_hertz"] = clock * 1e6  # MHz
-        max_clock = self._call(index, "nvmlDeviceGetMaxClockInfo", handle, nvml.NVML_CLOCK_SM)
-        if max_clock is not None:
-            v["sm_clock_max_hertz"] = max_clock * 1e6
+        v.update(self._statics(index, handle))
         reasons = self._call(index, "nvmlDeviceGetCurrentClocksEventReasons", handle)
         if reasons is not None:
             r.clock_event_reasons = {name: int(bool(reasons & bit)) for name, bit in CLOCK_EVENT_REASONS.items()}
@@ -317,6 +374,8 @@ class NvmlPoller:
         except nvml.NVMLError_NotSupported:
             self._unsupported.add((index, name))
             return None
+        except getattr(nvml, "NVMLError_GpuIsLost", ()) as exc:  # a backend without the class never loses one
+            raise _Lost from exc
         except Exception:
             self._count(name)
             return None
