@@ -29,7 +29,9 @@ variants, is charged at one every 15 s. The wrapped model's bound adds the per-c
 (the difference of the minima: noise only adds to a time) over the loop's time a call. The scraper is a child
 process, as Prometheus is another process: a scraping thread in this one would charge its own GIL time to the agent.
 The bound assumes an agent thread's switch costs the serving thread what a do-nothing thread's does; the cache its
-work evicts is not priced beyond that.
+work evicts is not priced beyond that. So the background is also measured with no such model (``common.gil_stalls``,
+as ``make gpu-check`` judges it): a pure-Python loop that never lets go of the GIL, beside the monitor running and
+stopped, reports the time it stood still; running minus stopped, with a scrape's charged at one every 15 s.
 
     python benchmarks/agent_cost.py [--rounds 24] [--calls 3000] [--json out.json]
 
@@ -54,9 +56,11 @@ from common import (
     ScraperProcess,
     Waker,
     agent_threads,
+    background_share,
     dump,
     free_port,
     machine,
+    probe_background,
     settle_calls,
     table,
     thread_cost,
@@ -240,6 +244,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--calls", type=int, default=3000, help="calls per variant per round (~1 s)")
     ap.add_argument("--gen-rounds", type=int, default=120)
+    ap.add_argument("--probe-rounds", type=int, default=10, help="rounds of the GIL-stall probe (1.5 s a variant)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -368,6 +373,19 @@ def main() -> None:
     out["linear64"] = {"bare_ns": statistics.median(lb) * 1e9, "added_ns": med, "p25": lo, "p75": hi,
                        "added_ns_by_minima": least}
 
+    # The background measured directly, as the GPU check does: a loop that never lets go of the GIL (the worst case of
+    # a GIL-bound serving thread) beside the monitor running and stopped; its stalls count whatever the agent's threads
+    # take from it, with no model of what a switch costs.
+    state = {"running": True}
+
+    def set_running(want: bool) -> None:
+        if want != state["running"]:
+            mon.start() if want else mon.stop()
+            state["running"] = want
+
+    probed = probe_background(set_running, args.probe_rounds, 1.5)
+    set_running(True)
+
     # The background's cost as a bound the host's noise cannot hide: each agent thread's switches (wakes and GIL
     # waits) times what one switch of a do-nothing thread costs the serving loop (the calibration variant, a large
     # effect: resolvable at this noise), plus the CPU time it spent beyond what such a switch spends (time it could
@@ -423,6 +441,12 @@ def main() -> None:
     out["wake_cpu_ns_per_switch"] = wake_cpu_ns
     out["background_bound"] = background
     out["wrapped_bound"] = wrapped_bound
+    probe = background_share(probed, scraper.times)
+    print(f"\nThe same, measured: a loop holding the GIL stood still {probe['running'] * 1e3:.2f} ms a second with the "
+          f"monitor running (apart from scrapes), {probe['stopped'] * 1e3:.2f} stopped, and "
+          f"{probe['per_scrape'] / 1e6:.2f} ms a scrape ({probe['scrapes']} seen), charged at one every 15 s: "
+          f"**{probe['background'] * 100:+.4f}%** ({args.probe_rounds} rounds of 1.5 s a variant)")
+    out["background_probe"] = probe
     mon.stop()
     dump(args.json, out)
 

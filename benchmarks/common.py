@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import threading
 import time
 import urllib.request
@@ -150,6 +151,64 @@ def gil_stalls(seconds: float, threshold_ns: int = 20_000) -> list[tuple[float, 
             stalls.append((wall + now / 1e9, now - last))
         last = now
     return stalls
+
+
+#: A scrape's window in ``background_share``: from this long before the scraper read its answer to 5 ms after.
+SCRAPE_WINDOW_S = 0.1
+
+
+def probe_background(set_running: Callable[[bool], None], rounds: int, seconds: float) -> list[dict[str, Any]]:
+    """``gil_stalls`` for ``seconds`` beside the monitor stopped and running (``set_running``), in a shuffled order,
+    ``rounds`` times, each after a 0.5 s settle: one dict a round, variant -> (its stalls, its ``time.time()`` span),
+    for ``background_share``."""
+    import random
+
+    out: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        got: dict[str, Any] = {}
+        for variant in random.sample(["stopped", "running"], 2):
+            set_running(variant == "running")
+            time.sleep(0.5)
+            t0 = time.time()
+            got[variant] = (gil_stalls(seconds), (t0, time.time()))
+        out.append(got)
+    return out
+
+
+def background_share(rounds: list[dict[str, Any]], scrape_ends: Sequence[float],
+                     scrape_every: float = 15.0) -> dict[str, float]:
+    """What ``probe_background`` read, as shares of a serving thread's time.
+
+    A scrape's stalls (those in its window: ``SCRAPE_WINDOW_S`` before the scraper read its answer, ``scrape_ends`` in
+    ``time.time()``) are summed over the scrapes whose answer came in a running slot, less what the stopped slots
+    stalled in as long, and charged at one every ``scrape_every`` seconds (the benchmark's scraper calls more often, so
+    that several fall in the running slots). The rest is the agent's threads' own: per round, running minus stopped
+    (a stall the host causes lands in one slot of one round), the median over rounds. Keys: ``stopped`` and
+    ``running`` (medians, stalled ns a ns, scrapes apart), ``wakes`` (the median of running minus stopped, which the
+    host's noise can make negative), ``per_scrape`` (ns), ``scrapes``, ``background`` (a bound: ``wakes`` at least 0,
+    plus the scrapes' share)."""
+    window = SCRAPE_WINDOW_S + 0.005
+
+    def at_scrape(when: float) -> bool:
+        return any(e - SCRAPE_WINDOW_S <= when <= e + 0.005 for e in scrape_ends)
+
+    stopped, running, diffs = [], [], []
+    scraped = seen = 0.0
+    for got in rounds:
+        (s_stalls, (s0, s1)), (r_stalls, (r0, r1)) = got["stopped"], got["running"]
+        stop = sum(ns for _, ns in s_stalls) / ((s1 - s0) * 1e9)
+        run = sum(ns for when, ns in r_stalls if not at_scrape(when)) / ((r1 - r0) * 1e9)
+        stopped.append(stop)
+        running.append(run)
+        diffs.append(run - stop)
+        scraped += sum(ns for when, ns in r_stalls if at_scrape(when))
+        seen += sum(1 for e in scrape_ends if r0 <= e <= r1 + 0.005)
+    host = statistics.median(stopped) * window * 1e9 if stopped else 0.0  # what a window stalls anyway
+    per_scrape = max(0.0, scraped / seen - host) if seen else 0.0
+    wakes = statistics.median(diffs)
+    return {"stopped": statistics.median(stopped), "running": statistics.median(running), "wakes": wakes,
+            "per_scrape": per_scrape, "scrapes": seen,
+            "background": max(0.0, wakes) + per_scrape / (scrape_every * 1e9)}
 
 
 class Waker:

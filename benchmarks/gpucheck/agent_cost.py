@@ -25,7 +25,15 @@ from prometheus_client import CollectorRegistry
 
 from perfmon import Monitor
 
-from ..common import SETTLE_EXECUTIONS, ScraperProcess, agent_threads, free_port, gil_stalls, thread_deltas
+from ..common import (
+    SETTLE_EXECUTIONS,
+    ScraperProcess,
+    agent_threads,
+    background_share,
+    free_port,
+    probe_background,
+    thread_deltas,
+)
 from .common import Check, Figure, encoder
 from .rig import Rig
 
@@ -195,9 +203,10 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
 
     - **the background's GIL time**: a pure-Python loop that never lets go of the GIL (``common.gil_stalls``, the
       worst case of a GIL-bound serving thread) beside the monitor running and stopped, shuffled: the time it
-      stood still over 20 µs at a time, running minus stopped, over the time it ran. It counts whatever the
-      agent's threads take (their GIL holds and each hand-off) and nothing of the host's speed wandering, which
-      changes the loop's pace, not its gaps. The scraper calls every 5 s, three times Prometheus' default;
+      stood still over 20 µs at a time, running minus stopped, the median over rounds (``common.background_share``:
+      a scrape's stalls apart, charged at one every 15 s; the scraper calls every 5 s so that several fall in the
+      running slots). It counts whatever the agent's threads take (their GIL holds and each hand-off) and nothing
+      of the host's speed wandering, which changes the loop's pace, not its gaps;
     - **the request path**: ``_path_ns``, by minima, over the encoder's time a call;
     - **the samples' work**: the agent threads' CPU a second in the wrapped slots beyond the unwrapped ones
       (the resolver resolving the 1% sample's events), all of it counted as if it held the GIL.
@@ -256,8 +265,6 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         running = True
         per_w: dict[str, list[float]] = {"unwrapped": [], "unwrapped again": [], "wrapped": []}
         per_b: dict[str, list[float]] = {"stopped": [], "stopped again": [], "running": []}
-        stalls: dict[str, list[tuple[float, int]]] = {"stopped": [], "running": []}  # (when, ns) each
-        probed = dict.fromkeys(stalls, 0.0)  # seconds
         threads = _Threads()
         wakes: dict[str, float] = {}  # the agent's own perfmon_agent_wakeups_total over the running slots
         try:
@@ -288,15 +295,15 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                         if want:
                             for k, v in _wakes(mon).items():
                                 wakes[k] = wakes.get(k, 0.0) + v - own.get(k, 0.0)
-                for _ in range(rounds_p):  # the background's GIL time, seen by a loop that never lets go of it
-                    for slot in random.sample(list(stalls), 2):
-                        want = slot == "running"
-                        if want != running:
-                            mon.start() if want else mon.stop()
-                            running = want
-                        time.sleep(0.5)
-                        stalls[slot] += gil_stalls(probe_s)
-                        probed[slot] += probe_s
+
+            def set_running(want: bool) -> None:
+                nonlocal running
+                if want != running:
+                    mon.start() if want else mon.stop()
+                    running = want
+
+            # The background's GIL time, seen by a loop that never lets go of it.
+            probed = probe_background(set_running, rounds_p, probe_s)
             if not running:
                 mon.start()
             path_ns = _path_ns(rig, mon, dtype, 8 if quick else 40)
@@ -318,25 +325,15 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         figures[f"ratio_{short}_quiet_blocks"] = (p10, "1")
         figures[f"ratio_{short}_p25_p75"] = (f"{lo:.4f}..{hi:.4f}", "1")
         figures[f"added_{short}"] = (added * 1e6, "µs")
-    # A scrape's stalls (the 100 ms before the scraper read its answer), charged at one every 15 s (Prometheus'
-    # default; the scraper here calls every 5 s so that several fall in the probe's running slots); the rest: the
-    # threads' own wakes.
-    ends = scraper.times
-
-    def at_scrape(when: float) -> bool:
-        return any(e - 0.1 <= when <= e + 0.005 for e in ends)
-
-    scraped = [ns for when, ns in stalls["running"] if at_scrape(when)]
-    seen = sum(1 for e in ends if any(e - 0.1 <= when <= e + 0.005 for when, _ in stalls["running"]))
-    per_scrape = sum(scraped) / seen if seen else 0.0
-    share = {k: sum(ns for when, ns in got if k == "stopped" or not at_scrape(when)) / max(probed[k] * 1e9, 1e-9)
-             for k, got in stalls.items()}
-    background = share["running"] - share["stopped"] + per_scrape / 15e9
-    for k, got in stalls.items():
-        figures[f"gil_stalled.{k}"] = (sum(ns for _, ns in got) / max(probed[k], 1e-9) / 1e6, "ms/s")
-        figures[f"gil_stalls_per_s.{k}"] = (len(got) / max(probed[k], 1e-9), "1/s")
-    figures["gil_stalled.running_apart_from_scrapes"] = (share["running"] * 1e3, "ms/s")
-    figures.update({"scrape_stalled": (per_scrape / 1e6, "ms"), "scrapes_probed": (seen, "")})
+    probe = background_share(probed, scraper.times)
+    background, per_scrape = probe["background"], probe["per_scrape"]
+    share = {k: probe[k] for k in ("stopped", "running")}
+    for k in ("stopped", "running"):
+        figures[f"gil_stalled.{k}"] = (share[k] * 1e3, "ms/s")  # the median round's; running: a scrape's apart
+        stalls = sum(len(got[k][0]) for got in probed)
+        figures[f"gil_stalls_per_s.{k}"] = (stalls / max(rounds_p * probe_s, 1e-9), "1/s")
+    figures.update({"gil_stalled.running_minus_stopped": (probe["wakes"] * 1e3, "ms/s"),
+                    "scrape_stalled": (per_scrape / 1e6, "ms"), "scrapes_probed": (probe["scrapes"], "")})
     cpu_per_s = {}
     for slot, moved in sorted(threads.by_slot.items()):
         sec = max(threads.seconds.get(slot, 0.0), 1e-9)
