@@ -108,7 +108,7 @@ class NvmlPoller:
     liveness check.
     """
 
-    def __init__(self, backend: Any = None, *, interval_seconds: float = 1.0, log: Any = None,
+    def __init__(self, backend: Any = None, *, interval_seconds: float = 5.0, log: Any = None,
                  pid: Callable[[], int] = os.getpid, cpu: AgentCpu | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._cpu = cpu if cpu is not None else AgentCpu()
