@@ -55,6 +55,7 @@ import torch
 from common import (
     ScraperProcess,
     Waker,
+    Wrapping,
     agent_threads,
     background_share,
     dump,
@@ -87,24 +88,6 @@ def time_calls(fn: Callable[[], Any], calls: int) -> float:
         return (time.perf_counter() - t0) / calls
     finally:
         gc.enable()
-
-
-class Wrapping:
-    """One module wrapped and unwrapped between variants, in place (``Monitor.unwrap`` restores its class; wrapped
-    again under the same name, its counters continue). Two copies instead (one bare, one wrapped) would differ by
-    their objects' places in memory alone: two wrapped copies of one Linear(64,64), same code, read +309 and +425 ns
-    a call added; two bare GPT-2 twins ±9 µs a token."""
-
-    def __init__(self, mon: perfmon.Monitor, module: Any, name: str) -> None:
-        self.mon, self.module, self.name = mon, module, name
-        self.wrapped = False
-
-    def set(self, want: bool) -> None:
-        if want and not self.wrapped:
-            self.mon.wrap(self.module, name=self.name)
-        elif self.wrapped and not want:
-            self.mon.unwrap(self.module)
-        self.wrapped = want
 
 
 def pct(values: list[float]) -> tuple[float, float, float]:

@@ -28,6 +28,7 @@ from perfmon import Monitor
 from ..common import (
     SETTLE_EXECUTIONS,
     ScraperProcess,
+    Wrapping,
     agent_threads,
     background_share,
     free_port,
@@ -149,6 +150,16 @@ class _Threads:
         self.seconds[slot] = self.seconds.get(slot, 0.0) + seconds
 
 
+def _per_call(rig: Rig, model: Any, x: Any, calls: int) -> float:
+    """Seconds a call of ``model(x)``, over ``calls`` calls between two waits for the device."""
+    rig.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        model(x)
+    rig.synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
 def _path_ns(rig: Rig, mon: Monitor, dtype: torch.dtype, rounds: int) -> float:
     """ns a call the wrapper adds on this host, at 1%: a tiny Linear(64, 64) on the device (its launch sets the
     pace), the same module wrapped and unwrapped between blocks of 1,000 calls, by the difference of the two
@@ -156,29 +167,14 @@ def _path_ns(rig: Rig, mon: Monitor, dtype: torch.dtype, rounds: int) -> float:
     lin = torch.nn.Linear(64, 64).to(rig.device, dtype).eval()
     x = torch.randn(1, 64, device=rig.device, dtype=dtype)
     best = {"bare": float("inf"), "wrapped": float("inf")}
-    wrapped = False
-
-    def block(calls: int) -> float:
-        rig.synchronize()
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            lin(x)
-        rig.synchronize()
-        return (time.perf_counter_ns() - t0) / calls
-
+    wrapping = Wrapping(mon, lin, "linear64", device=rig.device,
+                        settle=lambda: _per_call(rig, lin, x, SETTLE_EXECUTIONS))
     with torch.inference_mode():
         for _ in range(rounds):
-            order = list(best)
-            random.shuffle(order)
-            for slot in order:
-                want = slot == "wrapped"
-                if want != wrapped:
-                    mon.wrap(lin, name="linear64", device=rig.device) if want else mon.unwrap(lin)
-                    wrapped = want
-                    block(SETTLE_EXECUTIONS)  # the class switch's attribute caches, a new wrap's cold call
-                best[slot] = min(best[slot], block(1000))
-    if wrapped:
-        mon.unwrap(lin)
+            for slot in random.sample(list(best), 2):
+                wrapping.set(slot == "wrapped")
+                best[slot] = min(best[slot], _per_call(rig, lin, x, 1000) * 1e9)
+        wrapping.set(False)
     return best["wrapped"] - best["bare"]
 
 
@@ -228,30 +224,11 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         port = free_port()  # fixed: the scraper (another process, as Prometheus is) finds it after every restart
         mon = Monitor(registry=CollectorRegistry(), cuda=rig.backend, port=port, host="127.0.0.1", log_level="error",
                       log_format="json", trace_dir=f"{tmp}/traces", trace_store=f"file://{tmp}/store")
-        wrapped = False
-
-        def set_wrapped(want: bool) -> None:
-            nonlocal wrapped
-            if want and not wrapped:
-                mon.wrap(model, name="encoder", device=rig.device)
-            elif wrapped and not want:
-                mon.unwrap(model)
-            else:
-                return
-            wrapped = want
-            # A class switch leaves CPython's specialised attribute reads on the old class until they miss
-            # SETTLE_EXECUTIONS times, and a new wrap times its first call in full: neither is the steady cost.
-            with torch.inference_mode():
-                for _ in range(SETTLE_EXECUTIONS):
-                    model(x)
+        set_wrapped = Wrapping(mon, model, "encoder", device=rig.device,
+                               settle=lambda: _per_call(rig, model, x, SETTLE_EXECUTIONS)).set
 
         def block() -> float:
-            rig.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                model(x)
-            rig.synchronize()
-            return (time.perf_counter() - t0) / n
+            return _per_call(rig, model, x, n)
 
         def watched(slot: str, prefix: str = "perfmon") -> float:
             """One block, the threads named ``prefix`` read around it into ``threads``."""
