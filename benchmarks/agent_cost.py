@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from common import (
     ScraperProcess,
+    ThreadTally,
     Waker,
     Wrapping,
     agent_threads,
@@ -260,8 +261,7 @@ def main() -> None:
     calibrate = "stopped, a thread waking every 1 ms"
     per: dict[str, list[float]] = {"stopped": [], "running, unwrapped": [], "running, wrapped": [], calibrate: []}
     # variant -> thread -> [switches, CPU ns] while the loop ran with the monitor running, and that variant's seconds
-    wakes: dict[str, dict[str, list[int]]] = {"running, unwrapped": {}, "running, wrapped": {}}
-    wake_seconds = dict.fromkeys(wakes, 0.0)
+    tally = ThreadTally()  # the agent's threads while the loop ran with the monitor running, by variant
     windows: list[tuple[float, float]] = []  # time.time() spans of the running variants (the scrapes they saw)
     per_switch: list[float] = []  # serving ns lost per switch of the calibration thread, a round each
     cpu_per_switch: list[float] = []  # the calibration thread's own CPU ns per switch (a wake's kernel work)
@@ -288,11 +288,7 @@ def main() -> None:
                 waker_cpu = sum(d[1] for d in moved.values())
             if running:  # the agent's threads while the loop ran (wrapped: its drains are the resolver's work too)
                 windows.append((w0, time.time()))
-                wake_seconds[variant] += time.perf_counter() - t0
-                for name, (switches, cpu) in moved.items():
-                    w = wakes[variant].setdefault(name, [0, 0])
-                    w[0] += switches
-                    w[1] += cpu
+                tally.add(variant, moved, time.perf_counter() - t0)
         if waker_switches:
             per_switch.append((per[calibrate][-1] - per["stopped"][-1]) * args.calls * 1e9 / waker_switches)
             cpu_per_switch.append(waker_cpu / waker_switches)
@@ -389,8 +385,8 @@ def main() -> None:
           f"{pct(per_switch)[0] / 1e3:.1f}..{pct(per_switch)[2] / 1e3:.1f}, and {wake_cpu_ns / 1e3:.1f} µs of its own "
           f"CPU):\n")
     rows, bounds = [], {}
-    for variant, threads in wakes.items():
-        seconds = max(wake_seconds[variant], 1e-9)
+    for variant, threads in tally.by_slot.items():
+        seconds = max(tally.seconds[variant], 1e-9)
         bound = 0.0
         for name, (switches, cpu) in sorted(threads.items()):
             work, total = cost(switches, cpu)
@@ -408,7 +404,7 @@ def main() -> None:
     # that fell in the running variants, charged at one scrape every 15 s (a free-running scraper hits a variant's
     # ~25 s only a couple of times: too few to read its share from the variant alone).
     seen = sum(1 for t in scraper.times if any(a <= t <= b for a, b in windows))
-    http = [wakes[v].get("perfmon-http", [0, 0]) for v in wakes]
+    http = [threads.get("perfmon-http", [0, 0]) for threads in tally.by_slot.values()]
     per_scrape = cost(sum(h[0] for h in http), sum(h[1] for h in http))[1] / seen if seen else float("nan")
     scrape_share = per_scrape / 15e9
     print(f"\nA scrape cost the HTTP thread {per_scrape / 1e3:.0f} µs (switches at their price and CPU beyond, over "

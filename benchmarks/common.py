@@ -125,6 +125,23 @@ def thread_deltas(before: dict[str, tuple[int, int]], after: dict[str, tuple[int
     return {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after.keys() & before.keys()}
 
 
+class ThreadTally:
+    """Threads' switches and CPU ns (``thread_deltas``), summed by variant (``by_slot``: variant -> thread name ->
+    [switches, CPU ns]), with the seconds they were read over (``seconds``)."""
+
+    def __init__(self) -> None:
+        self.by_slot: dict[str, dict[str, list[int]]] = {}
+        self.seconds: dict[str, float] = {}
+
+    def add(self, slot: str, moved: dict[str, tuple[int, int]], seconds: float) -> None:
+        into = self.by_slot.setdefault(slot, {})
+        for name, (switches, cpu) in moved.items():
+            acc = into.setdefault(name, [0, 0])
+            acc[0] += switches
+            acc[1] += cpu
+        self.seconds[slot] = self.seconds.get(slot, 0.0) + seconds
+
+
 def thread_cost(switches: int, cpu_ns: float, price_ns: float, wake_cpu_ns: float) -> tuple[float, float]:
     """A background thread's cost to a GIL-bound serving thread, as a bound: (its CPU ns beyond what a do-nothing
     wake spends, ``wake_cpu_ns`` a switch: work it could do holding the GIL; that plus its ``switches`` at

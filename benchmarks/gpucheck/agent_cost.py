@@ -28,6 +28,7 @@ from perfmon import Monitor
 from ..common import (
     SETTLE_EXECUTIONS,
     ScraperProcess,
+    ThreadTally,
     Wrapping,
     agent_threads,
     background_share,
@@ -134,22 +135,6 @@ def _wakes(mon: Monitor) -> dict[str, float]:
             if s.name == "perfmon_agent_wakeups_total"}
 
 
-class _Threads:
-    """The agent's threads' switches and CPU ns, summed over the blocks of each slot they are read around."""
-
-    def __init__(self) -> None:
-        self.by_slot: dict[str, dict[str, list[int]]] = {}
-        self.seconds: dict[str, float] = {}
-
-    def add(self, slot: str, moved: dict[str, tuple[int, int]], seconds: float) -> None:
-        into = self.by_slot.setdefault(slot, {})
-        for name, (switches, cpu) in moved.items():
-            acc = into.setdefault(name, [0, 0])
-            acc[0] += switches
-            acc[1] += cpu
-        self.seconds[slot] = self.seconds.get(slot, 0.0) + seconds
-
-
 def _per_call(rig: Rig, model: Any, x: Any, calls: int) -> float:
     """Seconds a call of ``model(x)``, over ``calls`` calls between two waits for the device."""
     rig.synchronize()
@@ -242,7 +227,7 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         running = True
         per_w: dict[str, list[float]] = {"unwrapped": [], "unwrapped again": [], "wrapped": []}
         per_b: dict[str, list[float]] = {"stopped": [], "stopped again": [], "running": []}
-        threads = _Threads()
+        threads = ThreadTally()
         wakes: dict[str, float] = {}  # the agent's own perfmon_agent_wakeups_total over the running slots
         try:
             with torch.inference_mode():
