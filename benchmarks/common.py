@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import statistics
 import threading
 import time
@@ -178,8 +179,6 @@ def probe_background(set_running: Callable[[bool], None], rounds: int, seconds: 
     """``gil_stalls`` for ``seconds`` beside the monitor stopped and running (``set_running``), in a shuffled order,
     ``rounds`` times, each after a 0.5 s settle: one dict a round, variant -> (its stalls, its ``time.time()`` span),
     for ``background_share``."""
-    import random
-
     out: list[dict[str, Any]] = []
     for _ in range(rounds):
         got: dict[str, Any] = {}
