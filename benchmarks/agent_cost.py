@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 from common import (
+    Running,
     ScraperProcess,
     ThreadTally,
     Waker,
@@ -257,10 +258,9 @@ def main() -> None:
     for want in (True, False, True, False):  # warm both paths and the monitor's cold calls
         set_wrapped(want)
         time_calls(call, 300)
-    running = True
+    running = Running(mon)
     calibrate = "stopped, a thread waking every 1 ms"
     per: dict[str, list[float]] = {"stopped": [], "running, unwrapped": [], "running, wrapped": [], calibrate: []}
-    # variant -> thread -> [switches, CPU ns] while the loop ran with the monitor running, and that variant's seconds
     tally = ThreadTally()  # the agent's threads while the loop ran with the monitor running, by variant
     windows: list[tuple[float, float]] = []  # time.time() spans of the running variants (the scrapes they saw)
     per_switch: list[float] = []  # serving ns lost per switch of the calibration thread, a round each
@@ -270,10 +270,7 @@ def main() -> None:
         random.shuffle(order)
         waker_switches = waker_cpu = 0
         for variant in order:
-            want = variant.startswith("running")
-            if want != running:
-                mon.start() if want else mon.stop()
-                running = want
+            if running.set(variant.startswith("running")):
                 time.sleep(0.2)  # threads settled
             set_wrapped(variant == "running, wrapped")
             waker = Waker() if variant == calibrate else None
@@ -286,15 +283,14 @@ def main() -> None:
                 waker.stop()
                 waker_switches = sum(d[0] for d in moved.values())
                 waker_cpu = sum(d[1] for d in moved.values())
-            if running:  # the agent's threads while the loop ran (wrapped: its drains are the resolver's work too)
+            if running.running:  # the agent's threads while the loop ran (wrapped: its drains are the resolver's too)
                 windows.append((w0, time.time()))
                 tally.add(variant, moved, time.perf_counter() - t0)
         if waker_switches:
             per_switch.append((per[calibrate][-1] - per["stopped"][-1]) * args.calls * 1e9 / waker_switches)
             cpu_per_switch.append(waker_cpu / waker_switches)
     set_wrapped(False)
-    if not running:
-        mon.start()
+    running.set(True)
     rows, out = [], {"machine": machine(), "calls": args.calls, "rounds": args.rounds}
     stopped = per["stopped"]
     for variant, vals in per.items():
@@ -355,15 +351,8 @@ def main() -> None:
     # The background measured directly, as the GPU check does: a loop that never lets go of the GIL (the worst case of
     # a GIL-bound serving thread) beside the monitor running and stopped; its stalls count whatever the agent's threads
     # take from it, with no model of what a switch costs.
-    state = {"running": True}
-
-    def set_running(want: bool) -> None:
-        if want != state["running"]:
-            mon.start() if want else mon.stop()
-            state["running"] = want
-
-    probed = probe_background(set_running, args.probe_rounds, 1.5)
-    set_running(True)
+    probed = probe_background(running.set, args.probe_rounds, 1.5)
+    running.set(True)
 
     # The background's cost as a bound the host's noise cannot hide: each agent thread's switches (wakes and GIL
     # waits) times what one switch of a do-nothing thread costs the serving loop (the calibration variant, a large

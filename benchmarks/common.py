@@ -175,7 +175,7 @@ def gil_stalls(seconds: float, threshold_ns: int = 20_000) -> list[tuple[float, 
 SCRAPE_WINDOW_S = 0.1
 
 
-def probe_background(set_running: Callable[[bool], None], rounds: int, seconds: float) -> list[dict[str, Any]]:
+def probe_background(set_running: Callable[[bool], object], rounds: int, seconds: float) -> list[dict[str, Any]]:
     """``gil_stalls`` for ``seconds`` beside the monitor stopped and running (``set_running``), in a shuffled order,
     ``rounds`` times, each after a 0.5 s settle: one dict a round, variant -> (its stalls, its ``time.time()`` span),
     for ``background_share``."""
@@ -225,6 +225,21 @@ def background_share(rounds: list[dict[str, Any]], scrape_ends: Sequence[float],
     return {"stopped": statistics.median(stopped), "running": statistics.median(running), "wakes": wakes,
             "per_scrape": per_scrape, "scrapes": seen,
             "background": max(0.0, wakes) + per_scrape / (scrape_every * 1e9)}
+
+
+class Running:
+    """A monitor started and stopped between variants (``running``: whether it is now); ``set`` says whether it
+    switched (a start's own work settles before a variant is measured)."""
+
+    def __init__(self, mon: perfmon.Monitor, running: bool = True) -> None:
+        self.mon, self.running = mon, running
+
+    def set(self, want: bool) -> bool:
+        if want == self.running:
+            return False
+        self.mon.start() if want else self.mon.stop()
+        self.running = want
+        return True
 
 
 class Wrapping:

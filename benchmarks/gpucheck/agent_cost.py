@@ -27,6 +27,7 @@ from perfmon import Monitor
 
 from ..common import (
     SETTLE_EXECUTIONS,
+    Running,
     ScraperProcess,
     ThreadTally,
     Wrapping,
@@ -224,7 +225,7 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
 
         mon.start()
         scraper = ScraperProcess(f"http://127.0.0.1:{port}", period=5.0, limit=1800.0)
-        running = True
+        running = Running(mon)
         per_w: dict[str, list[float]] = {"unwrapped": [], "unwrapped again": [], "wrapped": []}
         per_b: dict[str, list[float]] = {"stopped": [], "stopped again": [], "running": []}
         threads = ThreadTally()
@@ -246,9 +247,7 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                     random.shuffle(order)
                     for slot in order:
                         want = slot == "running"
-                        if want != running:
-                            mon.start() if want else mon.stop()
-                            running = want
+                        running.set(want)
                         time.sleep(0.5)  # threads settled: a start's own work is not the steady cost
                         block()
                         own = _wakes(mon)
@@ -257,17 +256,9 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                         if want:
                             for k, v in _wakes(mon).items():
                                 wakes[k] = wakes.get(k, 0.0) + v - own.get(k, 0.0)
-
-            def set_running(want: bool) -> None:
-                nonlocal running
-                if want != running:
-                    mon.start() if want else mon.stop()
-                    running = want
-
             # The background's GIL time, seen by a loop that never lets go of it.
-            probed = probe_background(set_running, rounds_p, probe_s)
-            if not running:
-                mon.start()
+            probed = probe_background(running.set, rounds_p, probe_s)
+            running.set(True)
             path_ns = _path_ns(rig, mon, dtype, 8 if quick else 40)
             try:
                 gen = _generate(rig, mon, 4 if quick else 60, hf)
