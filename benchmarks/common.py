@@ -17,6 +17,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import perfmon
+from perfmon.config import Config
+from perfmon.testing import DrivenPoller
 
 
 def machine() -> str:
@@ -169,6 +171,49 @@ def gil_stalls(seconds: float, threshold_ns: int = 20_000) -> list[tuple[float, 
             stalls.append((wall + now / 1e9, now - last))
         last = now
     return stalls
+
+
+def poll_stall(poll: Callable[[], object], *, rounds: int, seconds: float, every: float = 0.2) -> dict[str, Any]:
+    """What one NVML poll costs a loop holding the GIL: ``gil_stalls`` for ``seconds`` beside a thread calling
+    ``poll`` (e.g. an ``NvmlPoller``'s ``poll``; call it once first, for the lookups) every ``every`` seconds, and
+    without it, in a shuffled order, ``rounds`` times. Keys: ``stalled`` (variant -> ms stalled a second, a round
+    each), ``polls``, ``per_poll_ns`` (the median round's added stall over the polls a second)."""
+    stalled: dict[str, list[float]] = {"no poller": [], "polling": []}
+    polls = 0
+    for _ in range(rounds):
+        for variant in random.sample(list(stalled), 2):
+            stop, done = threading.Event(), [0]
+
+            def poller(stop: threading.Event = stop, done: list[int] = done) -> None:
+                while not stop.wait(every):
+                    poll()
+                    done[0] += 1
+
+            thread = threading.Thread(target=poller, daemon=True) if variant == "polling" else None
+            if thread is not None:
+                thread.start()
+            got = gil_stalls(seconds)
+            if thread is not None:
+                stop.set()
+                thread.join()
+                polls += done[0]
+            stalled[variant].append(sum(ns for _, ns in got) / seconds / 1e6)
+    added = statistics.median(p - n for p, n in zip(stalled["polling"], stalled["no poller"], strict=True))
+    rate = polls / (rounds * seconds)
+    return {"stalled": stalled, "polls": polls, "per_poll_ns": added * 1e6 / rate if rate else float("nan")}
+
+
+def poll_schedule(reads: Sequence[float], *, seconds: float = 3600.0,
+                  interval: float | None = None) -> dict[str, float]:
+    """The NVML poller's own schedule for readers reading at ``reads`` (seconds from start) over ``seconds``
+    (``perfmon.testing.DrivenPoller``, the configured default interval unless ``interval``), over the second half
+    (the readers' pattern known). Keys: ``per_s`` (polls a second), ``age_median`` and ``age_max`` (seconds: how
+    old the reading a read got was)."""
+    driven = DrivenPoller(interval_seconds=interval if interval is not None else Config().nvml_interval_seconds)
+    driven.run(seconds, reads=reads)
+    ages = [age for t, age in driven.ages if t >= seconds / 2] or [float("nan")]
+    return {"per_s": driven.polls_between(seconds / 2, seconds) / (seconds / 2), "age_median": statistics.median(ages),
+            "age_max": max(ages)}
 
 
 #: A scrape's window in ``background_share``: from this long before the scraper read its answer to 5 ms after.

@@ -153,9 +153,11 @@ class Config:
     stop_timeout_seconds: float = 2.0
     #: Poll NVML for GPU telemetry (a no-op where NVML is absent).
     nvml: bool = True
-    #: Seconds between NVML polls. A poll is 9 NVML reads per GPU and a device count, and each read that hands the GIL
-    #: over stalls a GIL-bound serving thread (~2.6 ms a poll of ~16 calls on a lent H200 host): 5 s, a third of
-    #: Prometheus' default scrape interval, keeps every scrape's reading fresh at a fifth of 1 s's cost.
+    #: The shortest time between NVML polls (seconds), and the oldest reading a reader gets when its reads have no
+    #: steady period. A poll is 9 NVML reads per GPU and a device count, and each read that hands the GIL over
+    #: stalls a GIL-bound serving thread (~2.6 ms a poll of ~16 calls on a lent H200 host), so the poller polls for
+    #: its readers: one poll a second before each scrape of a steady Prometheus slower than this, one a minute
+    #: when nobody reads (telemetry/nvml.py).
     nvml_interval_seconds: float = 5.0
     #: Time the process's garbage-collection pauses (a ``gc.callbacks`` hook, ~1 µs a collection) and mark the
     #: timed calls and generation requests they overlapped (telemetry/gcpauses.py).

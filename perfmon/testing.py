@@ -3,7 +3,8 @@
 The fake GPU (``FakeCuda`` over ``FakeGpu``, with PyTorch's event semantics; ``GpuWork`` and ``GpuKernels``,
 models that queue work on it; ``FakeProfiler``, their calls as a CUDA capture's trace) lives in
 ``perfmon/fakecuda.py`` and is exported here; so are fakes of NVML and torch's allocator, ``BusyWait`` and
-helpers that read histograms and event pools.
+helpers that read histograms and event pools, and ``DrivenPoller``, the NVML poller's schedule on a clock
+driven by hand.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from .fakecuda import FakeCall, FakeCuda, FakeEvent, FakeGpu, FakeProfiler, FakeStream, GpuKernels, GpuWork, spin
+from .telemetry.nvml import NvmlPoller
 from .telemetry.nvml import errors as _nvml_errors
 
 __all__ = [
     "BusyWait",
+    "DrivenPoller",
     "FakeCall",
     "FakeCuda",
     "FakeEvent",
@@ -206,6 +209,51 @@ class FakeNvml:
         if not samples:
             raise _pynvml.NVMLError_NotFound()
         return samples
+
+
+class DrivenPoller:
+    """An ``NvmlPoller`` over a ``FakeNvml`` on a clock driven by hand, run the way its thread runs it, with readers
+    calling ``snapshot()`` at given times: which polls a pattern of reads brings, and how old each read's reading is.
+
+    The thread sleeps as long as ``tick()`` says and is woken by a read that brings the next poll forward; a tick
+    when no poll is due only plans again, so ticking after every read polls exactly when the thread would. The
+    first tick (the start's poll) happens at construction, at ``start`` seconds.
+    """
+
+    def __init__(self, *, interval_seconds: float = 5.0, nvml: FakeNvml | None = None, start: float = 0.0) -> None:
+        self.nvml = nvml if nvml is not None else FakeNvml()
+        #: the clock's reading, seconds
+        self.t = start
+        self.poller = NvmlPoller(self.nvml, interval_seconds=interval_seconds, clock=lambda: self.t)
+        #: the clock's reading at each poll
+        self.polls: list[float] = []
+        #: (the clock's reading at each read, seconds since the poll before it)
+        self.ages: list[tuple[float, float]] = []
+        self._wake = self.t + self._tick()
+
+    def _tick(self) -> float:
+        before = self.nvml.calls.get("nvmlDeviceGetCount", 0)
+        wait = self.poller.tick()
+        if self.nvml.calls.get("nvmlDeviceGetCount", 0) > before:
+            self.polls.append(self.t)
+        return wait
+
+    def run(self, seconds: float, reads: Iterable[float] = ()) -> None:
+        """Run for ``seconds``, with a read at each offset in ``reads`` (seconds from now)."""
+        end = self.t + seconds
+        pending = sorted(self.t + r for r in reads)
+        while min([self._wake, *pending[:1]]) <= end:
+            self.t = min([self._wake, *pending[:1]])
+            if pending and pending[0] == self.t:
+                pending.pop(0)
+                self.poller.snapshot()
+                self.ages.append((self.t, self.t - self.polls[-1]))
+            self._wake = self.t + self._tick()
+        self.t = end
+
+    def polls_between(self, a: float, b: float) -> int:
+        """Polls at ``a`` <= t < ``b`` (clock readings)."""
+        return sum(a <= t < b for t in self.polls)
 
 
 class FakeTorchMemory:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import stat
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from perfmon.telemetry.nvml import STATIC_REFRESH_SECONDS, NvmlPoller
-from perfmon.testing import FakeNvml, FakeTorchMemory
+from perfmon.telemetry.pollplan import IDLE_POLL_SECONDS, LEAD_SECONDS
+from perfmon.testing import DrivenPoller, FakeNvml, FakeTorchMemory
 
 from .conftest import HandClock, promtool_check, value, wait_until
 
@@ -165,36 +167,71 @@ def test_a_poll_asks_only_what_changes_and_rereads_the_rest_on_its_own_schedule(
     assert poller.poll() and nvml.calls["nvmlDeviceGetHandleByIndex"] == handles + 3
 
 
+def test_polls_follow_the_readers() -> None:
+    """One poll just before each read of a steady reader, one an interval for irregular or fast readers, one a
+    minute for nobody; the first read after a quiet spell brings a poll at once."""
+    thread = DrivenPoller(interval_seconds=5.0)
+    assert thread.polls == [0.0]  # the first poll, at start
+    thread.run(300)  # nobody reads
+    assert thread.polls == [0.0, 60.0, 120.0, 180.0, 240.0, 300.0]
+    # A Prometheus scraping every 15 s: its first read finds the poller idle and brings a poll at once; once
+    # its period shows (three reads), one poll a scrape, LEAD_SECONDS before it.
+    t0 = thread.t
+    thread.run(300, reads=[7.0 + 15 * k for k in range(20)])
+    assert thread.polls[6] == t0 + 7.0
+    settled = [age for t, age in thread.ages if t >= t0 + 60]
+    assert len(settled) == 16 and all(age == LEAD_SECONDS for age in settled)
+    assert thread.polls_between(t0 + 60, t0 + 300) == 16  # against 48 polls at the 5 s interval
+    # A reader faster than the interval (a status page every 3 s) beside the scrapes: a poll every 5 s.
+    t0 = thread.t
+    reads = sorted([7.0 + 15 * k for k in range(20)] + [1.0 + 3 * k for k in range(100)])
+    thread.run(300, reads=reads)
+    late = [age for t, age in thread.ages if t >= t0 + 30]
+    assert max(late) <= 5.0 and thread.polls_between(t0 + 30, t0 + 300) == 270 / 5
+    # Two Prometheus servers (an HA pair) scraping every 15 s, 6 s apart: no steady period, a poll every 5 s.
+    t0 = thread.t
+    thread.run(300, reads=sorted([2.0 + 15 * k for k in range(20)] + [8.0 + 15 * k for k in range(20)]))
+    assert max(age for t, age in thread.ages if t > t0 + 30) <= 5.0
+    # A reader a little slower than the interval (on a poller of its own): polls stay an interval apart at least.
+    slow = DrivenPoller(interval_seconds=5.0)
+    slow.run(120, reads=[0.3 + 5.05 * k for k in range(24)])
+    gaps = [b - a for a, b in itertools.pairwise(slow.polls)]
+    assert len(gaps) >= 20 and min(gaps) >= 5.0
+    # The readers stop: with no steady period, polls go on at the interval for a minute, then one a minute.
+    t0 = thread.t
+    thread.run(600)
+    quiet = [t for t in thread.polls if t > t0 + 60]
+    assert len(quiet) == 9 and all(b - a == IDLE_POLL_SECONDS for a, b in itertools.pairwise(quiet))
+    # A steady but slow reader (every 40 s): still one poll a read, a second before it, and no more.
+    t0 = thread.t
+    thread.run(400, reads=[40.0 * k for k in range(1, 11)])
+    settled = [age for t, age in thread.ages if t > t0 + 120]  # its period shows at its third read
+    assert len(settled) == 7 and all(age == LEAD_SECONDS for age in settled)
+    assert thread.polls_between(t0 + 121, t0 + 400) == 7
+
+
 def test_poller_backs_off_while_failing_and_stops_with_the_monitor(make_monitor) -> None:
-    """The poller polls on its interval, backs off on failure (on a hand-driven clock), and is joined by stop()."""
-    nvml = FakeNvml()
-    clock = HandClock()
-    poller = NvmlPoller(nvml, interval_seconds=0.02, clock=clock)
-
-    def run_for(seconds: float) -> None:
-        """What the poller thread does in ``seconds``: wait as long as tick() says, tick again."""
-        end = clock.t + seconds
-        wait = poller.tick()
-        while clock.t + wait <= end:
-            clock.t += wait
-            wait = poller.tick()
-        clock.t = end
-
-    run_for(0.2)
-    assert nvml.calls["nvmlDeviceGetCount"] >= 5
+    """A failing NVML is tried on the backoff, readers or not (on a hand-driven clock), and stop() joins the
+    monitor's poller thread."""
+    thread = DrivenPoller(interval_seconds=0.02)
+    nvml, poller = thread.nvml, thread.poller
+    often = [0.005 * k for k in range(1, 200)]  # a reader faster than the interval
+    thread.run(0.2, reads=often[:40])
+    assert nvml.calls["nvmlDeviceGetCount"] >= 9
     nvml.failing.add("nvmlDeviceGetCount")
-    run_for(0.5)  # a window in which an un-backed-off poller would fail ~25 times
+    thread.run(0.5, reads=often[:100])  # a window in which an un-backed-off poller would fail ~25 times
     failures = nvml.calls["nvmlDeviceGetCount"]
-    run_for(0.5)
+    thread.run(0.5, reads=often[:100])
     assert nvml.calls["nvmlDeviceGetCount"] - failures <= 3
     assert poller.snapshot().up is False
-    # The monitor's poller thread runs the same tick() on the real clock, and stop() joins it.
+    # The monitor's poller thread runs the same tick() on the real clock, and stop() joins it. Each scrape (in
+    # value()) is a read, and a reader faster than the interval gets a poll an interval.
     nvml = FakeNvml()
     mon = make_monitor(nvml=nvml, nvml_interval_seconds=0.02).start()
-    wait_until(lambda: nvml.calls.get("nvmlDeviceGetCount", 0) >= 5, timeout=5, what="five polls")
+    wait_until(lambda: nvml.calls.get("nvmlDeviceGetCount", 0) >= 5, timeout=5, what="five polls",
+               between=lambda: value(mon, "perfmon_nvml_up"))
     nvml.failing.add("nvmlDeviceGetCount")
     wait_until(lambda: value(mon, "perfmon_nvml_up") == 0, timeout=5, what="a failed poll")
-    assert value(mon, "perfmon_nvml_up") == 0
     mon.stop()
     assert not any(t.name == "perfmon-nvml" for t in threading.enumerate())
 

@@ -24,6 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from perfmon import Monitor
+from perfmon.telemetry.nvml import NvmlPoller
 
 from ..common import (
     SETTLE_EXECUTIONS,
@@ -34,6 +35,8 @@ from ..common import (
     agent_threads,
     background_share,
     free_port,
+    poll_schedule,
+    poll_stall,
     probe_background,
     thread_deltas,
 )
@@ -164,6 +167,20 @@ def _path_ns(rig: Rig, mon: Monitor, dtype: torch.dtype, rounds: int) -> float:
     return best["wrapped"] - best["bare"]
 
 
+def _nvml_poll(rounds: int, seconds: float) -> dict[str, float]:
+    """What an NVML poll of this host's GPUs costs a loop holding the GIL (ns, ``common.poll_stall``), and the polls
+    a second the poller makes for a Prometheus scraping every 15 s; empty without NVML."""
+    poller = NvmlPoller()
+    try:
+        if not poller.poll():  # the lookups (handles, UUIDs, static fields) are the first poll's
+            return {}
+        got = poll_stall(poller.poll, rounds=rounds, seconds=seconds)
+    finally:
+        poller.stop()
+    return {"per_poll_ns": max(0.0, got["per_poll_ns"]), "polls": got["polls"],
+            "per_s": poll_schedule([7.0 + 15 * k for k in range(240)])["per_s"]}
+
+
 def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
     """Serving-thread time of a launch-bound bf16 encoder (1x32x512) with the monitor running, as users run it.
 
@@ -189,6 +206,10 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
       a scrape's stalls apart, charged at one every 15 s; the scraper calls every 5 s so that several fall in the
       running slots). It counts whatever the agent's threads take (their GIL holds and each hand-off) and nothing
       of the host's speed wandering, which changes the loop's pace, not its gaps;
+    - **NVML polls**, priced apart (a probe slot, 2 s after a restart, holds none: the next poll is at least an
+      interval after the start's): the same loop beside a thread polling the real NVML every 0.2 s against none
+      (``common.poll_stall``), per poll, at the poller's own rate for a Prometheus scraping every 15 s
+      (``common.poll_schedule``: one poll a scrape);
     - **the request path**: ``_path_ns``, by minima, over the encoder's time a call;
     - **the samples' work**: the agent threads' CPU a second in the wrapped slots beyond the unwrapped ones
       (the resolver resolving the 1% sample's events), all of it counted as if it held the GIL.
@@ -258,6 +279,8 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
                                 wakes[k] = wakes.get(k, 0.0) + v - own.get(k, 0.0)
             # The background's GIL time, seen by a loop that never lets go of it.
             probed = probe_background(running.set, rounds_p, probe_s)
+            running.set(False)
+            nvml = _nvml_poll(rounds_p, probe_s)
             running.set(True)
             path_ns = _path_ns(rig, mon, dtype, 8 if quick else 40)
             try:
@@ -279,7 +302,8 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         figures[f"ratio_{short}_p25_p75"] = (f"{lo:.4f}..{hi:.4f}", "1")
         figures[f"added_{short}"] = (added * 1e6, "µs")
     probe = background_share(probed, scraper.times)
-    background, per_scrape = probe["background"], probe["per_scrape"]
+    nvml_share = nvml["per_poll_ns"] * nvml["per_s"] / 1e9 if nvml else 0.0
+    background, per_scrape = probe["background"] + nvml_share, probe["per_scrape"]
     share = {k: probe[k] for k in ("stopped", "running")}
     for k in ("stopped", "running"):
         figures[f"gil_stalled.{k}"] = (share[k] * 1e3, "ms/s")  # the median round's; running: a scrape's apart
@@ -287,6 +311,9 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
         figures[f"gil_stalls_per_s.{k}"] = (stalls / max(rounds_p * probe_s, 1e-9), "1/s")
     figures.update({"gil_stalled.running_minus_stopped": (probe["wakes"] * 1e3, "ms/s"),
                     "scrape_stalled": (per_scrape / 1e6, "ms"), "scrapes_probed": (probe["scrapes"], "")})
+    if nvml:
+        figures.update({"nvml_poll_stalled": (nvml["per_poll_ns"] / 1e6, "ms"),
+                        "nvml_polls_per_min": (nvml["per_s"] * 60, "1/min"), "nvml_share": (nvml_share * 100, "%")})
     cpu_per_s = {}
     for slot, moved in sorted(threads.by_slot.items()):
         sec = max(threads.seconds.get(slot, 0.0), 1e-9)
@@ -311,7 +338,10 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
     return Check("agent_cost", "pass" if ok else "fail",
                  f"encoder {call_ns / 1e3:.0f} µs/call; bounds: background {background * 100:+.3f}% (a loop holding "
                  f"the GIL stood still {share['running'] * 1e3:.2f} ms/s running, {share['stopped'] * 1e3:.2f} "
-                 f"stopped, {per_scrape / 1e6:.1f} ms a scrape at one every 15 s), wrapped 1% "
+                 f"stopped, {per_scrape / 1e6:.1f} ms a scrape at one every 15 s, "
+                 f"{nvml.get('per_poll_ns', 0) / 1e6:.2f} ms an NVML poll at {nvml.get('per_s', 0) * 60:.1f} a "
+                 f"minute), "
+                 f"wrapped 1% "
                  f"{wrapped_bound * 100:+.3f}% (path {path_ns:+.0f} ns a call); quiet blocks: "
                  f"wrapped vs unwrapped x{wr:.4f} (A/A x{rw['unwrapped again'][4]:.4f}), running vs stopped "
                  f"x{run:.4f} (A/A x{rb['stopped again'][4]:.4f}){gen_txt}", figures)

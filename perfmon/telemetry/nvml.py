@@ -1,7 +1,9 @@
 """NVML telemetry: the only module that imports pynvml.
 
-A daemon poller reads each visible GPU every ``nvml_interval_seconds`` and keeps the latest
-reading; the exporter renders that reading at scrape time (a scrape never waits on NVML).
+A daemon poller reads each visible GPU and keeps the latest reading; the exporter renders that reading at
+scrape time (a scrape never waits on NVML). The poller polls for its readers (``telemetry/pollplan.py``): one
+poll just before each read of a steady reader (a Prometheus), at most one every ``nvml_interval_seconds``
+otherwise, and one a minute when nobody reads.
 
 Failure model, per the NVML return codes:
 
@@ -29,8 +31,8 @@ from typing import Any
 
 import pynvml
 
-from ..backoff import backoff_seconds
 from ..selfcost import AgentCpu
+from .pollplan import PollThread
 
 __all__ = ["CLOCK_EVENT_REASONS", "STATIC_REFRESH_SECONDS", "GpuReading", "NvmlPoller", "NvmlSnapshot", "errors",
            "normalize_uuid"]
@@ -47,8 +49,6 @@ CLOCK_EVENT_REASONS: dict[str, int] = {
     "hw_power_brake_slowdown": 0x80,
     "display_clock_setting": 0x100,
 }
-
-_MAX_BACKOFF_SECONDS = 60.0
 
 #: Seconds between reads of what rarely changes (an operator's ``nvidia-smi -pl`` changes the power limit; the maximum
 #: SM clock never does): a poll skips those calls in between.
@@ -97,7 +97,11 @@ class NvmlSnapshot:
 class NvmlPoller:
     """Polls NVML on a daemon thread; ``snapshot()`` returns the latest reading.
 
-    The thread runs ``tick()`` whenever it says a poll is due, by ``clock`` (monotonic seconds).
+    The thread runs ``tick()`` whenever it says a poll is due, by ``clock`` (monotonic seconds), and sleeps in
+    between. A poll is worth its cost only when someone reads it, so every ``snapshot()`` is a read, and polls
+    follow the reads (``PollThread``, ``PollPlan``: one a second before each scrape of a steady Prometheus, at most
+    one every ``interval_seconds``, one a minute when nobody reads). While NVML fails, the next try backs off
+    (doubling from two intervals, capped at 60 s) and re-initialises NVML.
 
     What a poll costs a GIL-bound serving thread is its NVML calls: each is a ctypes call that lets go of the GIL
     and takes it back, and a slow one (a driver ioctl) hands the GIL to the serving thread and has to take it back
@@ -117,53 +121,43 @@ class NvmlPoller:
         self._log = log
         self._pid = pid
         self._clock = clock
-        self._due = 0.0  # clock() of the next poll
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._timer = PollThread(self._guarded_poll, interval_seconds=interval_seconds, clock=clock,
+                                 name="perfmon-nvml", woke=lambda: self._cpu.woke("nvml"))
         self._initialized = False
         self._unsupported: set[tuple[int, str]] = set()
         self._errors: dict[str, int] = {}
         self._last_seen_us: dict[int, int] = {}
         self._devices: dict[int, tuple[Any, str]] = {}  # index -> (handle, UUID), until re-init or lost
         self._static: dict[int, tuple[float, dict[str, float]]] = {}  # index -> (clock() read, values)
-        self._failures = 0
         self._logged_down = False
         self._snapshot = NvmlSnapshot(False, [], {})
 
     def reset_after_fork(self) -> None:
         """In a forked child: NVML handles do not survive fork; re-initialise on the next start."""
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = None
+        self._timer.reset()
         self._initialized = False
         self._errors = {}
         self._last_seen_us = {}
         self._devices = {}
         self._static = {}
-        self._failures = 0
-        self._due = 0.0
         self._snapshot = NvmlSnapshot(False, [], {})
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
         """Initialise NVML and start polling; without NVML, stay down quietly (one log line)."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._timer.alive:
             return
         if not self._init(first=True):
             return  # no library or driver: nothing will change while the process runs
+        polled_at = self._clock()
         self.poll()
-        self._due = self._clock() + self.interval
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="perfmon-nvml", daemon=True)
-        self._thread.start()
+        self._timer.start(polled_at)
 
     def stop(self, timeout_seconds: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_seconds)
-            self._thread = None
+        self._timer.stop(timeout_seconds)
         if self._initialized:
             try:
                 self.nvml.nvmlShutdown()
@@ -173,36 +167,21 @@ class NvmlPoller:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        delay = self.interval
-        while not self._stop.wait(delay):
-            self._cpu.woke("nvml")
-            delay = self.tick()
+        return self._timer.alive
 
     def tick(self) -> float:
-        """Poll if one is due by the clock; returns seconds until the next one is due (the thread waits that long)."""
-        now = self._clock()
-        if now < self._due:
-            return self._due - now
+        """Poll if one is due by the clock and the reads; returns seconds until the next one is due (the thread
+        sleeps that long, or until a read brings the next poll forward)."""
+        return self._timer.tick()
+
+    def _guarded_poll(self) -> bool:
         try:
             with self._cpu.measure("nvml"):
-                ok = self.poll()
+                return self.poll()
         except Exception:  # a bug or an odd driver answer must not end telemetry for good
             self._count("poll")
             self._set(NvmlSnapshot(False, [], dict(self._errors)))
-            ok = False
-        if ok:
-            self._failures = 0
-            delay = self.interval
-        else:
-            # Back off while NVML is failing; re-initialise on the next try. Two intervals after the first
-            # failed poll, doubling: min(interval * 2**failures, 60 s).
-            self._failures += 1
-            delay = backoff_seconds(self._failures, initial=2 * self.interval, cap=_MAX_BACKOFF_SECONDS)
-        self._due = self._clock() + delay
-        return delay
+            return False
 
     def _init(self, first: bool = False) -> bool:
         nvml = self.nvml
@@ -388,5 +367,8 @@ class NvmlPoller:
             self._snapshot = snapshot
 
     def snapshot(self) -> NvmlSnapshot:
+        """The latest reading. A call is a read: the poller plans its polls around its readers (class docstring)."""
+        self._timer.read()
         with self._lock:
             return self._snapshot
+

@@ -1,0 +1,197 @@
+"""When a poller polls, and the thread that does: planned on its readers' reads, so that a reading is taken for
+someone.
+
+A poll that nobody reads is pure cost (for NVML, a GIL hand-off per call that a GIL-bound serving thread pays), and
+a reading read long after it was taken is stale. ``PollPlan`` keeps the last few read times and says when the next
+poll is due (times are seconds of the poller's monotonic clock):
+
+* a steady reader (the gaps between the last reads within 10% of their median, a period longer than the interval:
+  a Prometheus scraping every 15 s): one poll ``LEAD_SECONDS`` before each read is due, and never two closer than
+  the interval; the reading a scrape renders is about a second old;
+* readers with no steady period (an HA pair of Prometheus servers, a status page open beside a scrape, reads
+  faster than the interval): a poll every interval, so a reading is never older than that;
+* nobody reading for three periods of a steady reader (a minute while no period is known): a poll every
+  ``IDLE_POLL_SECONDS``. The first read after that brings the next poll to now.
+
+``PollThread`` runs a poll function on a daemon thread by that plan, backing off while the poll fails.
+``perfmon.testing.DrivenPoller`` runs the NVML poller on it with a hand-driven clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from ..backoff import backoff_seconds
+
+__all__ = ["IDLE_POLL_SECONDS", "LEAD_SECONDS", "MAX_BACKOFF_SECONDS", "PollPlan", "PollThread"]
+
+#: Seconds between polls while nobody reads: enough to keep a liveness gauge (``perfmon_nvml_up``) honest and the
+#: first reading a new reader gets at most a minute old.
+IDLE_POLL_SECONDS = 60.0
+
+#: Seconds before a steady reader's next read that its poll is made (at most half the reader's period): an NVML poll
+#: takes about a millisecond a GPU on a quiet host and tens of milliseconds when a serving thread holds the GIL (each
+#: call waits for a forced switch to take the GIL back).
+LEAD_SECONDS = 1.0
+
+#: The longest wait between tries while the poll fails (seconds).
+MAX_BACKOFF_SECONDS = 60.0
+
+#: Read times kept to find a steady reader's period.
+_READS_KEPT = 8
+
+#: How far a gap between reads may stray from their median (a fraction of it) for the reader to count as steady:
+#: Prometheus scrapes a target on a fixed schedule, and where in the scrape the read falls moves by milliseconds.
+_STEADY_TOLERANCE = 0.1
+
+
+class PollPlan:
+    """The read times of a poller's readers and the poll they call for; ``read`` and ``next_poll`` may be called
+    from different threads. ``interval_seconds`` is the shortest time between polls and the oldest reading a
+    reader with no steady period gets."""
+
+    def __init__(self, *, interval_seconds: float) -> None:
+        self.interval = interval_seconds
+        self._lock = threading.Lock()
+        self._reads: deque[float] = deque(maxlen=_READS_KEPT)
+
+    def read(self, now: float) -> None:
+        """A reader read the latest reading at ``now``."""
+        with self._lock:
+            reads = self._reads
+            if reads and now - reads[-1] > self._quiet_after(_steady_period(reads)):
+                reads.clear()  # back after a quiet spell: the old reads say nothing of this reader
+            reads.append(now)
+
+    def next_poll(self, now: float, last_poll: float) -> float:
+        """The clock reading at which the next poll is due, the last one having begun at ``last_poll``."""
+        with self._lock:
+            reads = list(self._reads)
+        period = _steady_period(reads)
+        if not reads or now - reads[-1] > self._quiet_after(period):
+            return last_poll + IDLE_POLL_SECONDS
+        if period is None or period <= self.interval:
+            return last_poll + self.interval
+        # The first read expected after the one the last poll was for (reads[-1] + k periods), less the lead.
+        lead = min(LEAD_SECONDS, period / 2)
+        k = max(1, int((last_poll + lead / 2 + lead - reads[-1]) // period) + 1)
+        return max(last_poll + self.interval, reads[-1] + k * period - lead)
+
+    def _quiet_after(self, period: float | None) -> float:
+        """Seconds without a read after which nobody counts as reading: three periods of a steady reader (or three
+        intervals); with no period known yet, a minute (so a reader slower than the interval shows its period)."""
+        if period is None:
+            return max(3 * self.interval, IDLE_POLL_SECONDS)
+        return 3 * max(period, self.interval)
+
+    def reset(self) -> None:
+        """Forget every read (a forked child starts with none)."""
+        with self._lock:
+            self._reads.clear()
+
+
+class PollThread:
+    """Runs ``poll`` (True when it succeeded; it must not raise) on a daemon thread named ``name`` whenever a poll
+    is due, by ``clock`` (monotonic seconds) and the reads (``read()``, a ``PollPlan``); sleeps in between, and is
+    woken only by ``stop()`` or a read that brings the next poll forward. While the poll fails, the next try is two
+    intervals after the first failure, doubling, capped at ``MAX_BACKOFF_SECONDS``, readers or not. ``woke`` is
+    called at each wake (the agent's wake counter)."""
+
+    def __init__(self, poll: Callable[[], bool], *, interval_seconds: float, clock: Callable[[], float], name: str,
+                 woke: Callable[[], None] = lambda: None) -> None:
+        self._poll = poll
+        self.interval = interval_seconds
+        self._clock = clock
+        self._name = name
+        self._woke = woke
+        self._plan = PollPlan(interval_seconds=interval_seconds)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every read and poll (a forked child: no thread, nothing polled yet)."""
+        self._plan.reset()
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and by a read that brings the next poll forward
+        self._thread: threading.Thread | None = None
+        self._planned = math.inf  # clock() the thread sleeps until
+        self._last_poll: float | None = None  # clock() when the last poll began
+        self._failures = 0
+        self._retry_at = 0.0  # clock() of the next try while the poll fails
+
+    def start(self, polled_at: float) -> None:
+        """Start the thread, a poll having begun at ``polled_at`` (the caller's first, made before)."""
+        self._last_poll = polled_at
+        self._stop.clear()
+        self._wake.clear()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def read(self) -> None:
+        """A reader read the latest reading now; wakes the thread when that brings the next poll forward (e.g. the
+        first read after a quiet spell: a poll at once, so the next read is fresh)."""
+        now = self._clock()
+        self._plan.read(now)
+        if self._thread is not None and self.next_poll(now) < self._planned:
+            self._wake.set()
+
+    def _run(self) -> None:
+        now = self._clock()
+        self._planned = self.next_poll(now)
+        delay = self._planned - now
+        while True:
+            self._wake.wait(max(delay, 0.0))
+            self._wake.clear()
+            if self._stop.is_set():  # checked after the clear: a stop() after it leaves its wake set
+                return
+            self._woke()
+            delay = self.tick()
+
+    def tick(self) -> float:
+        """Poll if one is due; returns seconds until the next one is due (the thread sleeps that long)."""
+        now = self._clock()
+        due = self._planned = self.next_poll(now)
+        if now < due:
+            return due - now
+        self._last_poll = now
+        if self._poll():
+            self._failures = 0
+        else:
+            self._failures += 1
+            self._retry_at = self._clock() + backoff_seconds(self._failures, initial=2 * self.interval,
+                                                             cap=MAX_BACKOFF_SECONDS)
+        now = self._clock()
+        self._planned = self.next_poll(now)
+        return max(self._planned - now, 0.0)
+
+    def next_poll(self, now: float) -> float:
+        """The clock reading at which the next poll is due: the backoff's while failing, else the readers' plan."""
+        if self._failures:
+            return self._retry_at
+        return now if self._last_poll is None else self._plan.next_poll(now, self._last_poll)
+
+
+def _steady_period(reads: deque[float] | list[float]) -> float | None:
+    """The period of reads (seconds) when their gaps are steady (at least two, each within 10% of their median)."""
+    if len(reads) < 3:
+        return None
+    gaps = [b - a for a, b in itertools.pairwise(reads)]
+    median = statistics.median(gaps)
+    if median <= 0 or any(abs(g - median) > _STEADY_TOLERANCE * median for g in gaps):
+        return None
+    return median
