@@ -97,7 +97,8 @@ def main() -> None:
     rows, schedule = [], {}
     for name, reads in READERS.items():
         plan = schedule[name] = poll_schedule(reads)
-        rows.append([name, f"{plan['per_s'] * 60:.1f}", f"{plan['age_median']:.1f} / {plan['age_max']:.1f}",
+        age = "—" if reads == [] else f"{plan['age_median']:.1f} / {plan['age_max']:.1f}"
+        rows.append([name, f"{plan['per_s'] * 60:.1f}", age,
                      f"{per_poll_ms * plan['per_s'] / 10:.4f}%"])
     print(table(["readers", "polls a minute", "reading's age at a read, s (median / max)",
                  "share of a serving thread"], rows))
