@@ -58,7 +58,7 @@ class PollPlan:
     def __init__(self, *, interval_seconds: float) -> None:
         self.interval = interval_seconds
         self._lock = threading.Lock()
-        self._reads: deque[float] = deque(maxlen=_READS_KEPT)
+        self._reads: deque[float] = deque(maxlen=_READS_KEPT)  # clock readings of the last reads
 
     def read(self, now: float) -> None:
         """A reader read the latest reading at ``now``."""
@@ -90,9 +90,10 @@ class PollPlan:
         return 3 * max(period, self.interval)
 
     def reset(self) -> None:
-        """Forget every read (a forked child starts with none)."""
-        with self._lock:
-            self._reads.clear()
+        """Forget every read (a forked child starts with none). A new lock, not the old one taken: in a child
+        forked while another thread held it, it stays held for good."""
+        self._lock = threading.Lock()
+        self._reads = deque(maxlen=_READS_KEPT)
 
 
 class PollThread:
