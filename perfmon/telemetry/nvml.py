@@ -371,4 +371,3 @@ class NvmlPoller:
         self._timer.read()
         with self._lock:
             return self._snapshot
-
