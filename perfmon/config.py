@@ -156,7 +156,7 @@ class Config:
     #: The shortest time between NVML polls (seconds), and the oldest reading a reader gets when its reads have no
     #: steady period. A poll is 9 NVML reads per GPU and a device count, and each read that hands the GIL over
     #: stalls a GIL-bound serving thread (~2.6 ms a poll of ~16 calls on a lent H200 host), so the poller polls for
-    #: its readers: one poll a second before each scrape of a steady Prometheus slower than this, one a minute
+    #: its readers: one poll 1.5 s before each scrape of a steady Prometheus slower than this, one a minute
     #: when nobody reads (telemetry/nvml.py).
     nvml_interval_seconds: float = 5.0
     #: Time the process's garbage-collection pauses (a ``gc.callbacks`` hook, ~1 µs a collection) and mark the

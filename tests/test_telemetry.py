@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from perfmon.telemetry.nvml import STATIC_REFRESH_SECONDS, NvmlPoller
-from perfmon.telemetry.pollplan import IDLE_POLL_SECONDS, LEAD_SECONDS
+from perfmon.telemetry.pollplan import IDLE_POLL_SECONDS, lead_seconds
 from perfmon.testing import DrivenPoller, FakeNvml, FakeTorchMemory
 
 from .conftest import HandClock, promtool_check, value, wait_until
@@ -175,12 +175,12 @@ def test_polls_follow_the_readers() -> None:
     thread.run(300)  # nobody reads
     assert thread.polls == [0.0, 60.0, 120.0, 180.0, 240.0, 300.0]
     # A Prometheus scraping every 15 s: its first read finds the poller idle and brings a poll at once; once
-    # its period shows (three reads), one poll a scrape, LEAD_SECONDS before it.
+    # its period shows (three reads), one poll a scrape, lead_seconds(15) before it.
     t0 = thread.t
     thread.run(300, reads=[7.0 + 15 * k for k in range(20)])
     assert thread.polls[6] == t0 + 7.0
     settled = [age for t, age in thread.ages if t >= t0 + 60]
-    assert len(settled) == 16 and all(age == LEAD_SECONDS for age in settled)
+    assert len(settled) == 16 and all(age == lead_seconds(15) == 1.5 for age in settled)
     assert thread.polls_between(t0 + 60, t0 + 300) == 16  # against 48 polls at the 5 s interval
     # A reader faster than the interval (a status page every 3 s) beside the scrapes: a poll every 5 s.
     t0 = thread.t
@@ -206,8 +206,42 @@ def test_polls_follow_the_readers() -> None:
     t0 = thread.t
     thread.run(400, reads=[40.0 * k for k in range(1, 11)])
     settled = [age for t, age in thread.ages if t > t0 + 120]  # its period shows at its third read
-    assert len(settled) == 7 and all(age == LEAD_SECONDS for age in settled)
+    assert len(settled) == 7 and all(age == lead_seconds(40) for age in settled)
     assert thread.polls_between(t0 + 121, t0 + 400) == 7
+
+
+def test_poll_plan_edges() -> None:
+    """Readers slower than a minute still show their period; a read earlier than its reader's slack gets the reading
+    before and brings a poll at once; an interval over a minute is never beaten by the idle cadence; a start whose
+    first poll fails backs off from that first try."""
+    for period in (90.0, 300.0):
+        slow = DrivenPoller(interval_seconds=5.0)
+        slow.run(12 * period, reads=[30.0 + period * k for k in range(1, 11)])
+        settled = [age for t, age in slow.ages if t > 30.0 + 3 * period]
+        assert len(settled) == 7 and all(age == lead_seconds(period) for age in settled), (period, slow.ages)
+        assert slow.polls_between(30.0 + 3.5 * period, 30.0 + 10.5 * period) == 7
+    # A 15 s reader, one of whose reads comes 2 s early (its poll is made 1.5 s before): that read gets the reading
+    # of the period before; the poll follows at once, and the reads after it find fresh ones.
+    jumpy = DrivenPoller(interval_seconds=5.0)
+    reads = [7.0 + 15 * k for k in range(12)]
+    reads[8] -= 2.0
+    jumpy.run(200, reads=reads)
+    ages = dict(jumpy.ages)
+    assert ages[reads[8]] > 5.0 and reads[8] in jumpy.polls
+    assert all(ages[t] <= 5.0 for t in reads[9:]) and all(ages[t] == 1.5 for t in reads[4:8])
+    # An interval longer than the idle cadence: nobody reading still polls only every interval.
+    rare = DrivenPoller(interval_seconds=120.0)
+    rare.run(600)
+    assert rare.polls == [0.0, 120.0, 240.0, 360.0, 480.0, 600.0]
+    # NVML failing from the start: the first retry is the backoff's first step (two intervals), not an interval.
+    nvml, clock = FakeNvml(), HandClock()
+    nvml.failing.add("nvmlDeviceGetCount")
+    poller = NvmlPoller(nvml, interval_seconds=10.0, clock=clock)
+    poller.start()
+    try:
+        assert poller.snapshot().up is False and poller.tick() == 2 * 10.0
+    finally:
+        poller.stop()
 
 
 def test_poller_backs_off_while_failing_and_stops_with_the_monitor(make_monitor) -> None:

@@ -99,7 +99,7 @@ class NvmlPoller:
 
     The thread runs ``tick()`` whenever it says a poll is due, by ``clock`` (monotonic seconds), and sleeps in
     between. A poll is worth its cost only when someone reads it, so every ``snapshot()`` is a read, and polls
-    follow the reads (``PollThread``, ``PollPlan``: one a second before each scrape of a steady Prometheus, at most
+    follow the reads (``PollThread``, ``PollPlan``: one 1.5 s before each scrape of a steady Prometheus, at most
     one every ``interval_seconds``, one a minute when nobody reads). While NVML fails, the next try backs off
     (doubling from two intervals, capped at 60 s) and re-initialises NVML.
 
@@ -153,8 +153,7 @@ class NvmlPoller:
         if not self._init(first=True):
             return  # no library or driver: nothing will change while the process runs
         polled_at = self._clock()
-        self.poll()
-        self._timer.start(polled_at)
+        self._timer.start(polled_at, self._guarded_poll())
 
     def stop(self, timeout_seconds: float = 2.0) -> None:
         self._timer.stop(timeout_seconds)
