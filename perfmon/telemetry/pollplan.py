@@ -85,7 +85,7 @@ class PollPlan:
 
     def _quiet_after(self, period: float | None) -> float:
         """Seconds without a read after which nobody counts as reading: three periods of a steady reader (or three
-        intervals); with no period known yet, a minute (so a reader slower than the interval shows its period)."""
+        intervals); with no steady period, a minute (or three intervals, if longer)."""
         if period is None:
             return max(3 * self.interval, IDLE_POLL_SECONDS)
         return 3 * max(period, self.interval)
