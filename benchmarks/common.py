@@ -171,31 +171,48 @@ def gil_stalls(seconds: float, threshold_ns: int = 20_000) -> list[tuple[float, 
     return stalls
 
 
+class _Polling:
+    """A thread calling ``poll`` every ``every`` seconds while on (``set``, as ``Running.set``), keeping the
+    ``time.time()`` of each poll."""
+
+    def __init__(self, poll: Callable[[], object], every: float) -> None:
+        self._poll, self._every = poll, every
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self.times: list[float] = []
+
+    def set(self, want: bool) -> None:
+        if want and self._thread is None:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), daemon=True)
+            self._thread.start()
+        elif not want and self._thread is not None and self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self._every):
+            self._poll()
+            self.times.append(time.time())
+
+
 def poll_stall(poll: Callable[[], object], *, rounds: int, seconds: float, every: float = 0.2) -> dict[str, Any]:
-    """What one NVML poll costs a loop holding the GIL: ``gil_stalls`` for ``seconds`` beside a thread calling
-    ``poll`` (e.g. an ``NvmlPoller``'s ``poll``; call it once first, for the lookups) every ``every`` seconds, and
-    without it, in a shuffled order, ``rounds`` times. Keys: ``stalled`` (variant -> ms stalled a second, a round
-    each), ``polls``, ``per_poll_ns`` (the median round's added stall over the polls a second)."""
+    """What one NVML poll costs a loop holding the GIL: ``probe_background`` with a thread calling ``poll`` (e.g. an
+    ``NvmlPoller``'s ``poll``; call it once first, for the lookups) every ``every`` seconds as the running variant.
+    Keys: ``stalled`` (variant -> ms stalled a second, a round each), ``polls`` (in the measured spans),
+    ``per_poll_ns`` (the median round's added stall over the polls a second)."""
+    polling = _Polling(poll, every)
+    probed = probe_background(polling.set, rounds, seconds)
+    polling.set(False)
     stalled: dict[str, list[float]] = {"no poller": [], "polling": []}
     polls = 0
-    for _ in range(rounds):
-        for variant in random.sample(list(stalled), 2):
-            stop, done = threading.Event(), [0]
-
-            def poller(stop: threading.Event = stop, done: list[int] = done) -> None:
-                while not stop.wait(every):
-                    poll()
-                    done[0] += 1
-
-            thread = threading.Thread(target=poller, daemon=True) if variant == "polling" else None
-            if thread is not None:
-                thread.start()
-            got = gil_stalls(seconds)
-            if thread is not None:
-                stop.set()
-                thread.join()
-                polls += done[0]
-            stalled[variant].append(sum(ns for _, ns in got) / seconds / 1e6)
+    for got in probed:
+        for variant, key in (("stopped", "no poller"), ("running", "polling")):
+            stalls, (t0, t1) = got[variant]
+            stalled[key].append(sum(ns for _, ns in stalls) / (t1 - t0) / 1e6)
+        r0, r1 = got["running"][1]
+        polls += sum(r0 <= t <= r1 for t in polling.times)
     added = statistics.median(p - n for p, n in zip(stalled["polling"], stalled["no poller"], strict=True))
     rate = polls / (rounds * seconds)
     return {"stalled": stalled, "polls": polls, "per_poll_ns": added * 1e6 / rate if rate else float("nan")}
