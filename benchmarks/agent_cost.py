@@ -61,6 +61,7 @@ from common import (
     agent_threads,
     background_share,
     dump,
+    flops_counted,
     free_port,
     machine,
     probe_background,
@@ -258,6 +259,12 @@ def main() -> None:
     for want in (True, False, True, False):  # warm both paths and the monitor's cold calls
         set_wrapped(want)
         time_calls(call, 300)
+    set_wrapped(True)
+    once = flops_counted(mon, lambda: time_calls(call, 100))  # the signature's one-time FLOP count, before the steady
+    set_wrapped(False)
+    print(f"The signature's FLOP count, once, off the request thread: {once['seconds'] * 1e3:.1f} ms "
+          f"({'done' if once['settled'] else 'not done'} after {once['waited']:.1f} s of calls); not in the figures "
+          "below.")
     running = Running(mon)
     calibrate = "stopped, a thread waking every 1 ms"
     per: dict[str, list[float]] = {"stopped": [], "running, unwrapped": [], "running, wrapped": [], calibrate: []}
@@ -291,7 +298,7 @@ def main() -> None:
             cpu_per_switch.append(waker_cpu / waker_switches)
     set_wrapped(False)
     running.set(True)
-    rows, out = [], {"machine": machine(), "calls": args.calls, "rounds": args.rounds}
+    rows, out = [], {"machine": machine(), "calls": args.calls, "rounds": args.rounds, "flop_count_once": once}
     stopped = per["stopped"]
     for variant, vals in per.items():
         ratios = [v / s for v, s in zip(vals, stopped)]
@@ -329,6 +336,8 @@ def main() -> None:
         linear.set(want)
         with torch.inference_mode():
             time_calls(functools.partial(lin, x1), 2000)
+    with torch.inference_mode():
+        flops_counted(mon, lambda: time_calls(functools.partial(lin, x1), 2000))  # its one-time count, not the path
     for _ in range(args.rounds):
         order = ["bare", "wrapped"]
         random.shuffle(order)

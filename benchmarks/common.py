@@ -101,6 +101,30 @@ class ScraperProcess:
         self.times = [float(line.split()[1]) for line in out.splitlines() if line.startswith("ok ")]
 
 
+def flops_counted(mon: perfmon.Monitor, call: Callable[[], Any], *, timeout: float = 60.0) -> dict[str, float]:
+    """Run ``call`` (calls of a wrapped model) until the monitor has counted its signatures' FLOPs: a count done
+    (any outcome but ``deferred``) and the counting thread gone, or ``timeout`` seconds. A signature is counted once,
+    on its first steady sample, on a thread of its own (agent/flopcount.py: a fake copy and a fake forward, tens of
+    ms for an encoder); a benchmark of the steady state starts after it and reports that one-time cost apart
+    (``seconds``: perfmon_flop_count_seconds_total; ``counts``; ``waited``: seconds this took; ``settled``: 1.0
+    when counted, 0.0 on timeout or with counting off)."""
+    def done() -> float:
+        return sum(mon.registry.get_sample_value("perfmon_flop_counts_total", {"outcome": o}) or 0.0
+                   for o in ("ok", "skipped", "failed", "timeout"))
+
+    t0 = time.perf_counter()
+    settled = 0.0
+    while mon.registry.get_sample_value("perfmon_flop_counts_total", {"outcome": "ok"}) is not None:
+        if done() >= 1 and not any(t.name == "perfmon-flops" for t in threading.enumerate()):
+            settled = 1.0
+            break
+        if time.perf_counter() - t0 > timeout:
+            break
+        call()
+    return {"counts": done(), "seconds": mon.registry.get_sample_value("perfmon_flop_count_seconds_total") or 0.0,
+            "waited": time.perf_counter() - t0, "settled": settled}
+
+
 def agent_threads(prefix: str = "perfmon") -> dict[str, tuple[int, int]]:
     """name -> (voluntary context switches, CPU ns) of this process's threads named ``prefix``...: a switch is a
     wake or a wait for the GIL; CPU time of a Python thread is time it held the GIL (or ran C code that released

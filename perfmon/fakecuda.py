@@ -59,7 +59,7 @@ class FakeEvent:
     def record(self, stream: FakeStream | None = None) -> None:
         gpu = self.gpu
         with gpu.lock:
-            stream = stream if stream is not None else gpu.current[0]
+            stream = stream if stream is not None else gpu.current_stream(0)
             if self.device is None:
                 self.device = stream.device
             elif self.device != stream.device:
@@ -95,13 +95,18 @@ class FakeCall(NamedTuple):
 
 
 class FakeGpu:
-    """A simulated GPU with ``devices`` devices sharing one clock in milliseconds."""
+    """A simulated GPU with ``devices`` devices sharing one clock in milliseconds.
+
+    ``current`` is each device's current stream for every thread; a thread may make another stream current for
+    itself (``using``), as ``torch.cuda.stream`` does: CUDA's current stream is per thread. A deep copy of a module
+    holding the GPU refers to the same GPU (a copied module does not copy the device)."""
 
     def __init__(self, devices: int = 1) -> None:
         self.lock = threading.RLock()
         self.now_ms = 0.0
         self.streams = {d: FakeStream(self, d) for d in range(devices)}
         self.current: dict[int, FakeStream] = dict(self.streams)
+        self._local = threading.local()
         self.events_created = 0
         self._extra: list[FakeStream] = []
         #: The fake models' latest forwards (``FakeProfiler`` writes those it recorded as a trace).
@@ -114,6 +119,30 @@ class FakeGpu:
             self.calls.append(FakeCall(host_start_ms, self.now_ms, tuple(kernels)))
             self.calls_made += 1
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> FakeGpu:
+        return self
+
+    def current_stream(self, device: int = 0) -> FakeStream:
+        """The calling thread's current stream on ``device``."""
+        mine = getattr(self._local, "streams", None)
+        return mine[device] if mine and device in mine else self.current[device]
+
+    @contextlib.contextmanager
+    def using(self, stream: FakeStream) -> Iterator[FakeStream]:
+        """Make ``stream`` the calling thread's current stream on its device, inside the block."""
+        mine = getattr(self._local, "streams", None)
+        if mine is None:
+            mine = self._local.streams = {}
+        before = mine.get(stream.device)
+        mine[stream.device] = stream
+        try:
+            yield stream
+        finally:
+            if before is None:
+                del mine[stream.device]
+            else:
+                mine[stream.device] = before
+
     def stream(self, device: int = 0, name: str = "side") -> FakeStream:
         """A new stream on ``device``."""
         s = FakeStream(self, device, name)
@@ -125,7 +154,7 @@ class FakeGpu:
         """Queue ``ms`` of work on ``stream`` (default: the device's current stream); returns when it will
         start and end (ms): after the work before it on the stream, and not before now."""
         with self.lock:
-            s = stream if stream is not None else self.current[device]
+            s = stream if stream is not None else self.current_stream(device)
             start = max(s.tail_ms, self.now_ms)
             s.tail_ms = start + ms
             return start, s.tail_ms
@@ -147,6 +176,7 @@ class FakeCuda:
 
     def __init__(self, gpu: FakeGpu | None = None, *, devices: int = 1) -> None:
         self.gpu = gpu if gpu is not None else FakeGpu(devices)
+        self._own: dict[int, FakeStream] = {}
 
     def available(self) -> bool:
         return True
@@ -157,10 +187,17 @@ class FakeCuda:
         return FakeEvent(self.gpu)
 
     def current_stream(self, device_index: int) -> FakeStream:
-        return self.gpu.current[device_index]
+        return self.gpu.current_stream(device_index)
 
     def is_capturing(self, device_index: int) -> bool:
-        return self.gpu.current[device_index].capturing
+        return self.gpu.current_stream(device_index).capturing
+
+    def own_stream(self, device_index: int) -> contextlib.AbstractContextManager[FakeStream]:
+        with self.gpu.lock:
+            stream = self._own.get(device_index)
+            if stream is None:
+                stream = self._own[device_index] = self.gpu.stream(device_index, "perfmon")
+        return self.gpu.using(stream)
 
 
 class GpuWork(torch.nn.Module):
@@ -210,7 +247,7 @@ class GpuKernels(torch.nn.Module):
             gpu.advance(self.launch_ms)
             launched.append((gpu.now_ms, *gpu.launch(self.kernel_ms, device=self.device_index)))
         if self.sync:
-            wait = max(0.0, gpu.current[self.device_index].tail_ms - gpu.now_ms)
+            wait = max(0.0, gpu.current_stream(self.device_index).tail_ms - gpu.now_ms)
             spin(wait / 1e3)
             gpu.advance(wait)
         gpu.record_call(t0, launched)

@@ -212,3 +212,28 @@ def test_two_devices_use_their_own_streams_and_pools(make_monitor) -> None:
     assert value(mon, "perfmon_cold_start_seconds", model="m0") == pytest.approx(0.002)
     assert value(mon, "perfmon_cold_start_seconds", model="m1") == pytest.approx(0.007)
     assert hist_count(mon, "m1", "cold", device="cuda:1") == 1
+
+
+def test_a_flop_count_never_queues_work_on_the_users_stream(make_monitor) -> None:
+    """A forward that reaches the device past the dispatcher (a raw kernel launch: ``torch.cuda._sleep``, an
+    extension taking no tensor) does so in the FLOP count's fake forward too. On the counting thread's default
+    stream, the user's, that kernel would run inside the user's timings (a lent H200 read a 1 ms kernel 20% long
+    against a reference event pair); it goes to perfmon's own stream instead, and the user's stream holds exactly
+    the user's calls."""
+    gpu = FakeGpu()
+    cuda = FakeCuda(gpu)
+    mon = make_monitor(cuda=cuda, sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600)
+    model = mon.wrap(GpuWork(gpu, ms=2.0), name="raw", device="cuda:0")
+    x = torch.zeros(4)
+    for _ in range(5):
+        model(x)
+    gpu.finish()
+    mon.flush()
+    wait_until(lambda: value(mon, "perfmon_flop_counts_total", outcome="ok") == 1, what="the signature's count")
+    assert gpu.calls_made == 6  # the five calls, and the count's fake forward: it did launch its kernel
+    assert gpu.streams[0].tail_ms == pytest.approx(10.0)  # the user's stream: their five 2 ms kernels, nothing else
+    with cuda.own_stream(0) as own:
+        # the count's kernel, after the device's 10 ms
+        assert own is not gpu.streams[0] and own.tail_ms == pytest.approx(12.0)
+        assert cuda.current_stream(0) is own
+    assert cuda.current_stream(0) is gpu.streams[0]  # per thread, and only inside the block

@@ -12,6 +12,7 @@ recorded event is True; elapsed_time raises until both events are recorded and c
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Protocol, runtime_checkable
 
@@ -52,6 +53,12 @@ class CudaBackend(Protocol):
         """True while that stream is being captured into a CUDA graph (timing events are illegal)."""
         ...
 
+    def own_stream(self, device_index: int) -> contextlib.AbstractContextManager[Any]:
+        """A context in which the calling thread's current stream on that device is one of perfmon's own (one per
+        device, made on first use): for work perfmon runs off the request thread that might reach the device
+        anyway, so that it never queues behind or ahead of the user's kernels on their stream."""
+        ...
+
 
 class TorchCuda:
     """The real backend over ``torch.cuda``."""
@@ -60,6 +67,8 @@ class TorchCuda:
         import torch
 
         self._cuda = torch.cuda
+        self._own: dict[int, Any] = {}
+        self._own_lock = threading.Lock()
 
     def available(self) -> bool:
         return bool(self._cuda.is_available())
@@ -74,6 +83,13 @@ class TorchCuda:
         # is_current_stream_capturing() looks at the current device; a graph is captured on the
         # device the caller made current, which is the model's device in practice.
         return bool(self._cuda.is_current_stream_capturing())
+
+    def own_stream(self, device_index: int) -> contextlib.AbstractContextManager[Any]:
+        with self._own_lock:
+            stream = self._own.get(device_index)
+            if stream is None:
+                stream = self._own[device_index] = self._cuda.Stream(device=device_index)  # type: ignore[no-untyped-call]
+        return self._cuda.stream(stream)
 
 
 class NoCuda:
@@ -90,6 +106,9 @@ class NoCuda:
 
     def is_capturing(self, device_index: int) -> bool:
         return False
+
+    def own_stream(self, device_index: int) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
 
 
 class EventPair:

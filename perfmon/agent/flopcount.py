@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import copy
 import itertools
 import sys
@@ -216,8 +217,11 @@ class FlopCounter:
     count, none when idle)."""
 
     def __init__(self, *, per_minute: int, timeout_seconds: float, share: float = 1.0, cpu: AgentCpu | None = None,
+                 streams: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.per_minute = per_minute
+        #: ``CudaBackend.own_stream``: the fake forward of a CUDA model runs with perfmon's own stream current.
+        self._streams = streams
         self.timeout_seconds = timeout_seconds
         self.share = share
         self._cpu = cpu
@@ -232,12 +236,12 @@ class FlopCounter:
 
     def reset_after_fork(self) -> None:
         """Empty (also the initial state): no thread, no queue, counts from zero (the fake copies are rebuilt)."""
-        for _, sig in getattr(self, "_queue", ()):  # the parent's counting thread is not here: offer them again
+        for _, sig, _ in getattr(self, "_queue", ()):  # the parent's counting thread is not here: offer them again
             sig.count = None
         self.counts = {outcome: itertools.count() for outcome in OUTCOMES}
         #: Seconds spent counting (fake copies and fake forwards), in total.
         self.seconds = 0.0
-        self._queue: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._lock = threading.Lock()
         self._counting = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -262,14 +266,15 @@ class FlopCounter:
 
     # -- the resolver thread -----------------------------------------------------------------
 
-    def submit(self, target: Any, sig: Any) -> None:
+    def submit(self, target: Any, sig: Any, device_index: int = -1) -> None:
         """Queue signature ``sig`` (a phases.Signature) of the module ``target`` (a weakref, or None) for counting;
-        its ``count`` is ``QUEUED`` until the thread sets the result. Starts the thread when none runs."""
+        its ``count`` is ``QUEUED`` until the thread sets the result. Starts the thread when none runs.
+        ``device_index``: the CUDA device the model runs on (-1: none)."""
         with self._lock:
             if len(self._queue) >= MAX_QUEUED:
                 return
             sig.count = QUEUED
-            self._queue.append((target, sig))
+            self._queue.append((target, sig, device_index))
             if self._thread is None:
                 self._stop = threading.Event()
                 self._thread = threading.Thread(target=self._work, args=(self._stop,), name="perfmon-flops",
@@ -300,7 +305,7 @@ class FlopCounter:
                     if not self._queue or stop.is_set():
                         self._end(stop)  # under the same lock as submit(): no signature is left behind
                         return
-                    target, sig = self._queue[0]
+                    target, sig, device_index = self._queue[0]
                 if _refusal(target, sig.spec) is None:
                     wait = self._take()
                     if wait > 0:
@@ -311,9 +316,9 @@ class FlopCounter:
                     self._queue.popleft()
                 if self._cpu is not None:
                     with self._cpu.measure("flop_count"):
-                        sig.count = self.count(target, sig.spec, stop)
+                        sig.count = self.count(target, sig.spec, stop, device_index)
                 else:
-                    sig.count = self.count(target, sig.spec, stop)
+                    sig.count = self.count(target, sig.spec, stop, device_index)
         except BaseException:  # pragma: no cover - count() never raises; the thread must still let go
             with self._lock:
                 self._end(stop)
@@ -323,13 +328,16 @@ class FlopCounter:
         """The thread ends (under the lock): waiting signatures are offered again at a later sample."""
         if self._stop is stop:
             self._thread = None
-            for _, sig in self._queue:
+            for _, sig, _ in self._queue:
                 sig.count = None
             self._queue.clear()
 
-    def count(self, target: Any, spec: Any, stop: threading.Event | None = None) -> Count | Unknown | None:
+    def count(self, target: Any, spec: Any, stop: threading.Event | None = None,
+              device_index: int = -1) -> Count | Unknown | None:
         """Count one call of ``spec`` on the module ``target`` (a weakref, or None), now, whatever the budget.
-        Never raises: a failure is an ``Unknown`` naming it; None when ``stop`` was set meanwhile (not counted)."""
+        Never raises: a failure is an ``Unknown`` naming it; None when ``stop`` was set meanwhile (not counted).
+        ``device_index``: the CUDA device the model runs on (-1: none), whose current stream on this thread is
+        perfmon's own while the fake forward runs."""
         with self._counting:
             why = _refusal(target, spec)
             key = None if why is not None else target()
@@ -343,7 +351,7 @@ class FlopCounter:
             start = time.perf_counter()
             outcome = "failed"
             try:
-                result = self._run(key, module, spec, threading.Event() if stop is None else stop)
+                result = self._run(key, module, spec, threading.Event() if stop is None else stop, device_index)
             except _Stopped:
                 self.seconds += time.perf_counter() - start
                 return None
@@ -379,13 +387,21 @@ class FlopCounter:
         self._tokens -= 1.0
         return 0.0
 
-    def _run(self, key: Any, module: Any, spec: CallSpec, stop: threading.Event) -> Count | Unknown:
+    def _run(self, key: Any, module: Any, spec: CallSpec, stop: threading.Event,
+             device_index: int = -1) -> Count | Unknown:
         copied = self._copy_of(key, module, stop)
         # The timeout bounds the copy (once per model; ~0.5 ms a tensor: a model of 10,000 parameters takes ~5 s)
         # and the fake forward, each; torch's fake-tensor import (once per process, ~1 s) is not cut. All are
         # measured (self.seconds).
         counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry, stop)
-        with copied.mode:
+        # A forward may reach the device past the dispatcher, where fake tensors cannot stop it: a raw kernel
+        # (torch.cuda._sleep, an extension that takes no tensor), an event it records, a stream it waits on. On
+        # this thread's default stream, the user's stream too, such a kernel would run between the user's kernels
+        # and inside their timings (a lent H200 read a 1 ms kernel 20% long); on a stream of perfmon's own it
+        # waits for nothing of theirs and delays none of it.
+        own = (self._streams(device_index) if self._streams is not None and device_index >= 0
+               else contextlib.nullcontext())
+        with own, copied.mode:
             args, kwargs = materialize(spec)
             with counting, torch.no_grad():
                 copied.fake(*args, **kwargs)

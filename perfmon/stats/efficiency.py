@@ -80,7 +80,8 @@ class Efficiency:
             sig = sample.sig
             if sig is not None and sig.count is None:
                 st = self._state_of(sample.model, sample.stage)
-                self.counter.submit(None if st is None else st.target, sig)  # counted on the counter's own thread
+                # counted on the counter's own thread
+                self.counter.submit(None if st is None else st.target, sig, -1 if st is None else st.cuda_index)
         rings, devices = self._rings, self._devices
         with self._lock:
             for sample in steady:
