@@ -220,7 +220,8 @@ class Config:
     #: ``FLOP_COUNT_BURST_SECONDS``: a count holds the GIL (a GPT-2 prefill's ~50 ms), which the serving thread
     #: waits for, so a model whose signatures keep coming is counted at this pace, not flop_counts_per_minute's.
     flop_count_share: float = 0.001
-    #: A fake copy or fake forward still running after this long is abandoned and its signature is "unknown".
+    #: A fake copy or fake forward still working after this long (seconds of work: a count pauses nine tenths of
+    #: its time, flopcount.FLOP_COUNT_DUTY) is abandoned and its signature is "unknown".
     flop_count_timeout_seconds: float = 2.0
     #: "auto" (console on a TTY, JSON lines otherwise), "json", "console", or "app" (use the
     #: application's own structlog configuration).

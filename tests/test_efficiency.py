@@ -289,6 +289,36 @@ def test_the_share_of_wall_time_paces_counts_after_the_first_burst(make_monitor)
         make_monitor(flop_count_share=0.0)
 
 
+class _Busy(torch.nn.Module):
+    """A forward whose Python holds the GIL for 40 ms before each of its two ops (on the fake copy too)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            end = time.perf_counter() + 0.04
+            while time.perf_counter() < end:
+                pass
+            x = x * 2
+        return x
+
+
+def test_a_count_pauses_to_work_a_duty_of_its_time(make_monitor) -> None:
+    """FLOP_COUNT_DUTY: a count that works W seconds takes at least W / duty of wall time, pausing with the GIL let go
+    (a GIL-bound serving thread then loses about that share while it runs, not half its time in 5 ms stalls); the
+    seconds it reports are its work, the pauses apart."""
+    from perfmon.agent.flopcount import FLOP_COUNT_DUTY
+
+    assert FLOP_COUNT_DUTY <= 0.25
+    mon = _monitor(make_monitor).start()  # start(): torch's fake-tensor imports happen there, not in the count
+    model = mon.wrap(_Busy(), name="busy")
+    t0 = time.perf_counter()
+    _timed_calls(model, torch.ones(3), 3)
+    _counted(mon, "busy")
+    wall = time.perf_counter() - t0
+    work = mon.stats()["flop_counting"]["seconds"]
+    assert 0.08 <= work < 0.5, work  # the two 40 ms stretches, not the pauses after them
+    assert wall >= 0.9 * work / FLOP_COUNT_DUTY, (wall, work)
+
+
 def test_count_flops_off_removes_the_stage(make_monitor) -> None:
     """count_flops=False: no efficiency in /stats, no efficiency or counting families in /metrics."""
     mon = _monitor(make_monitor, count_flops=False)

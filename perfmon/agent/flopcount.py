@@ -45,30 +45,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..selfcost import AgentCpu
 from .abstract import CallSpec, Opaque, TensorSpec, materialize
+from .opcount import OpCounting, flop_registry
 
-__all__ = ["OUTCOMES", "QUEUED", "Count", "FlopCounter", "Unknown"]
+__all__ = ["FLOP_COUNT_DUTY", "FLOP_COUNT_SLICE_SECONDS", "OUTCOMES", "QUEUED", "Count", "FlopCounter", "Unknown"]
 
 #: Outcomes of a count (perfmon_flop_counts_total): counted, unsafe to run (skipped), raised, ran too long,
 #: and postponed for the budget (the thread waits for the next token: one per wait).
 OUTCOMES = ("ok", "skipped", "failed", "timeout", "deferred")
-_HALF = frozenset({torch.float16, torch.bfloat16, *(getattr(torch, n) for n in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))})
-_aten = torch.ops.aten
-#: Ops that read metadata or allocate without touching memory: no bytes (nor have prim:: ops, nor views).
-_NO_BYTES = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
-                       _aten.lift_fresh.default, _aten.detach.default, _aten.alias.default,
-                       _aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
-                       _aten.sym_storage_offset.default, _aten.is_contiguous.default})
-
-#: Ops that read only the rows they return from their first argument: bytes are the output (read, then written)
-#: and the indices.
-_GATHERS = frozenset({_aten.embedding.default, _aten.index_select.default, _aten.gather.default,
-                      _aten.index.Tensor})
-
 
 class Count(NamedTuple):
     """One call of a signature: FLOPs, bytes moved (an estimate, see the module's docstring), whether its FLOPs
@@ -104,77 +90,59 @@ MAX_COPIED_BYTES = 64 * 2**20
 MAX_COPIED_OBJECTS = 1_000_000
 
 
-class _Deadline(dict):  # type: ignore[type-arg]  # deepcopy's memo: id -> copy
-    """A ``deepcopy`` memo that cuts the copy at a deadline: deepcopy looks every object it copies up in it."""
+#: Seconds a count works at a stretch before it pauses (``_Pace``), holding the GIL all the while.
+FLOP_COUNT_SLICE_SECONDS = 0.001
+#: The share of wall time a count works while it runs (``FlopCounter(duty=)``): after each slice it pauses nine
+#: slices' time, the GIL let go. Unpaced, a count holds the GIL as long as Python lets it (the 5 ms switch
+#: interval at a time, for the whole count: a lent H200 host counted a 4-layer encoder in ~150 ms), and a GIL-bound
+#: serving thread runs at about half its speed meanwhile, a burst in its tail; paced, it loses at most about a
+#: tenth, in stalls of about a slice.
+FLOP_COUNT_DUTY = 0.1
 
-    def __init__(self, deadline: float, stop: threading.Event) -> None:
+
+class _Pace:
+    """A count's clock, checked at every object a copy copies and every op a fake forward runs: it ends the count
+    when its thread is stopped (a count still running when the interpreter exits would be killed inside torch's
+    C++: the process aborts) or past ``timeout`` seconds of work in the current part (``restart``), and pauses it
+    (``stop.wait``, the GIL let go) so that it works ``duty`` of the wall time. ``slept``: its pauses, in
+    seconds."""
+
+    def __init__(self, timeout: float, stop: threading.Event, duty: float) -> None:
+        self.timeout, self.stop, self.duty = timeout, stop, duty
+        self.slept = 0.0
+        self.restart()
+
+    def restart(self) -> None:
+        """A new part of the count (the copy, then the forward): its own ``timeout`` from now."""
+        self.slice = time.perf_counter()
+        self.deadline = self.slice + self.timeout
+
+    def check(self) -> None:
+        if self.stop.is_set():
+            raise _Stopped
+        now = time.perf_counter()
+        if now > self.deadline:
+            raise _Timeout
+        worked = now - self.slice
+        if worked >= FLOP_COUNT_SLICE_SECONDS and self.duty < 1.0:
+            if self.stop.wait(worked * (1.0 / self.duty - 1.0)):
+                raise _Stopped
+            self.slice = time.perf_counter()
+            self.slept += self.slice - now
+            self.deadline += self.slice - now  # the timeout counts work, not pauses
+
+
+class _Deadline(dict):  # type: ignore[type-arg]  # deepcopy's memo: id -> copy
+    """A ``deepcopy`` memo that checks the count's ``_Pace``: deepcopy looks every object it copies up in it."""
+
+    def __init__(self, pace: _Pace) -> None:
         super().__init__()
-        self.deadline = deadline
-        self.stop = stop
+        self.pace = pace
 
     def get(self, key: Any, default: Any = None) -> Any:
-        _check(self.deadline, self.stop)
+        self.pace.check()
         return super().get(key, default)
 
-
-def _check(deadline: float, stop: threading.Event) -> None:
-    """Raise when a count must end now: past its deadline, or its thread was stopped (a count still running when
-    the interpreter exits would be killed inside torch's C++: the process aborts)."""
-    if stop.is_set():
-        raise _Stopped
-    if time.perf_counter() > deadline:
-        raise _Timeout
-
-
-def _flop_registry() -> dict[Any, Any]:
-    try:
-        from torch.utils.flop_counter import flop_registry
-    except ImportError:  # an older or newer torch without it: every count fails, none is guessed
-        return {}
-    return flop_registry
-
-
-class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
-    """Counts FLOPs and bytes of each aten op (as FlopCounterMode decomposes what it has no formula for)."""
-
-    def __init__(self, deadline: float, registry: dict[Any, Any], stop: threading.Event) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.deadline = deadline
-        self.stop = stop
-        self.registry = registry
-        self.flops = 0
-        self.bytes = 0
-        self.half = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        _check(self.deadline, self.stop)
-        packet = getattr(func, "_overloadpacket", None)
-        formula = self.registry.get(packet)
-        if formula is None and isinstance(func, torch._ops.OpOverload) and func is not torch.ops.prim.device.default:
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        out = func(*args, **kwargs)
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-            if not self.half:
-                self.half = any(t.dtype in _HALF for t in _tensors(args))
-        if func in _GATHERS:  # a lookup reads the rows it returns, not its whole table (an embedding's vocabulary)
-            moved = 2 * _nbytes(out) + sum(_nbytes(t) for t in _tensors(args[1:]) if not t.is_floating_point())
-            self.bytes += moved
-        elif func not in _NO_BYTES and not getattr(func, "is_view", False) and getattr(func, "namespace", "") != "prim":
-            self.bytes += _nbytes((args, kwargs, out))
-        return out
-
-
-def _nbytes(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(tree))
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class _Copy(NamedTuple):
@@ -212,14 +180,18 @@ class FlopCounter:
     """Counts signatures on a thread of its own (``submit``), within two budgets: ``per_minute`` counts (a token
     bucket) and ``share`` of wall time spent counting (a bucket of seconds, ``FLOP_COUNT_BURST_SECONDS`` deep, that
     each count's duration is taken from and that refills at ``share`` seconds a second: a count holds the GIL,
-    and the serving thread waits for it). Each fake forward is cut at ``timeout_seconds``. The thread runs only
-    while signatures wait: it starts on the first ``submit`` and ends when the queue is empty (one wake per
-    count, none when idle)."""
+    and the serving thread waits for it). While a count runs it works ``duty`` of the wall time, in slices of
+    ``FLOP_COUNT_SLICE_SECONDS`` (``_Pace``; 1.0: unpaced). The copy and the fake forward are each cut at
+    ``timeout_seconds`` of work. The thread runs only while signatures wait: it starts on the first ``submit`` and
+    ends when the queue is empty (one wake per count, none when idle)."""
 
     def __init__(self, *, per_minute: int, timeout_seconds: float, share: float = 1.0, cpu: AgentCpu | None = None,
                  streams: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 duty: float = FLOP_COUNT_DUTY, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 < duty <= 1.0:
+            raise ValueError(f"duty={duty!r}: a share of wall time in (0, 1]")
         self.per_minute = per_minute
+        self.duty = duty
         #: ``CudaBackend.own_stream``: the fake forward of a CUDA model runs with perfmon's own stream current.
         self._streams = streams
         self.timeout_seconds = timeout_seconds
@@ -231,7 +203,7 @@ class FlopCounter:
         #: Seconds of counting allowed now (goes negative by the last count's overrun: that debt is waited out).
         self._seconds = FLOP_COUNT_BURST_SECONDS
         self._copies: dict[int, _Copy] = {}
-        self._registry = _flop_registry()
+        self._registry = flop_registry()
         self.reset_after_fork()
 
     def reset_after_fork(self) -> None:
@@ -239,7 +211,7 @@ class FlopCounter:
         for _, sig, _ in getattr(self, "_queue", ()):  # the parent's counting thread is not here: offer them again
             sig.count = None
         self.counts = {outcome: itertools.count() for outcome in OUTCOMES}
-        #: Seconds spent counting (fake copies and fake forwards), in total.
+        #: Seconds spent counting (fake copies and fake forwards, their pauses apart), in total.
         self.seconds = 0.0
         self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._lock = threading.Lock()
@@ -257,8 +229,9 @@ class FlopCounter:
         get half-made modules (an ImportError, or a deadlock error) in either thread, the user's included.
         """
         try:
-            probe = torch.nn.Linear(2, 2)
-            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()), threading.Event())
+            probe = torch.nn.Linear(2, 2)  # unpaced: Monitor.start waits for it
+            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()),
+                      _Pace(self.timeout_seconds, threading.Event(), 1.0))
         except Exception:  # counting will fail the same way later, and say so per signature
             pass
         finally:
@@ -350,21 +323,23 @@ class FlopCounter:
                 return Unknown(why)
             start = time.perf_counter()
             outcome = "failed"
+            pace = _Pace(self.timeout_seconds, threading.Event() if stop is None else stop, self.duty)
             try:
-                result = self._run(key, module, spec, threading.Event() if stop is None else stop, device_index)
+                result = self._run(key, module, spec, pace, device_index)
             except _Stopped:
-                self.seconds += time.perf_counter() - start
+                self.seconds += time.perf_counter() - start - pace.slept
                 return None
             except _Refused as exc:
                 outcome = "skipped"
                 result = Unknown(str(exc))
             except _Timeout:
                 outcome = "timeout"
-                result = Unknown(f"counting took longer than {self.timeout_seconds:g} s (flop_count_timeout_seconds)")
+                result = Unknown(f"counting took longer than {self.timeout_seconds:g} s of work "
+                                 "(flop_count_timeout_seconds)")
             except Exception as exc:
                 first = str(exc).splitlines()[0][:160] if str(exc) else ""
                 result = Unknown(f"the fake forward raised {type(exc).__name__}" + (f": {first}" if first else ""))
-            spent = time.perf_counter() - start
+            spent = time.perf_counter() - start - pace.slept  # the work: what the serving thread may wait for
             self.seconds += spent
             self._seconds -= spent
             if isinstance(result, Count):
@@ -387,13 +362,13 @@ class FlopCounter:
         self._tokens -= 1.0
         return 0.0
 
-    def _run(self, key: Any, module: Any, spec: CallSpec, stop: threading.Event,
-             device_index: int = -1) -> Count | Unknown:
-        copied = self._copy_of(key, module, stop)
+    def _run(self, key: Any, module: Any, spec: CallSpec, pace: _Pace, device_index: int = -1) -> Count | Unknown:
+        copied = self._copy_of(key, module, pace)
         # The timeout bounds the copy (once per model; ~0.5 ms a tensor: a model of 10,000 parameters takes ~5 s)
         # and the fake forward, each; torch's fake-tensor import (once per process, ~1 s) is not cut. All are
         # measured (self.seconds).
-        counting = _Counting(time.perf_counter() + self.timeout_seconds, self._registry, stop)
+        pace.restart()
+        counting = OpCounting(pace.check, self._registry)
         # A forward may reach the device past the dispatcher, where fake tensors cannot stop it: a raw kernel
         # (torch.cuda._sleep, an extension that takes no tensor), an event it records, a stream it waits on. On
         # this thread's default stream, the user's stream too, such a kernel would run between the user's kernels
@@ -407,7 +382,7 @@ class FlopCounter:
                 copied.fake(*args, **kwargs)
         return Count(counting.flops, counting.bytes, counting.half, 0.0)
 
-    def _copy_of(self, key: Any, module: Any, stop: threading.Event) -> _Copy:
+    def _copy_of(self, key: Any, module: Any, pace: _Pace) -> _Copy:
         """The fake copy of ``module`` (the wrapped ``key``'s original): kept while its parameters and buffers keep
         their shapes, dtypes and devices."""
         from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
@@ -423,7 +398,7 @@ class FlopCounter:
         mode = FakeTensorMode()
         with FakeCopyMode(mode):
             # a monitored module copies as its bare class (wrap.py): no hot path in it
-            fake = copy.deepcopy(module, _Deadline(time.perf_counter() + self.timeout_seconds, stop))
+            fake = copy.deepcopy(module, _Deadline(pace))
         for m in fake.modules():
             if getattr(m, "_compiled_call_impl", None) is not None:  # module.compile(): the eager forward, not Dynamo
                 m._compiled_call_impl = None

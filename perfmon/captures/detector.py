@@ -177,6 +177,8 @@ class Detector:
         self.class_ready = max(min(5, policy.min_samples), policy.min_samples // 2)
         self._tracks: dict[str, _Track] = {}
         self._random = random.Random(seed)
+        #: Windows closed so far (any series): what ``views`` shows changes only when it moves, or a series is new.
+        self.windows_closed = 0
 
     def reset_after_fork(self) -> None:
         self._tracks = {}
@@ -216,6 +218,7 @@ class Detector:
         if track.seen < self.policy.min_samples and age < self.max_window_ns:
             return []
         result = self._close(model, track, now_ns)
+        self.windows_closed += 1
         track.start_ns = now_ns
         return [] if result is None else [result]
 

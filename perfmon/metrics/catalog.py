@@ -142,7 +142,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "Signature counts (a fake forward off the request thread), by outcome: ok, skipped (unsafe to run or no "
         "inputs to rebuild), failed, timeout, deferred (budget spent; retried at a later sample)."),
     "perfmon_flop_count_seconds_total": (
-        "counter", "seconds", (), "Wall time spent counting signatures' FLOPs and bytes (fake copies, fake forwards)."),
+        "counter", "seconds", (),
+        "Time spent counting signatures' FLOPs and bytes (fake copies, fake forwards), the count's pauses apart."),
     # -- torch allocator (memory.py), per CUDA device this process used ------------------------
     "perfmon_torch_memory_allocated_bytes": (
         "gauge", "bytes", ("device", "gpu", "UUID"), "Bytes in live tensors (torch caching allocator)."),
