@@ -98,8 +98,7 @@ class FakeGpu:
     """A simulated GPU with ``devices`` devices sharing one clock in milliseconds.
 
     ``current`` is each device's current stream for every thread; a thread may make another stream current for
-    itself (``using``), as ``torch.cuda.stream`` does: CUDA's current stream is per thread. A deep copy of a module
-    holding the GPU refers to the same GPU (a copied module does not copy the device)."""
+    itself (``using``), as ``torch.cuda.stream`` does: CUDA's current stream is per thread."""
 
     def __init__(self, devices: int = 1) -> None:
         self.lock = threading.RLock()
@@ -118,9 +117,6 @@ class FakeGpu:
         with self.lock:
             self.calls.append(FakeCall(host_start_ms, self.now_ms, tuple(kernels)))
             self.calls_made += 1
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> FakeGpu:
-        return self
 
     def current_stream(self, device: int = 0) -> FakeStream:
         """The calling thread's current stream on ``device``."""

@@ -222,8 +222,18 @@ def test_a_flop_count_never_queues_work_on_the_users_stream(make_monitor) -> Non
     the user's calls."""
     gpu = FakeGpu()
     cuda = FakeCuda(gpu)
+
+    class RawKernel(torch.nn.Module):
+        """Launches 2 ms on the calling thread's current stream whatever its input, fake or not (the GPU is the
+        class's: a copy of the module launches on it too, as a raw launch reaches the real device)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with gpu.lock:
+                gpu.record_call(gpu.now_ms, [(gpu.now_ms, *gpu.launch(2.0))])
+            return x
+
     mon = make_monitor(cuda=cuda, sample_rate=1.0, warmup_calls=0, stats_window_seconds=3600)
-    model = mon.wrap(GpuWork(gpu, ms=2.0), name="raw", device="cuda:0")
+    model = mon.wrap(RawKernel(), name="raw", device="cuda:0")
     x = torch.zeros(4)
     for _ in range(5):
         model(x)

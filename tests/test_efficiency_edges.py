@@ -175,6 +175,49 @@ def test_the_interpreter_exits_cleanly_while_the_counter_waits_on_a_monitor_neve
     assert "terminate called" not in done.stderr
 
 
+_IMPORTS_ON_WHICH_THREAD = """
+import sys, tempfile, threading
+import torch
+from prometheus_client import CollectorRegistry
+import perfmon
+
+assert "torch._dynamo" not in sys.modules, "imported before the test could see by whom"
+
+
+class Watch:  # records the thread that imports torch._dynamo first; finds nothing itself
+    seen = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo" and not self.seen:
+            self.seen.append(threading.current_thread().name)
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+mon = perfmon.Monitor(port=None, log_level="error", registry=CollectorRegistry(), trace_dir=tempfile.mkdtemp(),
+                      sample_rate=1.0, warmup_calls=0, regression=None, prepare_profiler=False)  # never started
+model = mon.wrap(torch.nn.Linear(8, 8), name="lin")
+with torch.no_grad():
+    model(torch.ones(2, 8))
+    model(torch.ones(2, 8))
+mon.flush()  # resolves the steady sample: its signature is submitted for counting
+print(Watch.seen[0] if Watch.seen else "nobody")
+"""
+
+
+def test_a_monitor_never_started_imports_for_its_counts_on_the_flushing_thread() -> None:
+    """A monitor never started has no Monitor.start() to import torch's fake-tensor machinery; the flush() that submits
+    its first signature does, on the caller's thread, not the counting thread (where the ~1 s import raced the
+    caller's own imports and ran on into the next thing it timed: a lent H200 read a 1 ms kernel 20% long)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _IMPORTS_ON_WHICH_THREAD], capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "MainThread", (done.stdout, done.stderr[-2000:])
+
+
 def test_a_series_whose_figures_fail_is_left_out_of_the_scrape_and_counted() -> None:
     """The efficiency collector fails soft: a series whose figures raise (here its device's peak lookup) is left out,
     the fault is counted under stage "efficiency", and the scrape still carries the counting families."""

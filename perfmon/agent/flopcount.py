@@ -204,6 +204,8 @@ class FlopCounter:
         self._seconds = FLOP_COUNT_BURST_SECONDS
         self._copies: dict[int, _Copy] = {}
         self._registry = flop_registry()
+        #: torch's one-time imports done on a caller's thread (``prepare``); a forked child keeps them.
+        self._prepared = False
         self.reset_after_fork()
 
     def reset_after_fork(self) -> None:
@@ -228,6 +230,7 @@ class FlopCounter:
         (the profiler's start, a first ``torch.compile``): two threads importing torch's circular packages at once
         get half-made modules (an ImportError, or a deadlock error) in either thread, the user's included.
         """
+        self._prepared = True
         try:
             probe = torch.nn.Linear(2, 2)  # unpaced: Monitor.start waits for it
             self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()),
@@ -242,7 +245,15 @@ class FlopCounter:
     def submit(self, target: Any, sig: Any, device_index: int = -1) -> None:
         """Queue signature ``sig`` (a phases.Signature) of the module ``target`` (a weakref, or None) for counting;
         its ``count`` is ``QUEUED`` until the thread sets the result. Starts the thread when none runs.
-        ``device_index``: the CUDA device the model runs on (-1: none)."""
+        ``device_index``: the CUDA device the model runs on (-1: none).
+
+        A monitor never started (``flush()`` only) has not prepared: it does here, on the thread of the ``flush()``
+        that submits its first signature, as ``Monitor.start()`` would (a started monitor submits on the resolver
+        thread, prepared by then). On the counting thread the import would race the caller's own, and run on, ~1 s
+        holding the GIL in long stretches, into whatever the caller times next (a lent H200's timing check read a
+        1 ms kernel 20% long)."""
+        if not self._prepared:
+            self.prepare()
         with self._lock:
             if len(self._queue) >= MAX_QUEUED:
                 return
