@@ -193,6 +193,10 @@ class Monitor(RequestApi, CaptureApi):
         """Stop timing, resolve in-flight samples (bounded), join threads, close the port. Idempotent."""
         with self._lifecycle:
             if not self._running:
+                # A monitor never started can still have a thread: flush() submits signatures for counting.
+                efficiency = self._views.efficiency
+                if efficiency is not None:
+                    efficiency.stop(self.config.stop_timeout_seconds)
                 return
             self._stop_locked()
         self.log.info("stopped", calls=sum(count_value(s.calls) for s in self.models.states()))

@@ -217,9 +217,8 @@ def test_two_devices_use_their_own_streams_and_pools(make_monitor) -> None:
 def test_a_flop_count_never_queues_work_on_the_users_stream(make_monitor) -> None:
     """A forward that reaches the device past the dispatcher (a raw kernel launch: ``torch.cuda._sleep``, an
     extension taking no tensor) does so in the FLOP count's fake forward too. On the counting thread's default
-    stream, the user's, that kernel would run inside the user's timings (a lent H200 read a 1 ms kernel 20% long
-    against a reference event pair); it goes to perfmon's own stream instead, and the user's stream holds exactly
-    the user's calls."""
+    stream, the user's, that kernel would run between the user's kernels and inside their timings; it goes to
+    perfmon's own stream instead, and the user's stream holds exactly the user's calls."""
     gpu = FakeGpu()
     cuda = FakeCuda(gpu)
 

@@ -330,10 +330,14 @@ def test_count_flops_off_removes_the_stage(make_monitor) -> None:
     assert "perfmon_model_flops" not in text and "perfmon_flop_count" not in text
 
 
-def test_stop_ends_the_counting_thread(make_monitor) -> None:
-    """A started monitor's stop() ends its counting thread, even one waiting for the budget's next token."""
+@pytest.mark.parametrize("started", [True, False], ids=["started", "never-started"])
+def test_stop_ends_the_counting_thread(make_monitor, started: bool) -> None:
+    """stop() ends the counting thread, even one waiting for the budget's next token; a monitor never started too
+    (its flush() submitted the signatures: nothing else would end the thread before the interpreter's exit)."""
     before = {t.ident for t in threading.enumerate() if t.name == "perfmon-flops"}
-    mon = make_monitor(sample_rate=1.0, warmup_calls=0, flop_counts_per_minute=1).start()
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, flop_counts_per_minute=1)
+    if started:
+        mon.start()
     held = []  # a dropped module is freed: its count would be "the module is gone", never deferred
     for width in (8, 16):  # the second signature waits a minute for its token
         held.append(mon.wrap(torch.nn.Linear(width, width), name=f"m{width}"))

@@ -14,7 +14,6 @@ import torch
 
 from perfmon import CudaBackend
 from perfmon.agent.clocks import TorchCuda
-from perfmon.agent.flopcount import FlopCounter
 
 __all__ = ["Rig", "TorchRig"]
 
@@ -93,12 +92,6 @@ class TorchRig:
         self._x = torch.zeros(16, device="cuda")
         self._streams: dict[int, Any] = {}
         self.cycles_per_ms = self._calibrate()
-        # The checks' monitors are quiet, never started, so nothing imports torch's fake-tensor machinery as
-        # Monitor.start() does (FlopCounter.prepare): a monitor's first FLOP count would, on its counting thread
-        # (~1 s, long stretches of it in C holding the GIL), and a stopped monitor's thread finishes that import
-        # while the next check times its calls: the host stalls past the 50 ms filler and the device idles inside
-        # the reference pair (a lent H200 read the 1 ms kernel 20% long, 2026-11-28). Imported here, once.
-        FlopCounter(per_minute=1, timeout_seconds=30.0).prepare()
 
     def _calibrate(self) -> float:
         """GPU clock cycles of ``_sleep`` per millisecond, measured on a ~10 ms kernel (after a warm-up)."""

@@ -383,8 +383,8 @@ class FlopCounter:
         # A forward may reach the device past the dispatcher, where fake tensors cannot stop it: a raw kernel
         # (torch.cuda._sleep, an extension that takes no tensor), an event it records, a stream it waits on. On
         # this thread's default stream, the user's stream too, such a kernel would run between the user's kernels
-        # and inside their timings (a lent H200 read a 1 ms kernel 20% long); on a stream of perfmon's own it
-        # waits for nothing of theirs and delays none of it.
+        # and inside their timings (the GPU check's calibrated sleep kernel does this); on a stream of perfmon's
+        # own it waits for nothing of theirs and delays none of it.
         own = (self._streams(device_index) if self._streams is not None and device_index >= 0
                else contextlib.nullcontext())
         with own, copied.mode:
