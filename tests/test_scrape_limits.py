@@ -210,7 +210,9 @@ def test_rows_make_the_samples_add_metric_makes() -> None:
 
 
 #: Families whose values move between two renders of an idle agent (its own CPU, the process's).
-_LIVE = ("process_", "perfmon_agent_cpu_seconds_total", "perfmon_resolver_lag_seconds")
+#: Families that move on their own between two renders: the agent's threads run meanwhile (its CPU, its wakes: the
+#: resolver's idle tick can fall between them).
+_LIVE = ("process_", "perfmon_agent_cpu_seconds_total", "perfmon_agent_wakeups_total", "perfmon_resolver_lag_seconds")
 
 
 @pytest.mark.parametrize("ours, theirs", [(generate_text, generate_latest), (generate_openmetrics, client_openmetrics)],

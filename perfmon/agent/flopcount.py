@@ -218,6 +218,7 @@ class FlopCounter:
         self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._lock = threading.Lock()
         self._counting = threading.Lock()
+        self._preparing = threading.Lock()  # a second caller waits for the first's imports
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._copies = {}
@@ -230,15 +231,18 @@ class FlopCounter:
         (the profiler's start, a first ``torch.compile``): two threads importing torch's circular packages at once
         get half-made modules (an ImportError, or a deadlock error) in either thread, the user's included.
         """
-        self._prepared = True
-        try:
-            probe = torch.nn.Linear(2, 2)  # unpaced: Monitor.start waits for it
-            self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()),
-                      _Pace(self.timeout_seconds, threading.Event(), 1.0))
-        except Exception:  # counting will fail the same way later, and say so per signature
-            pass
-        finally:
-            self._copies.clear()
+        with self._preparing:
+            if self._prepared:  # once a counter (a flush() before start(), two flushes at once, a restart)
+                return
+            try:
+                probe = torch.nn.Linear(2, 2)  # unpaced: Monitor.start waits for it
+                self._run(probe, probe, CallSpec((TensorSpec((1, 2), torch.float32, "cpu"),), ()),
+                          _Pace(self.timeout_seconds, threading.Event(), 1.0))
+            except Exception:  # counting will fail the same way later, and say so per signature
+                pass
+            finally:
+                self._copies.clear()  # no counting thread yet: it starts after this (submit)
+                self._prepared = True
 
     # -- the resolver thread -----------------------------------------------------------------
 
