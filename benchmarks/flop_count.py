@@ -22,6 +22,7 @@ Not a test: read the table on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import threading
@@ -33,12 +34,18 @@ from typing import Any
 import torch
 
 from perfmon.agent.abstract import describe
-from perfmon.agent.flopcount import FLOP_COUNT_DUTY, Count, FlopCounter
+from perfmon.agent.flopcount import FLOP_COUNT_DUTY, FLOP_COUNT_SLICE_SECONDS, Count, FlopCounter
 
 try:
     from common import dump, machine, table
 except ImportError:  # run as `python -m benchmarks.flop_count` from the repository root
     from benchmarks.common import dump, machine, table
+
+
+#: (duty, slice seconds) compared: unpaced, the defaults, and longer slices (fewer cold restarts after a pause).
+PACES = ((1.0, FLOP_COUNT_SLICE_SECONDS), (FLOP_COUNT_DUTY, FLOP_COUNT_SLICE_SECONDS), (FLOP_COUNT_DUTY, 0.001),
+         (FLOP_COUNT_DUTY, 0.005),
+         (0.25, 0.002), (0.25, 0.005))
 
 
 def _models() -> dict[str, tuple[torch.nn.Module, Any]]:
@@ -93,6 +100,7 @@ def main() -> int:
     counter.prepare()
     first_import = time.perf_counter() - t0
     rows: list[list[Any]] = []
+    paces: list[list[Any]] = []
     results: dict[str, Any] = {"import_seconds": first_import, "models": {}}
     for name, (model, make) in _models().items():
         a, kw = make(1)
@@ -112,15 +120,25 @@ def main() -> int:
             news.append(new.seconds)
         describe_us = min(timeit.repeat(lambda a=a, kw=kw: describe(a, kw), number=2000, repeat=5)) / 2000 * 1e6
         idle: list[float] = []
-        busy: dict[float, list[float]] = {1.0: [], FLOP_COUNT_DUTY: []}
-        counters = {duty: FlopCounter(per_minute=10**6, timeout_seconds=30.0, duty=duty) for duty in busy}
-        for _ in range(args.rounds):  # interleaved: idle, then counting new signatures back to back, unpaced, paced
+        busy: dict[tuple[float, float], list[float]] = {k: [] for k in PACES}
+        works: dict[tuple[float, float], list[float]] = {k: [] for k in PACES}
+        counters = {k: FlopCounter(per_minute=10**6, timeout_seconds=30.0, duty=k[0], slice_seconds=k[1])
+                    for k in PACES}
+
+        for _ in range(args.rounds):  # interleaved: idle, then counting new signatures back to back, each pace
             idle += _stalls(None, 0.5)
-            for duty, late in busy.items():
-                sizes = iter(range(10**6))
-                late += _stalls(lambda c=counters[duty], r=ref, m=make, i=sizes:
-                                c.count(r, describe(*m(3 + next(i) % 50))), 0.5)
-        unpaced, paced = busy[1.0], busy[FLOP_COUNT_DUTY]
+            for key, late in busy.items():
+                late += _stalls(functools.partial(_count_one, counters[key], ref, make, iter(range(10**6)), works[key]),
+                                0.5)
+        for key in PACES:
+            paces.append([name, "unpaced" if key[0] == 1.0 else f"{key[0]:g} of the time, {key[1] * 1e3:g} ms slices",
+                          f"{statistics.median(works[key]) * 1e3:.1f}",
+                          f"{_q(busy[key], 0.99):.2f} / {max(busy[key]):.2f}",
+                          f"{sum(busy[key]) / 1e3 / (0.5 * args.rounds):.0%}"])
+            results["models"].setdefault(name, {})[f"pace {key}"] = {
+                "work_ms": statistics.median(works[key]) * 1e3, "late_p99_ms": _q(busy[key], 0.99),
+                "late_max_ms": max(busy[key]), "late_share": sum(busy[key]) / 1e3 / (0.5 * args.rounds)}
+        unpaced, paced = busy[(1.0, FLOP_COUNT_SLICE_SECONDS)], busy[(FLOP_COUNT_DUTY, FLOP_COUNT_SLICE_SECONDS)]
         row = {"first_ms": statistics.median(firsts) * 1e3, "first_wall_ms": statistics.median(walls) * 1e3,
                "new_signature_ms": statistics.median(news) * 1e3,
                "describe_us": describe_us, "flops": got.flops, "bytes": got.bytes,
@@ -129,7 +147,7 @@ def main() -> int:
                "stall_paced_p99_ms": _q(paced, 0.99), "stall_paced_max_ms": max(paced),
                "late_share_unpaced": sum(unpaced) / 1e3 / (0.5 * args.rounds),
                "late_share_paced": sum(paced) / 1e3 / (0.5 * args.rounds)}
-        results["models"][name] = row
+        results["models"].setdefault(name, {}).update(row)
         rows.append([name, f"{row['first_ms']:.1f} ({row['first_wall_ms']:.0f})", f"{row['new_signature_ms']:.1f}",
                      f"{describe_us:.1f}", f"{row['stall_idle_p99_ms']:.2f} / {row['stall_idle_max_ms']:.2f}",
                      f"{row['stall_unpaced_p99_ms']:.2f} / {row['stall_unpaced_max_ms']:.2f} "
@@ -142,8 +160,18 @@ def main() -> int:
                  "describe (rare path), µs", "serving thread late, idle p99 / max ms",
                  "counting unpaced: p99 / max ms (late, share of time)", f"paced at {FLOP_COUNT_DUTY:g}: the same"],
                 rows))
+    print("\nThe same counts at other paces (work: a new signature's count, its pauses apart; late: the serving "
+          "thread's wake, p99 / max, and the share of its time spent late):")
+    print(table(["model", "pace", "work a count, ms", "late p99 / max, ms", "late, share"], paces))
     dump(args.json, results)
     return 0
+
+
+def _count_one(counter: FlopCounter, ref: Any, make: Any, sizes: Any, works: list[float]) -> None:
+    """Count one new signature (the next size), keeping its work (s)."""
+    got = counter.count(ref, describe(*make(3 + next(sizes) % 50)))
+    if isinstance(got, Count):
+        works.append(got.seconds)
 
 
 def _q(values: list[float], q: float) -> float:

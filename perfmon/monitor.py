@@ -403,8 +403,10 @@ def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
         st = models.get(model)
         return st.stages.get(stage) if st is not None and st.stages else st
 
+    # A CudaBackend written before own_stream existed still works: its counts run on the thread's current stream.
     counter = FlopCounter(per_minute=cfg.flop_counts_per_minute, timeout_seconds=cfg.flop_count_timeout_seconds,
-                          share=cfg.flop_count_share, cpu=monitor.cpu, streams=monitor._hub.backend.own_stream)
+                          share=cfg.flop_count_share, cpu=monitor.cpu,
+                          streams=getattr(monitor._hub.backend, "own_stream", None))
     eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds,
                      peaks=functools.partial(_peaks, cfg), state_of=state_of)
     monitor.resolver.sinks.append(eff.observe)

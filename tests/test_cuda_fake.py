@@ -246,3 +246,33 @@ def test_a_flop_count_never_queues_work_on_the_users_stream(make_monitor) -> Non
         assert own is not gpu.streams[0] and own.tail_ms == pytest.approx(12.0)
         assert cuda.current_stream(0) is own
     assert cuda.current_stream(0) is gpu.streams[0]  # per thread, and only inside the block
+
+
+def test_a_backend_written_before_own_stream_still_counts(make_monitor) -> None:
+    """A user's CudaBackend with only the seam's first four methods (own_stream came later) still makes a monitor
+    whose signatures are counted: the count runs on the thread's current stream, as before."""
+    gpu = FakeGpu()
+
+    class OldBackend:
+        def __init__(self) -> None:
+            self._cuda = FakeCuda(gpu)
+
+        def available(self) -> bool:
+            return True
+
+        def new_event(self) -> FakeEvent:
+            return self._cuda.new_event()
+
+        def current_stream(self, device_index: int) -> object:
+            return self._cuda.current_stream(device_index)
+
+        def is_capturing(self, device_index: int) -> bool:
+            return self._cuda.is_capturing(device_index)
+
+    mon = make_monitor(cuda=OldBackend(), sample_rate=1.0, warmup_calls=0)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin", device="cuda:0")
+    for _ in range(3):
+        model(torch.ones(2, 4))
+    gpu.finish()
+    mon.flush()
+    wait_until(lambda: value(mon, "perfmon_flop_counts_total", outcome="ok") == 1, what="the signature's count")

@@ -319,6 +319,38 @@ def test_a_count_pauses_to_work_a_duty_of_its_time(make_monitor) -> None:
     assert wall >= 0.9 * work / FLOP_COUNT_DUTY, (wall, work)
 
 
+class _LongStretch(torch.nn.Module):
+    """A forward whose Python holds the GIL for 0.2 s before its op: the count then pauses 1.8 s."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            pass
+        return x * 2
+
+
+def test_a_count_stopped_in_its_pause_is_charged_its_work_only() -> None:
+    """A count stopped while it pauses is not counted (None, offered again later), and the seconds it reports are the
+    work it did, not the pause the stop cut short."""
+    import weakref
+
+    from perfmon.agent.abstract import describe
+    from perfmon.agent.flopcount import FlopCounter
+
+    counter = FlopCounter(per_minute=60, timeout_seconds=30.0)
+    counter.prepare()  # torch's imports, here: not part of the count
+    model = _LongStretch()
+    stop = threading.Event()
+    timer = threading.Timer(0.6, stop.set)  # 0.2 s of work, then 0.4 s into its 1.8 s pause
+    timer.start()
+    try:
+        got = counter.count(weakref.ref(model), describe((torch.ones(3),), {}), stop)
+    finally:
+        timer.cancel()
+    assert got is None
+    assert 0.15 <= counter.seconds < 0.45, counter.seconds
+
+
 def test_count_flops_off_removes_the_stage(make_monitor) -> None:
     """count_flops=False: no efficiency in /stats, no efficiency or counting families in /metrics."""
     mon = _monitor(make_monitor, count_flops=False)

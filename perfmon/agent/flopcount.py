@@ -90,8 +90,10 @@ MAX_COPIED_BYTES = 64 * 2**20
 MAX_COPIED_OBJECTS = 1_000_000
 
 
-#: Seconds a count works at a stretch before it pauses (``_Pace``), holding the GIL all the while.
-FLOP_COUNT_SLICE_SECONDS = 0.001
+#: Seconds a count works at a stretch before it pauses (``_Pace``), holding the GIL all the while. Shorter slices
+#: make shorter stalls but more work: each restart after a pause finds the caches cold (benchmarks/flop_count.py,
+#: a 2-layer GPT-2's count: 1 ms slices 1.9x the unpaced work, 2 ms 1.4x, 5 ms 1.15x with stalls of 5 ms).
+FLOP_COUNT_SLICE_SECONDS = 0.002
 #: The share of wall time a count works while it runs (``FlopCounter(duty=)``): after each slice it pauses nine
 #: slices' time, the GIL let go. Unpaced, a count holds the GIL as long as Python lets it (the 5 ms switch
 #: interval at a time, for the whole count: a lent H200 host counted a 4-layer encoder in ~150 ms), and a GIL-bound
@@ -107,8 +109,9 @@ class _Pace:
     (``stop.wait``, the GIL let go) so that it works ``duty`` of the wall time. ``slept``: its pauses, in
     seconds."""
 
-    def __init__(self, timeout: float, stop: threading.Event, duty: float) -> None:
-        self.timeout, self.stop, self.duty = timeout, stop, duty
+    def __init__(self, timeout: float, stop: threading.Event, duty: float,
+                 slice_seconds: float = FLOP_COUNT_SLICE_SECONDS) -> None:
+        self.timeout, self.stop, self.duty, self.slice_seconds = timeout, stop, duty, slice_seconds
         self.slept = 0.0
         self.restart()
 
@@ -124,12 +127,13 @@ class _Pace:
         if now > self.deadline:
             raise _Timeout
         worked = now - self.slice
-        if worked >= FLOP_COUNT_SLICE_SECONDS and self.duty < 1.0:
-            if self.stop.wait(worked * (1.0 / self.duty - 1.0)):
-                raise _Stopped
+        if worked >= self.slice_seconds and self.duty < 1.0:
+            stopped = self.stop.wait(worked * (1.0 / self.duty - 1.0))
             self.slice = time.perf_counter()
-            self.slept += self.slice - now
+            self.slept += self.slice - now  # a pause a stop() cut short is a pause too, not work
             self.deadline += self.slice - now  # the timeout counts work, not pauses
+            if stopped:
+                raise _Stopped
 
 
 class _Deadline(dict):  # type: ignore[type-arg]  # deepcopy's memo: id -> copy
@@ -187,11 +191,14 @@ class FlopCounter:
 
     def __init__(self, *, per_minute: int, timeout_seconds: float, share: float = 1.0, cpu: AgentCpu | None = None,
                  streams: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
-                 duty: float = FLOP_COUNT_DUTY, clock: Callable[[], float] = time.monotonic) -> None:
+                 duty: float = FLOP_COUNT_DUTY, slice_seconds: float = FLOP_COUNT_SLICE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < duty <= 1.0:
             raise ValueError(f"duty={duty!r}: a share of wall time in (0, 1]")
+        if not slice_seconds > 0.0:
+            raise ValueError(f"slice_seconds={slice_seconds!r}: must be positive")
         self.per_minute = per_minute
-        self.duty = duty
+        self.duty, self.slice_seconds = duty, slice_seconds
         #: ``CudaBackend.own_stream``: the fake forward of a CUDA model runs with perfmon's own stream current.
         self._streams = streams
         self.timeout_seconds = timeout_seconds
@@ -338,7 +345,8 @@ class FlopCounter:
                 return Unknown(why)
             start = time.perf_counter()
             outcome = "failed"
-            pace = _Pace(self.timeout_seconds, threading.Event() if stop is None else stop, self.duty)
+            pace = _Pace(self.timeout_seconds, threading.Event() if stop is None else stop, self.duty,
+                         self.slice_seconds)
             try:
                 result = self._run(key, module, spec, pace, device_index)
             except _Stopped:

@@ -68,6 +68,7 @@ class CapturePolicy:
         #: (perf_counter_ns): between the two, a look would find what the last one found.
         self._looked_at = -1
         self._next_look_ns = 0
+        self._look_every_ns = -1  # baseline_check_seconds at the last look: a change (at run time) looks again
         #: Extra entries for a regression's reason, each ``(model, stage, since_ns, until_ns) -> (key, value)``
         #: over the regressed windows (stats/gc.py's ``gc``, the /stats windows' ``host_device``, the request
         #: spans' ``queue``); ``moved`` sums them up (captures/moved.py).
@@ -77,7 +78,7 @@ class CapturePolicy:
 
     def reset_after_fork(self) -> None:
         self.deferred, self._baseline_checked = {}, {}  # the parent's regressions are the parent's
-        self._looked_at, self._next_look_ns = -1, 0
+        self._looked_at, self._next_look_ns, self._look_every_ns = -1, 0, -1
         if self.detector is not None:
             self.detector.reset_after_fork()
 
@@ -154,10 +155,10 @@ class CapturePolicy:
         # What this finds changes only when a window closes (a baseline learned, a regression begun or ended) or a
         # model's next look in the store falls due. Between the two it would rebuild every series' views and
         # baselines for nothing, on every idle wake of the resolver (a second apart): ~60 µs of CPU a wake, cold.
-        if det.windows_closed == self._looked_at and now_ns < self._next_look_ns:
-            return
-        self._looked_at = det.windows_closed
         interval_ns = int(self.baseline_check_seconds * 1e9)
+        if det.windows_closed == self._looked_at and now_ns < self._next_look_ns and interval_ns == self._look_every_ns:
+            return
+        self._looked_at, self._look_every_ns = det.windows_closed, interval_ns
         next_look = _NEVER
         learned: dict[str, bool] = {}  # model -> every learned series healthy
         baselines: dict[str, dict[str, Any]] = {}
