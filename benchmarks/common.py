@@ -108,21 +108,23 @@ def flops_counted(mon: perfmon.Monitor, call: Callable[[], Any], *, timeout: flo
     ms for an encoder); a benchmark of the steady state starts after it and reports that one-time cost apart
     (``seconds``: perfmon_flop_count_seconds_total; ``counts``; ``waited``: seconds this took; ``settled``: 1.0
     when counted, 0.0 on timeout or with counting off)."""
-    def done() -> float:
-        return sum(mon.registry.get_sample_value("perfmon_flop_counts_total", {"outcome": o}) or 0.0
-                   for o in ("ok", "skipped", "failed", "timeout"))
+    def state() -> tuple[float, float]:  # counts done (deferrals apart), seconds counting; (0, 0) with counting off
+        got = mon.stats()["flop_counting"]
+        if got is None:
+            return 0.0, 0.0
+        return float(sum(n for outcome, n in got["counts"].items() if outcome != "deferred")), got["seconds"]
 
     t0 = time.perf_counter()
     settled = 0.0
-    while mon.registry.get_sample_value("perfmon_flop_counts_total", {"outcome": "ok"}) is not None:
-        if done() >= 1 and not any(t.name == "perfmon-flops" for t in threading.enumerate()):
+    while mon.stats()["flop_counting"] is not None:
+        if state()[0] >= 1 and not any(t.name == "perfmon-flops" for t in threading.enumerate()):
             settled = 1.0
             break
         if time.perf_counter() - t0 > timeout:
             break
         call()
-    return {"counts": done(), "seconds": mon.registry.get_sample_value("perfmon_flop_count_seconds_total") or 0.0,
-            "waited": time.perf_counter() - t0, "settled": settled}
+    counts, seconds = state()
+    return {"counts": counts, "seconds": seconds, "waited": time.perf_counter() - t0, "settled": settled}
 
 
 def agent_threads(prefix: str = "perfmon") -> dict[str, tuple[int, int]]:

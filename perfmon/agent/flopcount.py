@@ -97,8 +97,8 @@ FLOP_COUNT_SLICE_SECONDS = 0.002
 #: The share of wall time a count works while it runs (``FlopCounter(duty=)``): after each slice it pauses nine
 #: slices' time, the GIL let go. Unpaced, a count holds the GIL as long as Python lets it (the 5 ms switch
 #: interval at a time, for the whole count: a lent H200 host counted a 4-layer encoder in ~150 ms), and a GIL-bound
-#: serving thread runs at about half its speed meanwhile, a burst in its tail; paced, it loses at most about a
-#: tenth, in stalls of about a slice.
+#: serving thread runs at about half its speed meanwhile, a burst in its tail; paced, it loses about a sixth
+#: (benchmarks/flop_count.py: 15% of its time late against 41% unpaced), in stalls of about a slice.
 FLOP_COUNT_DUTY = 0.1
 
 
