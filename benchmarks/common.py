@@ -377,6 +377,28 @@ class Waker:
         self._thread.join(timeout=5)
 
 
+def quiet_ratio_bounds(vals: Sequence[float], base: Sequence[float], *, draws: int = 1000,
+                       seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the quiet-block ratio (``vals``' 10th-percentile block over ``base``'s) over
+    ``draws`` bootstrap resamples of the slots, paired by index (a round's slots share the host's moment).
+
+    A verdict on the ratio itself reads one draw of the host's noise: on the lent GPUs a x1.005 target sat inside
+    an A/A's ±0.7-2%, so a single A/A slot's distance from x1 is no measure of the noise either. A lower bound
+    above the target says the slowdown is there at 95% whatever the host did; a bound straddling it says the
+    direct timing cannot tell, and the modelled bound decides."""
+    n = len(vals)
+    if n != len(base) or n < 10:
+        raise ValueError(f"quiet_ratio_bounds: {n} and {len(base)} blocks, paired, at least 10 each")
+    rng = random.Random(seed)
+    k = max(0, n // 10 - 1)  # the 10th-percentile block of a resample
+    ratios = []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sorted(vals[i] for i in idx)[k] / sorted(base[i] for i in idx)[k])
+    ratios.sort()
+    return ratios[int(0.05 * draws)], ratios[min(draws - 1, int(0.95 * draws))]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     import socket

@@ -127,6 +127,7 @@ class Monitor(RequestApi, CaptureApi):
         self.detector = self.policy.detector
         self.resolver = Resolver(hub, [self.metrics.observe, self.windows.add, self.policy.sink],
                                   states=self.models.states, on_tick=self._tick, log=logger(component="resolver"))
+        self.resolver.doze.dozers += [self.generations.doze, self.requests.doze]
         self.gc_pauses, self._gc = _gc_stage(self)
         #: Captures copied to object storage (trace_store), or None: they stay in trace_dir only.
         self.uploads: TraceUploader | None = None if cfg.trace_store is None else TraceUploader(
@@ -136,7 +137,7 @@ class Monitor(RequestApi, CaptureApi):
         memory, self.nvml_poller, self.oom = _telemetry(cfg, hub, memory, nvml, logger)
         self._memory = memory
         self.ports = Ports(self, shedding=hub.http, set_port=self.metrics.set_port, log=self.log)
-        self.history = History()
+        self.history = History(wake=hub.wake.set)
         self._views = Views(config=cfg, hub=hub, models=self.models, metrics=self.metrics, windows=self.windows,
                             history=self.history, generations=self.generations, requests=self.requests,
                             captures=self.captures, traces=self.traces, detector=self.detector, resolver=self.resolver,
@@ -173,12 +174,15 @@ class Monitor(RequestApi, CaptureApi):
                        cuda=self._hub.backend.available())
         return self
 
-    def _tick(self, now_ns: int) -> None:
-        """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history."""
-        self.policy.tick(now_ns)
+    def _tick(self, now_ns: int) -> int | None:
+        """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history.
+
+        Returns when it next has work (perf_counter_ns; ``now_ns`` when this pass had some: records drained, a
+        capture in flight), or None: the resolver may doze (``Resolver._idle_wait``)."""
+        due = self.policy.tick(now_ns)
         self.captures.tick()
-        self.generations.drain(now_ns)
-        self.requests.drain(now_ns)
+        drained = self.generations.drain(now_ns) + self.requests.drain(now_ns)
+        drained += self.gc_pauses.last_drained if self.gc_pauses is not None else 0  # drained by this pass's annotate
         # Never wait for the lifecycle lock here: stop() holds it while it joins this thread.
         if self.ports.due(now_ns) and self._lifecycle.acquire(blocking=False):
             try:
@@ -188,6 +192,12 @@ class Monitor(RequestApi, CaptureApi):
                 self._lifecycle.release()
         mark_for_dynamo()  # torch.compile may have been imported since the models were wrapped
         self._views.record_history(now_ns)
+        if drained or self.captures.state != "idle":
+            return now_ns
+        for later in (self.ports.due_ns(), self.history.due_ns(now_ns)):
+            if later is not None and (due is None or later < due):
+                due = later
+        return due
 
     def stop(self) -> None:
         """Stop timing, resolve in-flight samples (bounded), join threads, close the port. Idempotent."""

@@ -5,22 +5,30 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import pytest
 import torch
+
+import perfmon
 
 from .conftest import hist_count, value, wait_until
 
 
 def test_an_idle_agent_stays_quiet_and_counts_its_wakes(make_monitor) -> None:
-    """Started, no traffic: the resolver wakes about once a second (it used to wake every 50 ms, 20 a
-    second), and perfmon_agent_wakeups_total says so."""
-    mon = make_monitor(port=0).start()
+    """Started, a model wrapped, no traffic: the resolver wakes once, finds nothing to do and dozes (up to
+    ``doze_seconds``, 8 s), so over the next 3 s at a 50 ms idle cadence (60 wakes without dozing; it used to wake
+    every 50 ms whatever there was, then once a second) it wakes at most once; perfmon_agent_wakeups_total says so."""
+    mon = make_monitor(port=0)
+    mon.wrap(torch.nn.Linear(4, 4), name="m")
+    mon.resolver.idle_seconds = 0.05
+    mon.start()
     wait_until(lambda: (value(mon, "perfmon_agent_wakeups_total", thread="resolver") or 0) >= 1, timeout=10,
                what="the resolver's first wake")
     first = value(mon, "perfmon_agent_wakeups_total", thread="resolver")
     t0 = time.monotonic()
     wait_until(lambda: time.monotonic() - t0 >= 3.0, timeout=10, what="3 s")  # a span to count over
     woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
-    assert 1 <= woke <= 8, woke  # ~3 at 1/s; 60 at the old 50 ms cadence
+    assert woke <= 1, woke
+    assert mon.resolver.doze.dozing
     assert value(mon, "perfmon_agent_wakeups_total", thread="http") is not None
 
 
@@ -81,3 +89,106 @@ def test_an_idle_http_loop_sleeps_until_a_socket_wants_it(make_monitor) -> None:
     # A turn is counted when it begins (before its wait): the turn after the answer counts this wake, a moment after
     # the client has its response (a fresh clone's run read the counter first).
     wait_until(lambda: wakes() > first, timeout=10, what="the wake that answered the request, counted")
+
+
+def timed(mon) -> int:
+    """Timed calls of model ``m`` resolved so far, cold and steady."""
+    return hist_count(mon, "m", "cold") + hist_count(mon, "m", "steady")
+
+
+def _dozing_for_an_hour(mon) -> None:
+    """Start the monitor with its resolver's doze an hour long: after its first (quiet) pass only a wake (a record, a
+    capture armed, a reader) or work falling due ends its sleep."""
+    mon.resolver.doze.seconds = 3600.0
+    mon.start()
+    wait_until(lambda: mon.resolver.doze.dozing, timeout=30, what="the resolver dozing after its first quiet pass")
+
+
+@pytest.mark.parametrize("record", ["timed call", "generation", "request span"])
+def test_a_dozing_resolver_wakes_for_the_first_record_of_each_queue(make_monitor, record: str) -> None:
+    """Dozing for an hour: one timed call, one generation request or one request span is resolved at once (each
+    queue's first record wakes the resolver), and the usual cadence resumes."""
+    # Sampling every call, but for the span: its call untimed (its cold call before), so only the span's record wakes.
+    rate = 1e-6 if record == "request span" else 1.0
+    mon = make_monitor(sample_rate=rate, warmup_calls=0, sample_floor_seconds=3600, resolve_interval_seconds=0.01)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    model(torch.ones(1, 4))  # the shape's cold call: timed
+    _dozing_for_an_hour(mon)
+    woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver")
+    if record == "timed call":
+        model(torch.ones(1, 4))
+        wait_until(lambda: timed(mon) == 2, timeout=30, what="the timed call resolved")
+    elif record == "generation":
+        with mon.generation("chat", prompt_tokens=3) as g:
+            g.token()
+            g.token()
+        wait_until(lambda: (value(mon, "perfmon_time_to_first_token_seconds_count", model="chat") or 0) == 1,
+                   timeout=30, what="the generation's records drained")
+    else:
+        with mon.request():
+            model(torch.ones(1, 4))
+        wait_until(lambda: mon.requests.recent("m", 0)["total"]["count"], timeout=30, what="the span drained")
+        assert timed(mon) == 1  # the call inside was not timed: the span's record woke the resolver
+    assert value(mon, "perfmon_agent_wakeups_total", thread="resolver") > woke
+
+
+def test_a_dozing_resolver_still_closes_a_window_when_it_ends(make_monitor) -> None:
+    """The detector's windows close on time with nothing arriving: the resolver's doze ends when the next
+    window does (``Detector.due_ns``), so a regression is never judged late because traffic paused."""
+    policy = perfmon.RegressionPolicy(window_seconds=0.5, min_samples=5, baseline_windows=3)
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, regression=policy, resolve_interval_seconds=0.01,
+                       sample_floor_seconds=3600)  # no floor to wake for: only the window's end
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    _dozing_for_an_hour(mon)
+    mon.resolver.idle_seconds = 1000.0  # not even the idle cadence: only the window's end (or a record) wakes it
+    closed = mon.detector.windows_closed
+    for _ in range(10):  # one window's worth of samples, then nothing
+        model(torch.ones(1, 4))
+    wait_until(lambda: timed(mon) == 10, timeout=30, what="the samples resolved")
+    wait_until(lambda: mon.detector.windows_closed > closed, timeout=30,
+               what="the window closed at its end (0.5 s), the resolver dozing for an hour otherwise")
+
+
+def test_a_capture_armed_while_the_resolver_dozes_still_expires(make_monitor) -> None:
+    """Arming wakes the resolver, which then keeps its usual cadence while a capture is armed: an armed capture
+    with no call of its model expires after ``capture_arm_timeout_seconds``, not after the doze."""
+    mon = make_monitor(capture_arm_timeout_seconds=0.2, resolve_interval_seconds=0.01)
+    mon.wrap(torch.nn.Linear(4, 4), name="m")
+    _dozing_for_an_hour(mon)
+    mon.resolver.idle_seconds = 0.05
+    cap = mon.capture("m")
+    meta = wait_until(lambda: (mon.profile(cap["id"]) or {}).get("outcome") and mon.profile(cap["id"]), timeout=20,
+                      what="the armed capture's expiry")
+    assert meta["outcome"] == "aborted" and "no call" in meta["error"]
+
+
+def test_opening_the_status_page_wakes_a_dozing_resolver_for_its_history(make_monitor) -> None:
+    """Someone starts reading /stats (the status page): the resolver, dozing, wakes and records the page's
+    history points every 2 s while they look."""
+    mon = make_monitor(resolve_interval_seconds=0.01)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    model(torch.ones(1, 4))
+    _dozing_for_an_hour(mon)
+    mon.resolver.idle_seconds = 0.05
+    mon.stats()
+    wait_until(lambda: mon.history.series()["models"].get("m"), timeout=30,
+               what="a history point (two records 2 s apart) while the resolver would otherwise doze")
+
+
+def test_collections_keep_the_resolver_at_its_cadence(make_monitor) -> None:
+    """A GC pause is work (its histogram, the calls it overlapped): a pass that drained pauses is not quiet, so
+    while the process collects the resolver keeps its idle cadence rather than dozing, and its pause ring (4,096)
+    fills no faster than before."""
+    import gc
+
+    mon = make_monitor()
+    mon.resolver.idle_seconds, mon.resolver.doze.seconds = 0.05, 3600.0
+    mon.start()
+    first = value(mon, "perfmon_agent_wakeups_total", thread="resolver") or 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:  # collections all along: every pass drains some
+        gc.collect(0)
+        time.sleep(0.005)
+    woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
+    assert woke >= 5, woke  # ~30 at 50 ms; 1 if a pass with pauses counted as quiet (an hour's doze)
+    assert (value(mon, "perfmon_gc_pause_seconds_count", generation="0") or 0) >= 5  # and drained as they came

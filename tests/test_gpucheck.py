@@ -190,3 +190,40 @@ def test_live_efficiency_reads_a_counted_model_on_the_fake_rig() -> None:
         mon.stop()
     assert eff is not None and eff["flops_per_call"] == 2 * 16 * 64 * 32
     assert eff["mfu_ratio"] == pytest.approx(eff["flops_per_second"] / 1e12)
+
+
+def _host_blocks(rng: Any, n: int, slowdown: float) -> tuple[list[float], list[float]]:
+    """Paired blocks of a wandering host (each round's pace drifts ±10%, each block ±2% of its own, one in eight a
+    stall of up to +30%), the second variant ``slowdown`` times the first at the same moment."""
+    base, other = [], []
+    for _ in range(n):
+        pace = 1e-3 * rng.uniform(0.9, 1.1)
+        for out, f in ((base, 1.0), (other, slowdown)):
+            stall = rng.uniform(0, 0.3) if rng.random() < 0.125 else 0.0
+            out.append(pace * f * rng.gauss(1.0, 0.02) * (1 + stall))
+    return base, other
+
+
+def test_the_quiet_block_bounds_pass_no_change_and_catch_a_real_slowdown() -> None:
+    """The agent_cost check's direct-timing guard: over 120 paired slots of a host as noisy as the lent GPUs, no
+    change keeps the 95% lower bound at or below x1.005 (the guard passes), a x1.03 slowdown puts it above (the
+    guard fails) nine times in ten, and the interval holds the true ratio. (On such a host a ±2% 90% interval: the
+    guard catches a gross miss of the modelled bound, which judges the x1.005 itself.)"""
+    import random
+
+    from benchmarks.common import quiet_ratio_bounds
+
+    rng = random.Random(7)
+    passed_null = caught = held = 0
+    for seed in range(20):
+        base, same = _host_blocks(rng, 120, 1.0)
+        low, high = quiet_ratio_bounds(same, base, draws=400, seed=seed)
+        passed_null += low <= 1.005
+        held += low <= 1.0 <= high
+        base, slow = _host_blocks(rng, 120, 1.03)
+        caught += quiet_ratio_bounds(slow, base, draws=400, seed=seed)[0] > 1.005
+    assert passed_null >= 18, passed_null  # a 5% one-sided false alarm at most, with room
+    assert held >= 15, held  # a 90% interval
+    assert caught >= 18, caught
+    with pytest.raises(ValueError, match="at least 10"):
+        quiet_ratio_bounds([1.0] * 5, [1.0] * 5)

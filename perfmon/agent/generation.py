@@ -293,10 +293,7 @@ class GenerationTracker:
         next(counts.requests[outcome])
         if live is None:  # counted only (live limit, monitor stopped, or started before a fork)
             return
-        if len(self.queue) >= self.queue_size:
-            next(counts.dropped["queue_full"])
-        else:
-            self.queue.append((counts, DONE, now - g.start_ns, g.tokens, now, outcome, g.prompt_tokens))
+        self._put(counts, (counts, DONE, now - g.start_ns, g.tokens, now, outcome, g.prompt_tokens))
 
     def count_ended(self, name: str, start_ns: int, end_ns: int, outcome: str, tokens: int, real: int,
                     padding: int) -> None:
@@ -317,10 +314,7 @@ class GenerationTracker:
         next(counts.requests[outcome])
         if not self._timing():  # counted only, as a request started while the monitor is stopped
             return
-        if len(self.queue) >= self.queue_size:
-            next(counts.dropped["queue_full"])
-        else:
-            self.queue.append((counts, DONE, end_ns - start_ns, tokens, end_ns, outcome, real))
+        self._put(counts, (counts, DONE, end_ns - start_ns, tokens, end_ns, outcome, real))
 
     def add_prompt(self, counts: GenerationCounts, real: int, padding: int) -> None:
         """Add a generate() call's prompt tokens (real ones and padding), known when the call ends."""
@@ -348,10 +342,22 @@ class GenerationTracker:
         g.first_ns = times[0]
         g.last_ns = times[upto - 1]
         if g._key:
-            if len(self.queue) >= self.queue_size:
-                next(g._counts.dropped["queue_full"])
-            else:
-                self.queue.append((g._counts, TIMELINE, g.start_ns, times, sizes, upto))
+            self._put(g._counts, (g._counts, TIMELINE, g.start_ns, times, sizes, upto))
+
+    def _put(self, counts: GenerationCounts, record: tuple[Any, ...]) -> None:
+        """Queue a request's record, or count it dropped when full; wakes the resolver once a quarter waits."""
+        queue = self.queue
+        if len(queue) >= self.queue_size:
+            next(counts.dropped["queue_full"])
+            return
+        queue.append(record)
+        if len(queue) >= self.wake_at and self.wake is not None:
+            self.wake()
+
+    def doze(self, on: bool) -> bool:
+        """The resolver dozes (on): the first record or handed-over work wakes it; True if some waits already."""
+        self.wake_at = 1 if on else max(1, self.queue_size // 4)
+        return bool(self.queue or self.pending or self.deferred)
 
     def defer(self, work: Callable[[], None], *, wake: bool = True) -> bool:
         """Run ``work`` off the request thread. ``wake``: work that needs device values, on the resolver's next pass,

@@ -312,6 +312,11 @@ class RequestTracker:
         if len(queue) >= self.wake_at:
             hub.wake.set()
 
+    def doze(self, on: bool) -> bool:
+        """The resolver dozes (on): the first record wakes it; True if one waits already."""
+        self.wake_at = 1 if on else max(1, self.queue_size // 4)
+        return bool(self.queue)
+
     # -- resolver thread ----------------------------------------------------------------------
 
     def drain(self, now_ns: int | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..faults import count_value
 from .clocks import elapsed_seconds
+from .doze import Doze
 from .records import COLD, STEADY, Pending, Sample
 from .state import Hub, ModelState
 
@@ -43,13 +44,19 @@ class Resolver:
         *,
         states: Callable[[], Iterable[ModelState]] = tuple,
         log: Any = None,
-        on_tick: Callable[[int], None] | None = None,
+        on_tick: Callable[[int], int | None] | None = None,
         device_refresh_seconds: float = 10.0,
         idle_seconds: float = 1.0,
+        doze_seconds: float = 8.0,
     ) -> None:
         #: How long the thread sleeps when no device event is in flight (seconds): housekeeping's cadence.
         self.idle_seconds = idle_seconds
-        #: Housekeeping called once per resolver pass with perf_counter_ns (faults are counted, never raised).
+        #: Longer sleeps after quiet passes, up to ``doze.seconds`` (agent/doze.py); ``doze.dozers`` are the record
+        #: queues that wake the thread on their first record meanwhile: the hub's, and the monitor adds its own.
+        self.doze = Doze([hub.doze], internal=hub.internal, seconds=doze_seconds)
+        #: Housekeeping called once per resolver pass with perf_counter_ns (faults are counted, never raised). It
+        #: returns when it next has work of its own (perf_counter_ns: a window closes, a retry falls due; the pass's
+        #: own time when it did some or more waits), or None for nothing until a record arrives.
         self.on_tick = on_tick
         #: Called on each pass's samples after they are resolved, before the sinks (None: nothing).
         self.annotate: Annotate | None = None
@@ -69,6 +76,8 @@ class Resolver:
         self._refresh_ns = int(device_refresh_seconds * 1e9)
         #: perf_counter_ns when the next model's sampling floor falls due (None: none pending).
         self.floor_due_ns: int | None = None
+        #: perf_counter_ns when the last pass's housekeeping next has work (``on_tick``'s answer; None: none).
+        self.tick_due_ns: int | None = None
         self._last_refresh_ns = 0
         self._dropped_seen: dict[tuple[str, str], int] = {}
 
@@ -79,6 +88,8 @@ class Resolver:
         self._stop = threading.Event()
         self._thread = None
         self._dropped_seen = {}
+        self.tick_due_ns = None
+        self.doze.reset()  # the parent may have forked while its thread dozed
 
     # -- one step -------------------------------------------------------------------------
 
@@ -93,7 +104,10 @@ class Resolver:
                     self.hub.internal.report("resolver", exc)
             delivered = self._deliver(done)
             now = perf_counter_ns() if now_ns is None else now_ns
-            self._housekeeping(now)
+            busy = self._housekeeping(now)
+            due = self.tick_due_ns
+            self.doze.passed(not delivered and not busy and not self._pending
+                             and (due is None or due - now > self.idle_seconds * 1e9))
             return delivered
 
     def _collect(self) -> list[Sample]:
@@ -158,11 +172,13 @@ class Resolver:
                     self.hub.internal.report("sink", exc)
         return len(samples)
 
-    def _housekeeping(self, now_ns: int) -> None:
+    def _housekeeping(self, now_ns: int) -> bool:
+        """The models' floors and items, the device re-read, then ``on_tick``; True if items were folded (calls ran)."""
         refresh = now_ns - self._last_refresh_ns >= self._refresh_ns
         if refresh:
             self._last_refresh_ns = now_ns
         soonest = None
+        busy = False
         for st in self._states():
             try:
                 # The sampling floor: a model with no timed call for floor_seconds gets its next call timed.
@@ -171,20 +187,23 @@ class Resolver:
                 elif st.next_index:  # not armed yet: its floor falls due then (the thread wakes for it)
                     due = st.last_sample_ns + st.sampler.floor_ns
                     soonest = due if soonest is None or due < soonest else soonest
-                st.drain_items()
+                busy = st.drain_items() or busy
                 if refresh:
                     st.refresh_device()
                     self._note_drops(st)
             except Exception as exc:
                 self.hub.internal.report("housekeeping", exc)
         self.floor_due_ns = soonest
+        self.tick_due_ns = None
         if self.on_tick is not None:
             try:
-                self.on_tick(now_ns)
+                self.tick_due_ns = self.on_tick(now_ns)
             except Exception as exc:
                 self.hub.internal.report("housekeeping", exc)
+                self.tick_due_ns = now_ns  # not known: keep the usual cadence
         if self._log is not None:
             self.hub.internal.log_new(self._log)
+        return busy
 
     def _note_drops(self, st: ModelState) -> None:
         """Log a burst of dropped samples once per refresh period (never per dropped sample)."""
@@ -232,30 +251,27 @@ class Resolver:
         otherwise sleep ``idle_seconds`` (housekeeping: windows, the sampling floor, device refresh), or
         until the hot path says a quarter of the queue or event pool waits (``Hub.wake``). Host-timed
         samples wait for the next tick (at most a second, against a 15 s scrape); each wake the thread
-        saves is a GIL hand-off the serving thread does not pay (docs/design.md, "What the agent costs")."""
+        saves is a GIL hand-off the serving thread does not pay (docs/design.md, "What the agent costs").
+        With nothing arriving it dozes (agent/doze.py): an idle agent wakes for what falls due, not each second."""
         cpu = self.hub.cpu
         wake = self.hub.wake
+        doze = self.doze
         wait = interval
         while True:
             wake.wait(wait)
             if self._stop.is_set():
                 return
             wake.clear()
+            if doze.dozing:
+                doze.set(False)
             cpu.woke("resolver")
             try:
                 with cpu.measure("resolver"):
                     self.step()
             except Exception as exc:  # a sink or housekeeping bug must not kill the thread
                 self.hub.internal.report("resolver", exc)
-            wait = interval if self._pending else self._idle_wait(interval)
-
-    def _idle_wait(self, interval: float) -> float:
-        """Seconds to sleep with nothing in flight: ``idle_seconds``, or until a model's sampling floor falls
-        due (a low-traffic model keeps its one timed call a second, whatever the idle cadence)."""
-        due = self.floor_due_ns
-        if due is None:
-            return max(interval, self.idle_seconds)
-        return max(interval, min(self.idle_seconds, (due - perf_counter_ns()) / 1e9))
+            wait = interval if self._pending else doze.sleep(self.idle_seconds, interval,
+                                                             (self.floor_due_ns, self.tick_due_ns))
 
     @property
     def alive(self) -> bool:
@@ -269,6 +285,7 @@ class Resolver:
         if self._thread is not None:
             self._thread.join(timeout_seconds)
             self._thread = None
+        self.doze.reset()
         self.drain(deadline_ns=deadline)
         with self._lock:
             for p in self._pending + _pop_all(self.hub.queue):

@@ -48,7 +48,7 @@ class Hub:
         #: Set when a quarter of the queue or of the event pool is waiting: the resolver, which sleeps up to
         #: a second while nothing is in flight, drains it now (``Resolver``: wake only when there is work).
         self.wake = threading.Event()
-        self.wake_at = max(1, min(config.queue_size, config.event_pool_size) // 4)
+        self.wake_at = self._wake_at = max(1, min(config.queue_size, config.event_pool_size) // 4)
         self.pools = EventPools(backend, config.event_pool_size)
         self.internal = InternalErrors()
         #: CPU seconds the agent's own threads spend (exported as perfmon_agent_cpu_seconds_total).
@@ -66,10 +66,16 @@ class Hub:
         #: Reads the caller's OpenTelemetry span on timed calls only (exemplars); None without OTel.
         self.trace_reader: TraceReader | None = otel_reader()
 
+    def doze(self, on: bool) -> bool:
+        """The resolver dozes (on): the queue's first timed call wakes it; True if one waits already."""
+        self.wake_at = 1 if on else self._wake_at
+        return bool(self.queue)
+
     def reset_after_fork(self) -> None:
         """In a forked child: fresh queue, event pools (CUDA state does not survive fork), fault counts."""
         self.queue = collections.deque()
         self.wake = threading.Event()
+        self.wake_at = self._wake_at
         self.pools = EventPools(self.backend, self.config.event_pool_size)
         self.internal.reset_after_fork()  # reset in place: collectors hold references to these
         self.cpu.reset_after_fork()
@@ -234,11 +240,11 @@ class ModelState:
         self.items_q.append((effective, padded))  # type: ignore[union-attr]
         return int(effective)
 
-    def drain_items(self) -> None:
-        """Fold queued per-call items into the totals (resolver housekeeping and scrapes)."""
+    def drain_items(self) -> bool:
+        """Fold queued per-call items into the totals (resolver housekeeping and scrapes); True if any were."""
         q = self.items_q
-        if q is None:
-            return
+        if not q:
+            return False
         effective = padded = 0
         while q:
             try:
@@ -253,6 +259,7 @@ class ModelState:
         with self._items_lock:
             self.items_total += effective
             self.padded_total += padded
+        return True
 
     def items_counts(self) -> tuple[int | None, int | None]:
         """(items, padded items) so far, exact; None where not counted."""

@@ -11,6 +11,7 @@ from .records import CaptureOptions
 
 if TYPE_CHECKING:
     from ..agent.models import Models
+    from ..agent.state import Hub
     from ..stats.views import Views
     from ..store.traces import TraceStore
     from .controller import CaptureController
@@ -25,6 +26,7 @@ class CaptureApi:
     captures: CaptureController
     traces: TraceStore
     _views: Views
+    _hub: Hub
 
     def capture(self, model: str | None = None, *, steps: int = 5, max_seconds: float = 10.0,
                 record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = False,
@@ -37,7 +39,9 @@ class CaptureApi:
         st = self.models.pick(model)
         options = CaptureOptions(steps=steps, max_seconds=max_seconds, record_shapes=record_shapes,
                                  with_stack=with_stack, profile_memory=profile_memory)
-        return self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]}).public()
+        cap = self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]})
+        self._hub.wake.set()  # the resolver, perhaps dozing, expires it after capture_arm_timeout_seconds
+        return cap.public()
 
     def profiles(self) -> list[dict[str, Any]]:
         """Captures, newest first: the one in flight (if any) and the stored ones."""

@@ -209,6 +209,18 @@ class Detector:
             fired += self._advance(model, track, now_ns)
         return fired
 
+    def due_ns(self) -> int | None:
+        """perf_counter_ns when ``tick`` next closes a window (None: no series yet): a window holding
+        ``min_samples`` ends ``window_seconds`` after it began, one with fewer at ``MAX_WINDOW_FACTOR`` windows
+        (more samples come through ``add``, and the resolver's pass that adds them asks again)."""
+        soonest = None
+        full, longest, enough = self.window_ns, self.max_window_ns, self.policy.min_samples
+        for track in list(self._tracks.values()):
+            end = track.start_ns + (full if track.seen >= enough else longest)
+            if soonest is None or end < soonest:
+                soonest = end
+        return soonest
+
     def _advance(self, model: str, track: _Track, now_ns: int) -> list[Regression]:
         age = now_ns - track.start_ns
         if age < self.window_ns:

@@ -96,12 +96,22 @@ class CapturePolicy:
                 if fired:
                     self.fire(fired)
 
-    def tick(self, now_ns: int) -> None:
-        """Close due windows, arm a deferred regression capture, keep baselines fresh."""
-        if self.detector is not None:
-            self.fire(self.detector.tick(now_ns))
-            self._retry_deferred(now_ns)
-            self._baseline_captures(now_ns)
+    def tick(self, now_ns: int) -> int | None:
+        """Close due windows, arm a deferred regression capture, keep baselines fresh; returns when the next
+        window closes or look falls due (perf_counter_ns; ``now_ns`` while a regression's capture waits; None)."""
+        detector = self.detector
+        if detector is None:
+            return None
+        self.fire(detector.tick(now_ns))
+        self._retry_deferred(now_ns)
+        self._baseline_captures(now_ns)
+        if self.deferred:
+            return now_ns
+        due = detector.due_ns()
+        policy, look = self.policy, self._next_look_ns
+        if policy is not None and policy.baseline_capture and look != _NEVER and (due is None or look < due):
+            due = max(look, now_ns)
+        return due
 
     def fire(self, regressions: list[Regression]) -> None:
         """Log each regression and arm its capture (or keep it for when the profiler frees)."""

@@ -119,8 +119,13 @@ class Ports:
 
     def due(self, now_ns: int) -> bool:
         """A failed bind's back-off has passed."""
+        due = self.due_ns()
+        return due is not None and now_ns >= due
+
+    def due_ns(self) -> int | None:
+        """perf_counter_ns when a failed bind is next retried (None: nothing to retry)."""
         due = [t for t in (self._retry_ns, self._health_retry_ns) if t is not None]
-        return bool(due) and now_ns >= min(due)
+        return min(due) if due else None
 
     def retry(self, now_ns: int) -> None:
         """Try the ports whose back-off has passed again."""

@@ -20,7 +20,10 @@ __all__ = ["History"]
 
 
 class History:
-    def __init__(self, *, interval_seconds: float = 2.0, points: int = 150, active_seconds: float = 60.0) -> None:
+    def __init__(self, *, interval_seconds: float = 2.0, points: int = 150, active_seconds: float = 60.0,
+                 wake: Callable[[], None] | None = None) -> None:
+        #: Called when someone starts looking (``touch`` after a spell with nobody): the resolver, perhaps dozing.
+        self.wake = wake
         self.interval_ns = int(interval_seconds * 1e9)
         self.active_ns = int(active_seconds * 1e9)
         self._active_until = 0
@@ -39,10 +42,17 @@ class History:
 
     def touch(self, now_ns: int) -> None:
         """Someone is looking: record for the next ``active_seconds``."""
+        idle = now_ns >= self._active_until
         self._active_until = now_ns + self.active_ns
+        if idle and self.wake is not None:
+            self.wake()
 
     def due(self, now_ns: int) -> bool:
         return now_ns < self._active_until and now_ns >= self._next_ns
+
+    def due_ns(self, now_ns: int) -> int | None:
+        """perf_counter_ns of the next point while someone looks (None: nobody)."""
+        return max(self._next_ns, now_ns) if now_ns < self._active_until else None
 
     def record(self, now_ns: int, models: Iterable[tuple[str, int, int, int | None]],
                steady: Callable[[str, int], list[float]], devices: dict[str, Any]) -> None:

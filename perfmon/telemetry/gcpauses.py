@@ -102,6 +102,8 @@ class GcPauses:
         self.max_kept = max_kept
         self.ring: collections.deque[Pause] = collections.deque(maxlen=ring_size)
         self.sinks: list[PauseSink] = []
+        #: Pauses the last drain moved (the resolver's pass is not quiet while collections run: agent/doze.py).
+        self.last_drained = 0
         self._errors_seen = count_value(_errors)
         self._reset()
 
@@ -161,6 +163,7 @@ class GcPauses:
             except IndexError:  # pragma: no cover - only the resolver pops
                 break
         self._report_errors()
+        self.last_drained = len(batch)
         if not batch:
             return 0
         try:
