@@ -1,4 +1,4 @@
-"""Dozing: how long the resolver sleeps when passes in a row find nothing to do.
+"""Dozing: how long the resolver sleeps after a pass that found nothing to do.
 
 On a GIL-bound server every wake of a background thread costs the serving thread a GIL hand-off, and an idle wake's
 step runs cold (~140-300 µs after a second asleep, against ~7 µs warm: BENCHMARKS §3b). A wrapped model with traffic
@@ -38,7 +38,7 @@ class Doze:
         #: The longest sleep once dozing (seconds).
         self.seconds = seconds
         self.dozers = list(dozers)
-        #: Passes in a row that delivered nothing and had no work due within the idle cadence.
+        #: Passes in a row that found nothing to do and had no work due within the idle cadence (one earns a doze).
         self.quiet_passes = 0
         #: Whether the thread sleeps past its idle cadence now (every record queue's first record wakes it).
         self.dozing = False

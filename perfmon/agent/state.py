@@ -46,7 +46,8 @@ class Hub:
         self.queue: collections.deque[Pending] = collections.deque()
         self.queue_size = config.queue_size
         #: Set when a quarter of the queue or of the event pool is waiting: the resolver, which sleeps up to
-        #: a second while nothing is in flight, drains it now (``Resolver``: wake only when there is work).
+        #: a second while nothing is in flight, drains it now (``Resolver``: wake only when there is work); at the
+        #: first timed call while it dozes (``doze``, agent/doze.py).
         self.wake = threading.Event()
         self.wake_at = self._wake_at = max(1, min(config.queue_size, config.event_pool_size) // 4)
         self.pools = EventPools(backend, config.event_pool_size)
