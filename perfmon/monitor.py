@@ -137,7 +137,7 @@ class Monitor(RequestApi, CaptureApi):
         memory, self.nvml_poller, self.oom = _telemetry(cfg, hub, memory, nvml, logger)
         self._memory = memory
         self.ports = Ports(self, shedding=hub.http, set_port=self.metrics.set_port, log=self.log)
-        self.history = History(wake=hub.wake.set)
+        self.history = History(wake=lambda: hub.wake.set())  # read at each call: a forked child has its own event
         self._views = Views(config=cfg, hub=hub, models=self.models, metrics=self.metrics, windows=self.windows,
                             history=self.history, generations=self.generations, requests=self.requests,
                             captures=self.captures, traces=self.traces, detector=self.detector, resolver=self.resolver,
@@ -182,7 +182,7 @@ class Monitor(RequestApi, CaptureApi):
         due = self.policy.tick(now_ns)
         self.captures.tick()
         drained = self.generations.drain(now_ns) + self.requests.drain(now_ns)
-        drained += self.gc_pauses.last_drained if self.gc_pauses is not None else 0  # drained by this pass's annotate
+        drained += self.gc_pauses.take_drained() if self.gc_pauses is not None else 0  # this pass's GC marking
         # Never wait for the lifecycle lock here: stop() holds it while it joins this thread.
         if self.ports.due(now_ns) and self._lifecycle.acquire(blocking=False):
             try:

@@ -162,3 +162,40 @@ def test_forked_child_exits_promptly_with_its_status_after_the_profiler_ran(mode
         assert "child-capture ok" in lines
     if "parentcap" in mode:
         assert "parent-capture ok" in lines
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_childs_dozing_resolver_is_woken_by_its_own_readers_and_records(tmp_path) -> None:
+    """The wakes that end a doze reach the child's own resolver (a fork replaces the hub's event): its status-page
+    reader starts the history points, and its first timed call is resolved at once, while it dozes for an hour."""
+    mon = _monitor(port=None, sample_rate=1.0, sample_floor_seconds=3600, trace_dir=str(tmp_path)).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    model(torch.ones(1, 4))
+    mon.resolver.doze.seconds = 3600.0
+
+    def child_body() -> dict[str, Any]:
+        import time
+
+        deadline = time.monotonic() + 20
+        while not mon.resolver.doze.dozing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dozing = mon.resolver.doze.dozing
+        mon.resolver.idle_seconds = 0.05
+        mon.stats()  # someone starts looking: the history's wake
+        while not mon.history.series()["models"].get("m") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        history = bool(mon.history.series()["models"].get("m"))
+        mon.resolver.idle_seconds = 3600.0  # from here only the record's own wake ends a sleep
+        while not mon.resolver.doze.dozing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before = mon.resolver.pending
+        model(torch.ones(1, 4))
+        while mon.resolver.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result = {"dozing": dozing, "history": history, "resolved": not mon.resolver.pending, "before": before}
+        mon.stop()
+        return result
+
+    child = in_forked_child(child_body)
+    assert child == {"dozing": True, "history": True, "resolved": True, "before": 0}
+    mon.stop()

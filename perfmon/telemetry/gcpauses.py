@@ -102,8 +102,7 @@ class GcPauses:
         self.max_kept = max_kept
         self.ring: collections.deque[Pause] = collections.deque(maxlen=ring_size)
         self.sinks: list[PauseSink] = []
-        #: Pauses the last drain moved (the resolver's pass is not quiet while collections run: agent/doze.py).
-        self.last_drained = 0
+        self._drained = 0  # pauses drained since ``take_drained`` last read them
         self._errors_seen = count_value(_errors)
         self._reset()
 
@@ -163,9 +162,9 @@ class GcPauses:
             except IndexError:  # pragma: no cover - only the resolver pops
                 break
         self._report_errors()
-        self.last_drained = len(batch)
         if not batch:
             return 0
+        self._drained += len(batch)
         try:
             self._keep(batch)
         except Exception as exc:  # pragma: no cover - arrays of ints
@@ -176,6 +175,11 @@ class GcPauses:
             except Exception as exc:
                 self._internal.report("gc", exc)
         return len(batch)
+
+    def take_drained(self) -> int:
+        """Pauses drained since the last call: a resolver pass that drained some is not quiet (agent/doze.py)."""
+        n, self._drained = self._drained, 0
+        return n
 
     def _report_errors(self) -> None:
         """The hook's faults since the last drain, into the internal error counter (exactly, in order)."""
