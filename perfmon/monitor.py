@@ -178,7 +178,7 @@ class Monitor(RequestApi, CaptureApi):
         """Housekeeping (resolver thread): close due windows, expire stale armed captures, status history.
 
         Returns when it next has work (perf_counter_ns; ``now_ns`` when this pass had some: records drained, a
-        capture in flight), or None: the resolver may doze (``Resolver._idle_wait``)."""
+        capture in flight), or None: the resolver may doze (agent/doze.py)."""
         due = self.policy.tick(now_ns)
         self.captures.tick()
         drained = self.generations.drain(now_ns) + self.requests.drain(now_ns)

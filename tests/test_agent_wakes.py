@@ -14,21 +14,27 @@ from .conftest import hist_count, value, wait_until
 
 
 def test_an_idle_agent_stays_quiet_and_counts_its_wakes(make_monitor) -> None:
-    """Started, a model wrapped, no traffic: the resolver wakes once, finds nothing to do and dozes (up to
-    ``doze_seconds``, 8 s), so over the next 3 s at a 50 ms idle cadence (60 wakes without dozing; it used to wake
-    every 50 ms whatever there was, then once a second) it wakes at most once; perfmon_agent_wakeups_total says so."""
+    """Started, a model wrapped, no traffic: the resolver finds nothing to do and dozes (up to ``doze_seconds``,
+    8 s), so over the next 3 s at a 50 ms idle cadence (60 wakes without dozing; it used to wake every 50 ms whatever
+    there was, then once a second) it wakes at most once; perfmon_agent_wakeups_total says so."""
+    import gc
+
     mon = make_monitor(port=0)
     mon.wrap(torch.nn.Linear(4, 4), name="m")
     mon.resolver.idle_seconds = 0.05
-    mon.start()
-    wait_until(lambda: (value(mon, "perfmon_agent_wakeups_total", thread="resolver") or 0) >= 1, timeout=10,
-               what="the resolver's first wake")
-    first = value(mon, "perfmon_agent_wakeups_total", thread="resolver")
-    t0 = time.monotonic()
-    wait_until(lambda: time.monotonic() - t0 >= 3.0, timeout=10, what="3 s")  # a span to count over
-    woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
+    gc.collect()
+    gc.disable()  # nothing to do means no collections either: a pass that drains GC pauses is work (below)
+    try:
+        mon.start()
+        wait_until(lambda: mon.resolver.doze.dozing, timeout=10, what="the resolver dozing after a quiet pass")
+        first = value(mon, "perfmon_agent_wakeups_total", thread="resolver")
+        assert first >= 1
+        t0 = time.monotonic()
+        wait_until(lambda: time.monotonic() - t0 >= 3.0, timeout=10, what="3 s")  # a span to count over
+        woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
+    finally:
+        gc.enable()
     assert woke <= 1, woke
-    assert mon.resolver.doze.dozing
     assert value(mon, "perfmon_agent_wakeups_total", thread="http") is not None
 
 
@@ -139,12 +145,13 @@ def test_a_dozing_resolver_still_closes_a_window_when_it_ends(make_monitor) -> N
     mon = make_monitor(sample_rate=1.0, warmup_calls=0, regression=policy, resolve_interval_seconds=0.01,
                        sample_floor_seconds=3600)  # no floor to wake for: only the window's end
     model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    model(torch.ones(1, 4))  # the shape's cold call: the detector's series begins with the first steady sample below
     _dozing_for_an_hour(mon)
     mon.resolver.idle_seconds = 1000.0  # not even the idle cadence: only the window's end (or a record) wakes it
     closed = mon.detector.windows_closed
-    for _ in range(10):  # one window's worth of samples, then nothing
-        model(torch.ones(1, 4))
-    wait_until(lambda: timed(mon) == 10, timeout=30, what="the samples resolved")
+    for _ in range(10):  # one window's worth of samples, then nothing; those after the first wait for the window's end
+        model(torch.ones(1, 4))  # (with under min_samples in the woken pass, for 6 windows: the longest a window lasts)
+    wait_until(lambda: timed(mon) == 11, timeout=30, what="the samples resolved")
     wait_until(lambda: mon.detector.windows_closed > closed, timeout=30,
                what="the window closed at its end (0.5 s), the resolver dozing for an hour otherwise")
 
@@ -192,3 +199,50 @@ def test_collections_keep_the_resolver_at_its_cadence(make_monitor) -> None:
     woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
     assert woke >= 5, woke  # ~30 at 50 ms; 1 if a pass with pauses counted as quiet (an hour's doze)
     assert (value(mon, "perfmon_gc_pause_seconds_count", generation="0") or 0) >= 5  # and drained as they came
+
+
+def test_collections_that_begin_during_a_doze_are_all_counted(make_monitor) -> None:
+    """The collection hook cannot wake the resolver (it takes no lock): pauses that begin while it dozes wait in the
+    ring for its next pass, which holds 8 s of them at 4,096 a second. 6,000 collections with the resolver asleep
+    (the old ring of 4,096 lost a third of them) are every one counted by the next pass."""
+    import gc
+
+    mon = make_monitor()
+    _dozing_for_an_hour(mon)
+    before = value(mon, "perfmon_gc_pause_seconds_count", generation="0") or 0
+    for _ in range(6000):
+        gc.collect(0)
+    assert mon.resolver.doze.dozing  # nothing woke it: the pauses wait in the ring
+    mon.flush()  # the next pass, on this thread
+    assert (value(mon, "perfmon_gc_pause_seconds_count", generation="0") or 0) - before >= 6000
+
+
+def test_the_doze_sleep_ends_at_the_work_due() -> None:
+    """``Doze.sleep``: the idle cadence, or ``seconds`` after a quiet pass; never past a future due; a sampling floor
+    that fell due since the pass is armed at the next poll, while a housekeeping due already past (work the pass did)
+    keeps the idle cadence; thresholds drop only when it sleeps past the idle cadence, and a record already waiting
+    ends the doze before it starts."""
+    from time import perf_counter_ns
+
+    from perfmon.agent.doze import Doze
+    from perfmon.faults import InternalErrors
+
+    switched: list[bool] = []
+    waiting = [False]
+
+    def dozer(on: bool) -> bool:
+        switched.append(on)
+        return waiting[0]
+
+    doze = Doze([dozer], internal=InternalErrors(), seconds=8.0)
+    now = perf_counter_ns()
+    assert doze.sleep(1.0, 0.05, None, None) == 1.0 and switched == []  # no quiet pass yet
+    doze.passed(True)
+    assert doze.sleep(1.0, 0.05, None, None) == 8.0 and switched == [True] and doze.dozing
+    assert 2.0 < doze.sleep(1.0, 0.05, None, now + int(3e9)) <= 3.0  # a window's end in 3 s
+    assert doze.sleep(1.0, 0.05, now - 1_000_000, None) == 0.05  # a floor just past: arm it now
+    assert doze.sleep(1.0, 0.05, None, now - 1_000_000) == 1.0  # the pass's own work: the idle cadence
+    waiting[0] = True
+    assert doze.sleep(1.0, 0.05, None, None) == 0.05 and not doze.dozing and switched[-1] is False
+    doze.passed(False)
+    assert doze.quiet_passes == 0 and doze.sleep(1.0, 0.05, None, None) == 1.0

@@ -12,9 +12,10 @@ Meanwhile every record queue wakes the thread on its first record instead of a q
 same compare on the request thread, against a threshold of one), so the first timed call, token record or request
 span after a quiet spell is resolved at once and the usual cadence resumes; arming a capture and opening the status
 page wake it too. No ramp: a record ends a doze at once, so dozing early costs at most one wake more a quiet pass.
-What is seen later while dozing: a parameter moved without ``.to()`` (the device re-read) and a fault's first log
-line, up to ``doze_seconds``; nothing a user's call produces (a GC pause is work: a pass that drained one is not quiet,
-so the pause ring, 4,096, fills no faster than before).
+What is seen later while dozing, up to ``doze_seconds``: a parameter moved without ``.to()`` (the device re-read), a
+fault's first log line, and the GC pauses of collections that began during the doze (the collection hook takes no lock,
+so it cannot wake the thread; its ring holds 8 s of them at 4,096 a second); nothing a user's call produces. A GC
+pause is work: a pass that drained one is not quiet, so while the process collects the cadence stays a second.
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ class Doze:
         """A pass ended; ``quiet``: it found nothing to do and nothing falls due within the idle cadence."""
         self.quiet_passes = self.quiet_passes + 1 if quiet else 0
 
-    def sleep(self, idle_seconds: float, interval: float, dues: Iterable[int | None]) -> float:
+    def sleep(self, idle_seconds: float, interval: float, floor_due: int | None, tick_due: int | None) -> float:
         """Seconds to sleep with nothing in flight: ``idle_seconds``, or ``seconds`` after a quiet pass, ending at
-        the soonest of ``dues`` (perf_counter_ns; one already past keeps the idle cadence), at least ``interval``.
-        Past ``idle_seconds`` it dozes: the record queues wake the thread on their first record."""
+        the sooner of ``floor_due`` (a sampling floor; one just past: ``interval``, to arm it now) and ``tick_due``
+        (the housekeeping's next work, perf_counter_ns; one past is work the pass did: the idle cadence), at least
+        ``interval``. Past ``idle_seconds`` it dozes: the record queues wake the thread on their first record."""
         sleep = max(self.seconds, idle_seconds) if self.quiet_passes else idle_seconds
         now = perf_counter_ns()
-        for due in dues:
-            if due is not None:  # one past is work the pass just did (it said so): the usual cadence
-                sleep = min(sleep, (due - now) / 1e9 if due > now else idle_seconds)
+        if tick_due is not None:
+            sleep = min(sleep, (tick_due - now) / 1e9 if tick_due > now else idle_seconds)
+        if floor_due is not None:
+            sleep = min(sleep, (floor_due - now) / 1e9)
         sleep = max(interval, sleep)
         if sleep > idle_seconds and self.set(True):
             self.set(False)  # a record came in between the pass and the threshold: drain it now
@@ -76,7 +79,7 @@ class Doze:
         return waiting
 
     def reset(self) -> None:
-        """Awake, no quiet pass counted (a forked child, a stopped thread)."""
+        """Awake, no quiet pass counted, every threshold back (a forked child, a stopped thread: even one that forked
+        or stopped inside ``set``)."""
         self.quiet_passes = 0
-        if self.dozing:
-            self.set(False)
+        self.set(False)

@@ -53,7 +53,7 @@ class Resolver:
         self.idle_seconds = idle_seconds
         #: Longer sleeps after quiet passes, up to ``doze.seconds`` (agent/doze.py); ``doze.dozers`` are the record
         #: queues that wake the thread on their first record meanwhile: the hub's, and the monitor adds its own.
-        self.doze = Doze([hub.doze], internal=hub.internal, seconds=doze_seconds)
+        self.doze = Doze([hub.doze, self._in_flight], internal=hub.internal, seconds=doze_seconds)
         #: Housekeeping called once per resolver pass with perf_counter_ns (faults are counted, never raised). It
         #: returns when it next has work of its own (perf_counter_ns: a window closes, a retry falls due; the pass's
         #: own time when it did some or more waits), or None for nothing until a record arrives.
@@ -270,8 +270,12 @@ class Resolver:
                     self.step()
             except Exception as exc:  # a sink or housekeeping bug must not kill the thread
                 self.hub.internal.report("resolver", exc)
-            wait = interval if self._pending else doze.sleep(self.idle_seconds, interval,
-                                                             (self.floor_due_ns, self.tick_due_ns))
+            wait = interval if self._pending else doze.sleep(self.idle_seconds, interval, self.floor_due_ns,
+                                                             self.tick_due_ns)
+
+    def _in_flight(self, on: bool) -> bool:
+        """A dozer: events a ``flush()`` on another thread took from the queue meanwhile are polled, not dozed on."""
+        return bool(self._pending)
 
     @property
     def alive(self) -> bool:

@@ -19,8 +19,10 @@ restarts there finds itself installed; ``reset_after_fork`` empties what the par
 Pauses of a call finish before the call's record reaches the resolver (the collector holds the GIL, and the
 call's end stamp needs it), and the resolver drains this ring after it takes the records of its pass, so the
 pauses that overlapped a call are kept when its sample is marked. A ring holds ``RING_SIZE`` pauses between
-two drains (the resolver's tick is at most a second apart); more than that a second is a process doing little
-but collecting, and the oldest go.
+two drains: the resolver's passes are a second apart while the process collects, but collections that begin while
+it dozes (agent/doze.py: up to 8 s, and the hook cannot wake it, as it can take no lock) wait for its next pass, so
+the ring holds 8 s at 4,096 a second (~150 bytes a pause, allocated only as it fills); more than that is a process
+doing little but collecting, and the oldest go.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ __all__ = ["GENERATIONS", "RING_SIZE", "GcPauses", "Pause", "PauseSink"]
 #: CPython's collector generations (the ``generation`` label).
 GENERATIONS = (0, 1, 2)
 #: Pauses a ring holds between two drains.
-RING_SIZE = 4096
+RING_SIZE = 32_768
 #: Pauses kept for overlap and summaries (the oldest go first), and for how long.
 MAX_KEPT = 16_384
 
