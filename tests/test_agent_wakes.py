@@ -193,9 +193,8 @@ def test_collections_keep_the_resolver_at_its_cadence(make_monitor) -> None:
     mon.start()
     first = value(mon, "perfmon_agent_wakeups_total", thread="resolver") or 0
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.5:  # collections all along: every pass drains some
+    while time.monotonic() - t0 < 1.5:  # collections all along (bounded by time): every pass drains some
         gc.collect(0)
-        time.sleep(0.005)
     woke = value(mon, "perfmon_agent_wakeups_total", thread="resolver") - first
     assert woke >= 5, woke  # ~30 at 50 ms; 1 if a pass with pauses counted as quiet (an hour's doze)
     assert (value(mon, "perfmon_gc_pause_seconds_count", generation="0") or 0) >= 5  # and drained as they came
@@ -245,4 +244,4 @@ def test_the_doze_sleep_ends_at_the_work_due() -> None:
     waiting[0] = True
     assert doze.sleep(1.0, 0.05, None, None) == 0.05 and not doze.dozing and switched[-1] is False
     doze.passed(False)
-    assert doze.quiet_passes == 0 and doze.sleep(1.0, 0.05, None, None) == 1.0
+    assert not doze.quiet and doze.sleep(1.0, 0.05, None, None) == 1.0

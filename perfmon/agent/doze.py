@@ -33,28 +33,28 @@ Dozer = Callable[[bool], bool]
 
 
 class Doze:
-    """The quiet passes counted and the sleep they earn; the record queues' thresholds while it lasts."""
+    """Whether the last pass was quiet and the sleep that earns; the record queues' thresholds while it lasts."""
 
     def __init__(self, dozers: Iterable[Dozer], *, internal: InternalErrors, seconds: float = 8.0) -> None:
         #: The longest sleep once dozing (seconds).
         self.seconds = seconds
         self.dozers = list(dozers)
-        #: Passes in a row that found nothing to do and had no work due within the idle cadence (one earns a doze).
-        self.quiet_passes = 0
+        #: Whether the last pass found nothing to do and had no work due within the idle cadence (it earns a doze).
+        self.quiet = False
         #: Whether the thread sleeps past its idle cadence now (every record queue's first record wakes it).
         self.dozing = False
         self._internal = internal
 
     def passed(self, quiet: bool) -> None:
         """A pass ended; ``quiet``: it found nothing to do and nothing falls due within the idle cadence."""
-        self.quiet_passes = self.quiet_passes + 1 if quiet else 0
+        self.quiet = quiet
 
     def sleep(self, idle_seconds: float, interval: float, floor_due: int | None, tick_due: int | None) -> float:
         """Seconds to sleep with nothing in flight: ``idle_seconds``, or ``seconds`` after a quiet pass, ending at
         the sooner of ``floor_due`` (a sampling floor; one just past: ``interval``, to arm it now) and ``tick_due``
         (the housekeeping's next work, perf_counter_ns; one past is work the pass did: the idle cadence), at least
         ``interval``. Past ``idle_seconds`` it dozes: the record queues wake the thread on their first record."""
-        sleep = max(self.seconds, idle_seconds) if self.quiet_passes else idle_seconds
+        sleep = max(self.seconds, idle_seconds) if self.quiet else idle_seconds
         now = perf_counter_ns()
         if tick_due is not None:
             sleep = min(sleep, (tick_due - now) / 1e9 if tick_due > now else idle_seconds)
@@ -79,7 +79,7 @@ class Doze:
         return waiting
 
     def reset(self) -> None:
-        """Awake, no quiet pass counted, every threshold back (a forked child, a stopped thread: even one that forked
+        """Awake, no quiet pass, every threshold back (a forked child, a stopped thread: even one that forked
         or stopped inside ``set``)."""
-        self.quiet_passes = 0
+        self.quiet = False
         self.set(False)
