@@ -197,7 +197,7 @@ class GenerationTracker:
                  wake: Callable[[], None] | None = None) -> None:
         self._internal = internal
         self.wake = wake  # request thread, a quarter of the queue used: the resolver drains it now
-        self.wake_at = max(1, queue_size // 4)
+        self.wake_at = self._wake_at = max(1, queue_size // 4)  # a quarter; one while the resolver dozes
         self._timing = timing  # False while the monitor is stopped: count, do not time
         self.max_names = max_names
         self.max_live = max_live
@@ -356,7 +356,7 @@ class GenerationTracker:
 
     def doze(self, on: bool) -> bool:
         """The resolver dozes (on): the first record or handed-over work wakes it; True if some waits already."""
-        self.wake_at = 1 if on else max(1, self.queue_size // 4)
+        self.wake_at = 1 if on else self._wake_at
         return bool(self.queue or self.pending or self.deferred)
 
     def defer(self, work: Callable[[], None], *, wake: bool = True) -> bool:

@@ -224,7 +224,7 @@ class RequestTracker:
         #: Names given to spans (``request(name=...)``), beyond the wrapped models' own: at most ``max_models``.
         self.max_names = cfg.max_models
         self.queue_size = cfg.generation_queue_size  # the generation records' bound: ~1 record per request here
-        self.wake_at = max(1, self.queue_size // 4)
+        self.wake_at = self._wake_at = max(1, self.queue_size // 4)  # a quarter; one while the resolver dozes
         self.window_ns = int(cfg.stats_window_seconds * 1e9)
         self.max_samples = cfg.stats_max_samples
         self.sinks: list[Callable[[list[RequestDone]], None]] = []
@@ -314,7 +314,7 @@ class RequestTracker:
 
     def doze(self, on: bool) -> bool:
         """The resolver dozes (on): the first record wakes it; True if one waits already."""
-        self.wake_at = 1 if on else max(1, self.queue_size // 4)
+        self.wake_at = 1 if on else self._wake_at
         return bool(self.queue)
 
     # -- resolver thread ----------------------------------------------------------------------
