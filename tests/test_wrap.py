@@ -230,6 +230,57 @@ def test_torch_compile_in_both_orders_counts_every_call_with_no_graph_break(make
     assert stats["calls"] == 8 and stats["sampled"] == 8
 
 
+_COMPILE_AFTER_A_WRAP = """
+import json, sys
+import torch
+from prometheus_client import CollectorRegistry
+import perfmon
+
+started = sys.argv[1] == "started"
+# No FLOP counts and no profiler preparation: start() then imports nothing of torch.compile's.
+mon = perfmon.Monitor(port=None, log_level="error", registry=CollectorRegistry(), sample_rate=1.0,
+                      count_flops=False, prepare_profiler=False, regression=None)
+if started:
+    mon.start()
+hooks = len(sys.meta_path)
+model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), name="m")
+imported_at_wrap = "torch._dynamo" in sys.modules
+compiled = torch.compile(model, backend="eager")  # imports torch._dynamo; the first call traces
+from torch._dynamo.utils import counters
+
+with torch.inference_mode():
+    for i in range(8):
+        x = torch.randn(2 + i % 2, 8)
+        assert torch.allclose(compiled(x), torch.relu(model[0](x)))
+mon.flush()
+stats = mon.stats()["models"]["m"]
+mon.stop()
+print(json.dumps({"imported_at_wrap": imported_at_wrap, "breaks": sum(counters["graph_break"].values()),
+                  "graphs": counters["stats"]["unique_graphs"], "calls": stats["calls"], "sampled": stats["sampled"],
+                  "hooks_left": len(sys.meta_path) - hooks,
+                  "loader": type(sys.modules["torch._dynamo"].__loader__).__name__}))
+"""
+
+
+@pytest.mark.parametrize("started", ["started", "never started"])
+def test_torch_compile_after_the_wrap_imports_dynamo_still_compiles_the_model_whole(started: str) -> None:
+    """The usual order, ``torch.compile(monitor.wrap(model))``, in a process where nothing imported torch._dynamo
+    before the wrap: torch.compile imports it and traces on the first call, before any housekeeping tick. Unmarked,
+    Dynamo traced the hot path: 7 graph breaks and 10 graphs for 8 calls of 2 shapes (it specialised on the call
+    counter). perfmon marks as that import completes: zero breaks, one graph a shape, and no import hook left."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _COMPILE_AFTER_A_WRAP, started], capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["imported_at_wrap"] is False  # the case under test happened
+    assert got == {"imported_at_wrap": False, "breaks": 0, "graphs": 2, "calls": 8, "sampled": 8, "hooks_left": 0,
+                   "loader": "SourceFileLoader"}
+
+
 @pytest.mark.parametrize("make", [_Small, _Staged], ids=["plain", "staged"])
 @pytest.mark.parametrize("when", ["compile after wrap", "compile before wrap"])
 def test_module_compile_of_a_wrapped_model_runs_the_compiled_call_and_counts(make_monitor, make, when) -> None:

@@ -2,12 +2,22 @@
 
 The hot path's frames are skipped but what they call (the user's model) is compiled; every other
 function of every ``perfmon`` module is skipped with everything it calls (see ``mark_for_dynamo``).
+
+The marks need ``torch._dynamo`` imported, and the usual order imports it after a model is wrapped:
+``torch.compile(monitor.wrap(model))`` imports it in ``torch.compile`` and traces on the first call, before
+any housekeeping tick could mark. So when a wrap finds it not yet imported, an import hook (``_Watch``, one
+entry on ``sys.meta_path`` until the import it waits for begins) marks as that import completes: the way APM
+agents' post-import hooks instrument a library imported after them.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .hotpath import hot_path, sampled_path
@@ -17,6 +27,64 @@ __all__ = ["mark_for_dynamo"]
 
 
 _DYNAMO_MARKED = False
+_DYNAMO = "torch._dynamo"
+
+
+class _Watch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch._dynamo``'s import begins, it leaves ``sys.meta_path`` and has the
+    finder that does find it mark perfmon's code the moment the module's own code has run (before any caller can
+    use it to compile). Every other import pays one string compare while it is installed."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _DYNAMO:
+            return None
+        _unwatch()
+        try:
+            spec: importlib.machinery.ModuleSpec | None = None
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    break
+            if spec is None:
+                return None
+            run = getattr(spec.loader, "exec_module", None)
+            if run is None:
+                return spec
+
+            def exec_module(module: types.ModuleType) -> None:
+                run(module)
+                # The module's code has run (its import finishes when this returns): mark now, not at the next
+                # tick. A failure in here must not fail the user's import.
+                try:
+                    _mark()
+                except Exception:
+                    pass
+
+            # On this spec's own loader instance (a new one per spec): the module keeps its real loader.
+            spec.loader.exec_module = exec_module  # type: ignore[union-attr, method-assign]
+            return spec
+        except Exception:  # anything odd: the normal import goes on, and the tick marks later
+            return None
+
+
+_WATCH = _Watch()
+_WATCH_LOCK = threading.Lock()
+
+
+def _watch() -> None:
+    with _WATCH_LOCK:
+        if _WATCH not in sys.meta_path:
+            sys.meta_path.insert(0, _WATCH)
+
+
+def _unwatch() -> None:
+    with _WATCH_LOCK:
+        try:
+            sys.meta_path.remove(_WATCH)
+        except ValueError:
+            pass
 
 
 def mark_for_dynamo() -> bool:
@@ -28,18 +96,30 @@ def mark_for_dynamo() -> bool:
     every other perfmon function is skipped with everything it calls (the slow paths, which hold
     locks). Every call is still counted and sampled. The marks are on code objects, free at run time;
     they need ``torch._dynamo`` (~1 s to import), so they are set once something else imported it:
-    here when a model is wrapped, and from the resolver's housekeeping tick (``Monitor`` calls it).
+    here when a model is wrapped, as that import completes (``_Watch``, installed here while it has not
+    begun), and from the resolver's housekeeping tick (``Monitor`` calls it). True once marked.
     """
-    global _DYNAMO_MARKED
     if _DYNAMO_MARKED:
         return True
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None or getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
-        # Not imported, or being imported by another thread (the FLOP counter's fake tensors import it): importing
-        # from its half-made modules here would fail, in either thread. The next tick will do.
+    dynamo = sys.modules.get(_DYNAMO)
+    if dynamo is None:
+        if _WATCH not in sys.meta_path:  # a tick's check while nothing imports it: a short list's scan
+            _watch()
         return False
+    if getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
+        # Being imported by another thread (the FLOP counter's fake tensors import it), and begun before a watch
+        # could see it: importing from its half-made modules here would fail, in either thread. The next tick will.
+        return False
+    _unwatch()
+    _mark()
+    return True
+
+
+def _mark() -> None:
+    """Set the marks (``torch._dynamo`` imported, its own code run), once."""
+    global _DYNAMO_MARKED
+    if _DYNAMO_MARKED:
+        return
     _DYNAMO_MARKED = True
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
@@ -53,7 +133,6 @@ def mark_for_dynamo() -> bool:
                 set_code_exec_strategy(code, everything)
     except Exception:  # an older or newer torch without these: compile still works, it just traces us
         pass
-    return True
 
 
 def _perfmon_code(modules: Mapping[str, Any]) -> list[types.CodeType]:
