@@ -310,6 +310,37 @@ def test_module_compile_of_a_wrapped_model_runs_the_compiled_call_and_counts(mak
     assert mon.stats()["models"]["m"]["calls"] == 3
 
 
+class _Ragged(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.values().sum() if x.layout == torch.jagged else x.to_padded_tensor(0.0).sum()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("tracked", [True, False], ids=["signatures", "no signatures"])
+def test_nested_tensor_calls_pass_through_counted_as_one_signature(make_monitor, layout, tracked) -> None:
+    """A nested tensor (a ragged batch) passes through a wrapped module as through the bare one: a strided one has
+    no ``shape`` (reading it raises, and the hot path's did, into the user's call), a jagged one's holds a symbolic
+    size new with each batch. Every call counted, no internal error, and one signature whatever the raggedness."""
+    from .conftest import hist_count, value
+
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, track_signatures=tracked)
+    bare = _Ragged()
+    model = mon.wrap(_Ragged(), name="ragged")
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for i in range(12):
+            nt = torch.nested.nested_tensor([torch.randn(1 + i % 4, 3), torch.randn(2 + i % 3, 3)], layout=layout)
+            assert torch.equal(model(nt), bare(nt))
+    assert mon.flush(timeout=10)
+    stats = mon.stats()["models"]["ragged"]
+    assert stats["calls"] == 12 and not stats["errors"] and stats["sampled"] == 12
+    assert not value(mon, "perfmon_internal_errors_total", stage="instrument")
+    if tracked:
+        assert stats["input_signatures"] == 1
+        assert (hist_count(mon, "ragged", "cold"), hist_count(mon, "ragged", "steady")) == (1, 11)
+
+
 def test_moving_a_model_makes_its_next_calls_cold(make_monitor) -> None:
     """After ``.to(device)`` the first call of a known shape is cold on the new device (kernel selection,
     workspaces): the device label follows the module, and steady state is not polluted by the move."""

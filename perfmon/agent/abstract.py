@@ -73,6 +73,8 @@ def _part(value: Any, depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
             raise _Refused(f"argument of type {type(value).__name__} (a tensor subclass)")
+        if value.is_nested:  # a strided nested tensor: no shape to describe
+            raise _Refused("a nested tensor")
         return TensorSpec(tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
     if isinstance(value, _PLAIN):
         return value

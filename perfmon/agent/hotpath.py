@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .phases import Signature, batch_of, signature, work_of
+from .phases import Signature, batch_of, nested_key, signature, work_of
 from .requests import current
 from .state import ModelState, Token
 
@@ -114,7 +114,10 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
                 if type(x) is tensor and not args and not kwargs:
                     # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and
                     # reading dtype costs ~50 ns more): the dtype is checked on timed calls below.
-                    key: Hashable = x.shape
+                    try:
+                        key: Hashable = x.shape
+                    except RuntimeError:  # a strided nested tensor has none
+                        key = nested_key(x)
                     entry = sigs.get(key)
                     if entry is None or entry.warm_left:
                         token = st.new_signature(n, key, (x,), kwargs)
@@ -167,13 +170,17 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
         if not kwargs and not args and type(x) is tensor and not hub.requests:
             # The common call, in as few lines as it takes (~45 bytecodes against ~90 through ``general``): one tensor
             # of a warm signature, no request span open, no ``items`` callable. Nothing here can raise but the call
-            # itself. Anything else (a new or warming shape, churned signatures, an ``items`` callable) goes to
-            # ``general``, not yet counted; a call due for a sample is counted here (``due_one``).
+            # itself and a strided nested tensor's ``shape`` (it has none: ``general`` keys it). Anything else (a new or
+            # warming shape, churned signatures, an ``items`` callable) goes to ``general``, not yet counted; a call
+            # due for a sample is counted here (``due_one``).
             # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and reading dtype costs
             # ~50 ns more): the dtype is checked on timed calls (``due_one``). Making and looking up the torch.Size is
             # most of this path's cost (~260 of ~430 ns over a do-nothing wrapper), and what tells a new shape's cold
             # call apart (docs/design.md, "Warm signatures apart").
-            entry = warm.get(x.shape)
+            try:
+                entry = warm.get(x.shape)
+            except RuntimeError:  # a strided nested tensor has no shape (the try is free until it raises)
+                entry = None
             if entry is not None:
                 # st.calls, not a captured counter: after fork() the child gets fresh ones (reset_after_fork).
                 n = next(st.calls)

@@ -26,7 +26,7 @@ import torch
 from ..faults import count_value
 from .abstract import describe, with_dtype
 
-__all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "signature"]
+__all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "nested_key", "signature"]
 
 _Tensor = torch.Tensor
 #: Values whose type alone is not their signature part (``_part`` reads a tensor subclass, looks one level
@@ -34,9 +34,20 @@ _Tensor = torch.Tensor
 _LOOKED_INTO = (list, tuple, torch.Tensor)
 
 
+def nested_key(t: torch.Tensor) -> Hashable:
+    """A nested tensor's signature part: its rank and dtype, not its ragged sizes. A strided one has no ``shape``
+    (it raises), a jagged one's shape holds a symbolic size new with each offsets tensor; either way a ragged
+    batch is what it is for, and keying on its layout would make every call a new, cold signature."""
+    return ("nested", t.dim(), t.dtype)
+
+
+def _tensor_part(value: torch.Tensor) -> Hashable:
+    return nested_key(value) if value.is_nested else (value.shape, value.dtype)
+
+
 def _part(value: Any) -> Hashable:
     if isinstance(value, _Tensor):
-        return (value.shape, value.dtype)
+        return _tensor_part(value)
     if isinstance(value, (list, tuple)):
         # One level deep (a list of images, a tuple of tensors), bounded in length.
         if len(value) <= 8:
@@ -49,7 +60,7 @@ def _part(value: Any) -> Hashable:
 
 def _part_leaf(value: Any) -> Hashable:
     if isinstance(value, _Tensor):
-        return (value.shape, value.dtype)
+        return _tensor_part(value)
     return type(value).__name__
 
 
@@ -74,19 +85,22 @@ def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     """
     tensor, kinds, skip = _Tensor, _LOOK_INTO, BOOKKEEPING_KWARGS
     parts: list[Hashable] = []
-    for a in args:
-        parts.append((a.shape, a.dtype) if type(a) is tensor else _part(a))
-    for k, v in kwargs.items():
-        if k in skip:
-            continue
-        t = type(v)
-        if t is tensor:  # the common values inline (a tensor, a flag, a cache object), _part for the rest
-            parts.append((k, (v.shape, v.dtype)))
-        else:
-            look = kinds.get(t)
-            if look is None:
-                look = _look_into(t)
-            parts.append((k, _part(v) if look else t.__name__))
+    try:
+        for a in args:
+            parts.append((a.shape, a.dtype) if type(a) is tensor else _part(a))
+        for k, v in kwargs.items():
+            if k in skip:
+                continue
+            t = type(v)
+            if t is tensor:  # the common values inline (a tensor, a flag, a cache object), _part for the rest
+                parts.append((k, (v.shape, v.dtype)))
+            else:
+                look = kinds.get(t)
+                if look is None:
+                    look = _look_into(t)
+                parts.append((k, _part(v) if look else t.__name__))
+    except RuntimeError:  # a strided nested tensor read inline: no shape (free until raised, Python 3.11+)
+        return tuple([_part(a) for a in args] + [(k, _part(v)) for k, v in kwargs.items() if k not in skip])
     return tuple(parts)
 
 
@@ -120,7 +134,7 @@ def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     """Default items of a call: the first dimension of its first tensor argument (1 for a scalar tensor)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, _Tensor):
-            return int(value.shape[0]) if value.dim() else 1
+            return int(value.size(0)) if value.dim() else 1  # size(0), not shape[0]: a nested tensor has one
     return None
 
 
@@ -201,7 +215,10 @@ class SignatureTable:
                         except (StopIteration, KeyError, RuntimeError):
                             pass
                     items = batch_of(args, kwargs) if self.count_items else None
-                    dtypes = frozenset((args[0].dtype,)) if isinstance(key, torch.Size) and args else frozenset()
+                    # A one-tensor call's dtype (its key is the shape alone, or a nested tensor's layout: the hot path
+                    # checks the dtype on timed calls, ``new_dtype``).
+                    one = len(args) == 1 and not kwargs and isinstance(args[0], _Tensor)
+                    dtypes = frozenset((args[0].dtype,)) if one else frozenset()
                     spec = describe(args, kwargs) if self.specs else None
                     entry = seen[key] = Signature(items, self.warm_calls, dtypes, work_of(args, kwargs), spec)
         next(entry.calls)
