@@ -303,7 +303,9 @@ class Monitor(RequestApi, CaptureApi):
                    device: str = "auto", items: Any = None) -> Any:
         """Monitor a plain callable; use as ``monitor.instrument(fn)`` or ``@monitor.instrument(name=...)``.
 
-        ``items`` as for ``wrap``.
+        ``items`` as for ``wrap``. An ``async def`` (or an object with an async ``__call__``) is timed over its await,
+        its items counted only by an ``items`` callable, and never captured; a generator function is refused
+        (``WrapError``: its call returns before its work runs).
         """
         return self.models.instrument(fn, name=name, device=device, items=items)
 

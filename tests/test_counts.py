@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import hist_count, value
+from .conftest import buckets, hist_count, value
 
 
 def _lin() -> torch.nn.Module:
@@ -217,6 +217,68 @@ def test_errors_counted_by_class_with_a_cap(make_monitor) -> None:
     assert value(mon, "perfmon_forward_errors_total", model="fail", exception="E1") == 1
     assert value(mon, "perfmon_forward_errors_total", model="fail", exception="other") == 3
     assert value(mon, "perfmon_forward_calls_total", model="fail") == 6
+
+
+def test_an_instrumented_async_function_is_timed_over_its_await_and_its_errors_counted(make_monitor) -> None:
+    """``instrument`` of an ``async def``: a call is its awaiting (each sleeps 30 ms: no timed call can read less),
+    not the coroutine's creation (microseconds, as a plain wrapper read), and an exception raised in the coroutine is
+    counted by class and reaches the awaiting caller unchanged; items from an ``items`` callable."""
+    import asyncio
+
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1)
+    boom = ValueError("negative")
+
+    @mon.instrument(name="handler", device="cpu", items=lambda args, kwargs: args[0] if args[0] > 0 else 0)
+    async def handler(n: int) -> int:
+        await asyncio.sleep(0.03)
+        if n < 0:
+            raise boom
+        return n
+
+    async def serve() -> list[Any]:
+        got: list[Any] = [await handler(n) for n in (1, 2, 3)]
+        for _ in range(2):
+            try:
+                await handler(-1)
+            except ValueError as exc:
+                got.append(exc)
+        return got
+
+    assert asyncio.run(serve()) == [1, 2, 3, boom, boom]
+    mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="handler") == 5
+    assert value(mon, "perfmon_forward_errors_total", model="handler", exception="ValueError") == 2
+    assert value(mon, "perfmon_forward_items_total", model="handler") == 6
+    timed = hist_count(mon, "handler", "cold") + hist_count(mon, "handler", "steady")
+    assert timed == 3  # the calls that raised are counted as errors, not timed
+    for phase in ("cold", "steady"):
+        got = buckets(mon, "handler", phase)
+        assert all(count == 0 for le, count in got if le < 0.03), got
+
+
+def test_instrument_refuses_generator_functions_and_a_monitored_coroutine(make_monitor) -> None:
+    """A generator function's call returns before its work runs (timed, it read microseconds for 50 ms of work):
+    refused with a clear error at decoration, as is instrumenting an instrumented ``async def`` again."""
+    from perfmon import WrapError
+
+    mon = make_monitor()
+
+    def gen() -> Any:
+        yield 1
+
+    async def agen() -> Any:
+        yield 1
+
+    for fn in (gen, agen):
+        with pytest.raises(WrapError, match="generator function"):
+            mon.instrument(fn, name="g")
+
+    async def coro() -> None:
+        return None
+
+    monitored = mon.instrument(coro, name="c")
+    with pytest.raises(WrapError, match="already monitored"):
+        mon.instrument(monitored, name="c2")
 
 
 def test_track_context_manager_counts_and_times(make_monitor) -> None:

@@ -6,6 +6,7 @@ set is bounded by ``max_models``. ``Monitor.wrap``/``instrument``/``track`` land
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import weakref
@@ -24,7 +25,7 @@ from .latecall import LateCall
 from .options import untimed_options
 from .quiet import QuietDecode
 from .sampling import EVERY_STEP, TIMELINE, CallSampler
-from .span import UNTRACKED, Span, Untracked
+from .span import UNTRACKED, Span, Untracked, monitored_coroutine
 from .stages import ENCODE, PREFILL, Stages, generative_stage, is_generative
 from .state import Hub, ModelState
 from .wrap import MonitoredFunction, MonitoredModule, Probe, unwrap_module
@@ -230,12 +231,18 @@ class Models:
         check_items(items)
 
         def decorate(f: Callable[..., Any]) -> Any:
-            if isinstance(f, Probe):
+            if isinstance(f, Probe) or getattr(f, "perfmon_state", None) is not None:
                 raise WrapError("this callable is already monitored")
             if not callable(f):
                 raise WrapError(f"cannot monitor {type(f).__name__!r}: it is not callable")
             label = name if name is not None else getattr(f, "__qualname__", None) or f"callable{next(self._anon)}"
+            if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
+                # Its call returns a generator before any of its work runs: timed, it would read microseconds.
+                raise WrapError(f"cannot monitor {label!r}: a generator function returns before its work runs; time "
+                                "the loop that consumes it with monitor.track()")
             resolve = _fixed(device) if device != "auto" else _current_cuda_device
+            if inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__):  # an async __call__
+                return monitored_coroutine(f, self.new_state(label, resolve, capturable=False, items=items))
             return MonitoredFunction.create(f, self.new_state(label, resolve, items=items))
 
         return decorate if fn is None else decorate(fn)

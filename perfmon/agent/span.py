@@ -6,13 +6,15 @@ the block runs as if perfmon were not there; the refusal is counted, not raised 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Coroutine
 from time import perf_counter_ns
 from typing import Any
 
 from .requests import current
 from .state import ModelState, Token
 
-__all__ = ["Span", "Untracked"]
+__all__ = ["Span", "Untracked", "monitored_coroutine"]
 
 
 class Span:
@@ -70,3 +72,22 @@ class Untracked:
 
 
 UNTRACKED = Untracked()
+
+
+def monitored_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]], state: ModelState) -> Callable[..., Any]:
+    """``Monitor.instrument`` of an ``async def``: a call is its awaiting, from the call to the coroutine's end (a
+    plain wrapper would time the coroutine's creation, microseconds, and never see its exceptions). Counted,
+    sample-timed and its exceptions counted by class like a call (a ``Span`` around the await); items only from an
+    ``items`` callable (counted at the call), as no signature is kept. Calls are not captured: a capture profiles
+    a stretch of steps on one thread, and an awaiting interleaves with the event loop's other tasks."""
+    count_items = state.count_items if state.items_fn is not None else None
+
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        if count_items is not None:
+            count_items(args, kwargs)  # never raises
+        with Span(state):
+            return await fn(*args, **kwargs)
+
+    call.perfmon_state = state  # type: ignore[attr-defined]  # what marks it monitored (instrument refuses it again)
+    return call
