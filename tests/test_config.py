@@ -81,3 +81,19 @@ def test_default_buckets_resolve_within_eleven_percent_from_one_ms_to_one_s() ->
     # the default's 12-a-decade bounds are FINE_BUCKETS' every other one: the two grids share those le values
     assert set(b) <= set(perfmon.FINE_BUCKETS)
     assert Config.from_env({"PERFMON_BUCKETS": "fine"}).buckets == perfmon.FINE_BUCKETS
+
+
+def test_perfmon_regression_off_on_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PERFMON_REGRESSION switches the default policy off or on, and a value it does not know is refused with the
+    variable named (``disabled`` used to leave detection on, silently), as every other PERFMON_* setting is."""
+    from perfmon import RegressionPolicy
+    from perfmon.captures.policy import FROM_ENV, resolve_policy
+
+    for off in ("off", "0", "False", " none "):
+        assert resolve_policy(FROM_ENV, {"PERFMON_REGRESSION": off}) is None
+    for on in ("on", "1", "true", ""):
+        assert isinstance(resolve_policy(FROM_ENV, {"PERFMON_REGRESSION": on}), RegressionPolicy)
+    assert isinstance(resolve_policy(FROM_ENV, {}), RegressionPolicy)
+    monkeypatch.setenv("PERFMON_REGRESSION", "disabled")
+    with pytest.raises(perfmon.ConfigError, match="PERFMON_REGRESSION='disabled'"):
+        perfmon.Monitor(port=None)

@@ -34,11 +34,18 @@ DEFERRED_SECONDS = 120.0
 FROM_ENV: Any = object()
 
 
+_REGRESSION_OFF = ("0", "off", "false", "no", "none")
+_REGRESSION_ON = ("", "1", "on", "true", "yes")
+
+
 def resolve_policy(regression: Any, environ: Mapping[str, str] = os.environ) -> RegressionPolicy | None:
     """``Monitor(regression=...)``: a ``RegressionPolicy``, None (off), or ``FROM_ENV``; else ``ConfigError``."""
     if regression is FROM_ENV:
-        off = environ.get("PERFMON_REGRESSION", "").strip().lower() in ("0", "off", "false", "no", "none")
-        regression = None if off else RegressionPolicy()
+        text = environ.get("PERFMON_REGRESSION", "").strip().lower()
+        if text not in _REGRESSION_OFF + _REGRESSION_ON:  # as every other PERFMON_* setting: a typo is not ignored
+            raise ConfigError(f"PERFMON_REGRESSION={text!r}: expected one of {', '.join(_REGRESSION_OFF)} (off) or "
+                              f"{', '.join(_REGRESSION_ON[1:])} (on, the default policy), or unset")
+        regression = None if text in _REGRESSION_OFF else RegressionPolicy()
     if regression is not None and not isinstance(regression, RegressionPolicy):
         raise ConfigError(f"regression={regression!r}: expected a perfmon.RegressionPolicy or None")
     return regression
