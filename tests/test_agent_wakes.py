@@ -245,3 +245,65 @@ def test_the_doze_sleep_ends_at_the_work_due() -> None:
     assert doze.sleep(1.0, 0.05, None, None) == 0.05 and not doze.dozing and switched[-1] is False
     doze.passed(False)
     assert not doze.quiet and doze.sleep(1.0, 0.05, None, None) == 1.0
+
+
+def test_a_doze_ended_by_a_wake_lingers_for_a_few_wakes() -> None:
+    """``Doze.woke``: a doze ended by a wake keeps the thresholds at one for ``LINGER_WAKES`` more wakes (the request
+    that ended it queues more as it ends), each using one; a lingering wait that runs out with nothing come ends the
+    lingering, and so does a doze that ends at its work due rather than by a wake."""
+    from perfmon.agent.doze import LINGER_WAKES, Doze
+    from perfmon.faults import InternalErrors
+
+    switched: list[bool] = []
+
+    def dozer(on: bool) -> bool:
+        switched.append(on)
+        return False
+
+    doze = Doze([dozer], internal=InternalErrors(), seconds=8.0)
+    doze.passed(True)
+    assert doze.sleep(1.0, 0.05, None, None) == 8.0 and doze.dozing
+    doze.woke(True)  # a record ended the doze
+    assert not doze.dozing and doze.linger == LINGER_WAKES
+    doze.passed(False)  # the woken pass had work: the idle cadence, thresholds still at one
+    for left in range(LINGER_WAKES, 0, -1):
+        assert doze.sleep(1.0, 0.05, None, None) == 1.0 and doze.dozing and switched[-1] is True
+        doze.woke(True)
+        assert doze.linger == left - 1 and switched[-1] is False
+    assert doze.sleep(1.0, 0.05, None, None) == 1.0 and not doze.dozing  # spent: the usual thresholds
+    doze.passed(True)
+    doze.sleep(1.0, 0.05, None, None)
+    doze.woke(True)
+    doze.passed(False)
+    assert doze.sleep(1.0, 0.05, None, None) == 1.0 and doze.dozing
+    doze.woke(False)  # the lingering wait ran out: nothing came
+    assert doze.linger == 0 and doze.sleep(1.0, 0.05, None, None) == 1.0 and not doze.dozing
+    doze.passed(True)
+    doze.sleep(1.0, 0.05, None, None)
+    doze.woke(False)  # the doze ended at its work due, not by a wake: no lingering
+    assert doze.linger == 0
+
+
+def test_the_request_that_ends_a_doze_has_its_later_records_resolved_at_once(make_monitor) -> None:
+    """Dozing for an hour with an hour's idle cadence: a request whose timed call ends the doze queues its span's
+    record as it ends, after the woken pass; the doze's lingering wakes for it (without it, it waited for the next
+    tick: ~1 s at the default cadence, an hour here). The lingering ends after ``LINGER_WAKES`` wakes."""
+    from perfmon.agent.doze import LINGER_WAKES
+
+    mon = make_monitor(sample_rate=1.0, warmup_calls=0, sample_floor_seconds=3600, resolve_interval_seconds=0.01)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    model(torch.ones(1, 4))  # the shape's cold call
+    _dozing_for_an_hour(mon)
+    mon.resolver.idle_seconds = 3600.0
+    with mon.request():
+        model(torch.ones(1, 4))  # timed: its record ends the doze
+        wait_until(lambda: timed(mon) == 2, timeout=30, what="the timed call resolved")
+    wait_until(lambda: mon.requests.recent("m", 0)["total"]["count"], timeout=30,
+               what="the span's record, queued after the woken pass, resolved")
+    doze = mon.resolver.doze
+    calls = 0
+    while doze.linger and calls <= LINGER_WAKES:  # each lingering wake resolves its record at once, then it ends
+        model(torch.ones(1, 4))
+        calls += 1
+        wait_until(lambda c=calls: timed(mon) == 2 + c, timeout=30, what="a record resolved while lingering")
+    assert doze.linger == 0 and calls <= LINGER_WAKES

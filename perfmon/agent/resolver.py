@@ -258,12 +258,12 @@ class Resolver:
         doze = self.doze
         wait = interval
         while True:
-            wake.wait(wait)
+            woken = wake.wait(wait)
             if self._stop.is_set():
                 return
             wake.clear()
             if doze.dozing:
-                doze.set(False)
+                doze.woke(woken)
             cpu.woke("resolver")
             try:
                 with cpu.measure("resolver"):
