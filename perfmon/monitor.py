@@ -226,12 +226,13 @@ class Monitor(RequestApi, CaptureApi):
         if self.oom is not None:
             self.oom.join(timeout)
 
-    def after_fork_in_child(self) -> None:
+    def after_fork_in_child(self, *, restart: bool = True) -> None:
         """A fresh agent in a forked child (gunicorn --preload, multiprocessing 'fork'; see ``perfmon.process``).
 
         The parent's threads do not exist here and a lock one of them held is held forever: every lock, queue,
         pool and counter is replaced (the parent's calls are the parent's to report), the inherited sockets
-        are left to the parent, and a running agent starts its own threads and port (see ``port_range``).
+        are left to the parent, and a running agent starts its own threads and port (see ``port_range``), unless
+        ``restart`` is False (a torch DataLoader's worker: it serves no model; ``start()`` there still works).
         """
         was_running = self._running
         self._lifecycle = threading.Lock()
@@ -244,7 +245,7 @@ class Monitor(RequestApi, CaptureApi):
             if part is not None:
                 part.reset_after_fork()
         self.metrics.set_port(None)
-        if was_running:
+        if was_running and restart:
             try:
                 self.start()
             except Exception as exc:  # e.g. no free port in the range: count it, keep counting calls

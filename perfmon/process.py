@@ -1,8 +1,8 @@
 """Process-wide hooks: fork, interpreter exit, and the profiler's one-time preparation.
 
 A process has one Kineto and one fork history, whatever number of monitors it runs: this module keeps
-that state and calls each live agent's ``after_fork_in_child()``/``stop()``/``log`` (any object with
-them; it imports no monitor).
+that state and calls each live agent's ``after_fork_in_child(restart=)``/``stop()``/``log`` (any object with
+them; it imports no monitor). A fork by a torch DataLoader starting its workers restarts no agent (``forked_for``).
 
 **A forked child of a process that ran the profiler.** Kineto's first start leaves a thread of its own
 and C++ static objects that own it. A fork copies the objects but not the thread, so in the child their
@@ -105,6 +105,26 @@ def _exit_through_underscore_exit() -> None:
         pass
 
 
+#: Where a fork starts a process that serves no model: a torch DataLoader's worker (it loads data for the parent).
+_HELPER_FORKS = (os.path.join("torch", "utils", "data", "dataloader.py"),)
+
+
+def forked_for(frame: Any, *, depth: int = 64) -> str | None:
+    """The file of ``_HELPER_FORKS`` in whose code the stack from ``frame`` (the fork's caller's) is, or None.
+
+    A DataLoader with workers forks from its iterator (``dataloader.py``, through ``multiprocessing``); its workers
+    load data and never serve the model. Started in each, a monitor's agent ran threads, logged ``port_unavailable``
+    at error level, retried the parent's port in the background and, once the parent stopped and started again,
+    held it (a helper's trial: Prometheus then scraped a worker that had served nothing)."""
+    while frame is not None and depth > 0:
+        name = frame.f_code.co_filename
+        found = next((h for h in _HELPER_FORKS if name.endswith(h)), None)
+        if found is not None:
+            return found
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
 def _reinit_after_fork() -> None:
     global _FORKED, _PROFILER_PREPARED, _EXIT_GUARDED
     _FORKED = True
@@ -112,9 +132,11 @@ def _reinit_after_fork() -> None:
     if profiler_has_run() and not _EXIT_GUARDED and sys.platform.startswith("linux"):
         _EXIT_GUARDED = True  # a grandchild inherits this handler with the rest of the atexit list
         atexit.register(_exit_through_underscore_exit)
+    # A helper's child (a DataLoader worker) keeps fresh agents, stopped: it counts, serves and retries nothing.
+    restart = forked_for(sys._getframe(1)) is None
     for agent in list(live):
         try:
-            agent.after_fork_in_child()
+            agent.after_fork_in_child(restart=restart)
         except Exception:  # pragma: no cover - never break the child process
             pass
 

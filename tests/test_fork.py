@@ -188,3 +188,59 @@ def test_a_forked_childs_dozing_resolver_is_woken_by_its_own_readers_and_records
 
     assert in_forked_child(child_body) == {"before": 0}  # each wait above raises in the child, which then exits 1
     mon.stop()
+
+
+_DATA_LOADER_WORKERS = """
+import json, os, socket, threading, urllib.request
+import torch
+from prometheus_client import CollectorRegistry
+from torch.utils.data import DataLoader, Dataset
+import perfmon
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+mon = perfmon.Monitor(port=port, host="127.0.0.1", registry=CollectorRegistry(), log_level="error",
+                      prepare_profiler=False, count_flops=False).start()
+model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+url = mon.url
+
+
+class Rows(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):  # in a worker: what its copy of the monitor does (no torch op: a fork's OpenMP)
+        return (os.getpid(), mon.running, sum(t.name.startswith("perfmon") for t in threading.enumerate()), mon.url)
+
+
+loader = DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork", collate_fn=list,
+                    persistent_workers=True)
+rows = [row for batch in loader for row in batch]
+with torch.no_grad():
+    model(torch.ones(1, 4))
+mon.stop()
+mon.start()  # the port is free a moment: a worker retrying it in the background took it
+rows += [row for batch in loader for row in batch]
+with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    served = "perfmon_forward_calls_total" in r.read().decode()
+print(json.dumps({"workers": sorted({r[0] for r in rows}), "parent": os.getpid(),
+                  "worker_running": any(r[1] for r in rows), "worker_threads": max(r[2] for r in rows),
+                  "worker_urls": sorted({str(r[3]) for r in rows}), "same_url": mon.url == url, "served": served}))
+mon.stop()
+"""
+
+
+def test_data_loader_workers_start_no_agent_and_leave_the_port_to_the_parent() -> None:
+    """A torch DataLoader's forked workers load data and serve no model: the monitor the parent runs is reset in
+    each but not started (it ran threads, logged ``port_unavailable`` at error level and retried the parent's port
+    in the background, taking it once the parent stopped and started again), so the parent keeps its port."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", _DATA_LOADER_WORKERS], capture_output=True, text=True, timeout=180,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert len(got["workers"]) == 2 and got["parent"] not in got["workers"]  # the rows came from forked workers
+    assert (got["worker_running"], got["worker_threads"], got["worker_urls"]) == (False, 0, ["None"])
+    assert got["same_url"] and got["served"]
+    assert "port_unavailable" not in done.stdout + done.stderr
