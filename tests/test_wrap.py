@@ -341,6 +341,32 @@ def test_nested_tensor_calls_pass_through_counted_as_one_signature(make_monitor,
         assert (hist_count(mon, "ragged", "cold"), hist_count(mon, "ragged", "steady")) == (1, 11)
 
 
+class _Outer(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + 1
+
+
+def test_torch_jit_script_takes_a_wrapped_module_and_a_parent_of_one(make_monitor) -> None:
+    """TorchScript compiles every property of a module's class and refused perfmon's (``perfmon_name``): scripting a
+    wrapped module, or a parent holding one, raised. Both script now, with the bare module's outputs; the wrapped
+    module's own (eager) calls still count, and a scripted copy runs without perfmon as it runs no Python call."""
+    mon = make_monitor(sample_rate=1.0)
+    torch.manual_seed(0)
+    bare = _Small()
+    model = mon.wrap(copy.deepcopy(bare), name="m")
+    x = torch.randn(2, 8)
+    assert torch.allclose(torch.jit.script(model)(x), bare(x))
+    assert torch.allclose(torch.jit.script(_Outer(model))(x), bare(x) + 1)
+    model(x)
+    mon.flush()
+    assert mon.stats()["models"]["m"]["calls"] == 1
+    assert model.perfmon_name == "m"
+
+
 def test_moving_a_model_makes_its_next_calls_cold(make_monitor) -> None:
     """After ``.to(device)`` the first call of a known shape is cold on the new device (kernel selection,
     workspaces): the device label follows the module, and steady state is not polluted by the move."""

@@ -119,6 +119,9 @@ class MonitoredModule:
         ns: dict[str, Any] = {
             "__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__,
             "__doc__": base.__doc__, "_perfmon_state": state, "_perfmon_base": base, "__call__": call,
+            # torch.jit.script compiles every property of a module's class: perfmon's is Python's only (scripted, the
+            # module runs its forward without perfmon, as a scripted module runs no Python __call__).
+            "__jit_unused_properties__": [*getattr(base, "__jit_unused_properties__", ()), "perfmon_name"],
         }
         if _is_torch_builtin(base.forward):
             ns["forward"] = _compilable_forward(base.forward)
