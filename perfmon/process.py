@@ -133,7 +133,10 @@ def _reinit_after_fork() -> None:
         _EXIT_GUARDED = True  # a grandchild inherits this handler with the rest of the atexit list
         atexit.register(_exit_through_underscore_exit)
     # A helper's child (a DataLoader worker) keeps fresh agents, stopped: it counts, serves and retries nothing.
-    restart = forked_for(sys._getframe(1)) is None
+    try:
+        restart = forked_for(sys._getframe(1)) is None
+    except Exception:  # pragma: no cover - a fork with no Python caller: restart, as before
+        restart = True
     for agent in list(live):
         try:
             agent.after_fork_in_child(restart=restart)
