@@ -34,6 +34,8 @@ class InternalErrors:
         # Bounded: if the logger falls behind, the oldest notes go; the counts stay exact.
         self._notes: collections.deque[tuple[str, BaseException]] = collections.deque(maxlen=64)
         self._logged: set[tuple[str, str]] = set()
+        #: Warnings about the workload, not faults (``notice``): logged, never counted.
+        self._notices: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=64)
 
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's faults are the parent's; a lock held at fork() is replaced."""
@@ -41,6 +43,16 @@ class InternalErrors:
         self._lock = threading.Lock()
         self._notes = collections.deque(maxlen=64)
         self._logged = set()
+        self._notices = collections.deque(maxlen=64)
+
+    def notice(self, event: str, **fields: Any) -> None:
+        """Queue a warning about the workload that is no fault of the agent's (a model's signatures churned): logged
+        at warning level by the background thread, not counted in ``perfmon_internal_errors_total``, which operators
+        read as perfmon's own faults. Callers raise each notice once (a state change); never raises."""
+        try:
+            self._notices.append((event, fields))
+        except Exception:  # pragma: no cover - nothing left to report to
+            pass
 
     def report(self, stage: str, exc: BaseException) -> None:
         """Count one fault of ``stage``; never raises."""
@@ -63,7 +75,13 @@ class InternalErrors:
         return sum(n for _, n in self.counts())
 
     def log_new(self, log: Any) -> None:
-        """Log faults of a kind not logged before (background thread only)."""
+        """Log faults of a kind not logged before, and the notices (background thread only)."""
+        while self._notices:
+            try:
+                event, fields = self._notices.popleft()
+            except IndexError:
+                break
+            log.warning(event, **fields)
         while self._notes:
             try:
                 stage, exc = self._notes.popleft()

@@ -152,9 +152,15 @@ def test_signatures_of_keyword_and_nested_inputs(make_monitor) -> None:
     assert hist_count(mon, "f", "cold") == 4 and hist_count(mon, "f", "steady") == 2
 
 
-def test_churning_signatures_stop_being_cold(make_monitor) -> None:
-    """When shapes never repeat, signature tracking switches off after the table turns over."""
-    mon = make_monitor(sample_rate=0.001, warmup_calls=0, signature_cache_size=8)
+def test_churning_signatures_stop_being_cold(make_monitor, capsys: pytest.CaptureFixture[str]) -> None:
+    """When shapes never repeat, signature tracking switches off after the table turns over. That is the workload's,
+    not a fault of the agent's: a warning names the model and the setting, and no internal error is counted (it was,
+    with an error-level ``internal_error`` line: an operator's alert on perfmon's own faults fired on traffic)."""
+    import json
+
+    from .conftest import wait_until
+
+    mon = make_monitor(sample_rate=0.001, warmup_calls=0, signature_cache_size=8, log_level="warning").start()
     model = mon.wrap(_lin(), name="lin")
     for n in range(1, 41):
         model(torch.randn(n, 8))
@@ -162,7 +168,17 @@ def test_churning_signatures_stop_being_cold(make_monitor) -> None:
     # 16 cold (8 to fill the table, 8 evictions to turn it over), then tracking stops
     assert hist_count(mon, "lin", "cold") == 16
     assert mon.stats()["models"]["lin"]["signature_tracking"] is False
-    assert value(mon, "perfmon_internal_errors_total", stage="signatures") == 1
+    assert value(mon, "perfmon_internal_errors_total", stage="signatures") is None
+    seen: list[dict[str, Any]] = []
+
+    def churned() -> bool:
+        seen.extend(json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{"))
+        return any(e.get("event") == "signatures_churned" for e in seen)
+
+    wait_until(churned, timeout=30, what="the resolver's warning that the signatures churned")
+    (line,) = [e for e in seen if e.get("event") == "signatures_churned"]
+    assert (line["level"], line["model"], line["signatures"]) == ("warning", "lin", 8)
+    assert "signature_cache_size" in line["note"] and not any(e.get("event") == "internal_error" for e in seen)
 
 
 def test_sampling_floor_times_a_call_after_a_quiet_period(make_monitor) -> None:

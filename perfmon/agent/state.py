@@ -200,7 +200,10 @@ class ModelState:
             if self.items_fn is None and self.items_on:
                 self.items_q = collections.deque()  # items are counted per call from now on
             self.sigs = None  # (``warm`` keeps what it holds: churned, the table no longer changes)
-            self.hub.internal.report("signatures", _Churn(self.name, table.capacity))
+            self.hub.internal.notice(
+                "signatures_churned", model=self.name, signatures=table.capacity,
+                note="more distinct input signatures than signature_cache_size; new signatures are no longer treated "
+                     "as cold for this model (warm-up calls still are): raise signature_cache_size to keep them")
         if index < self.warmup:
             return self.due(index)
         if cold:
@@ -384,14 +387,6 @@ class ModelState:
             if len(self.errors) < 4 * self.hub.config.max_exception_labels:
                 self.errors[cls] = counter
             return counter
-
-
-class _Churn(Exception):
-    def __init__(self, model: str, capacity: int) -> None:
-        super().__init__(
-            f"model {model!r}: more than {capacity} distinct input signatures; new signatures are no "
-            "longer treated as cold for this model (warm-up calls still are)"
-        )
 
 
 def _table(st: ModelState) -> SignatureTable:
