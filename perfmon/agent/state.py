@@ -200,10 +200,7 @@ class ModelState:
             if self.items_fn is None and self.items_on:
                 self.items_q = collections.deque()  # items are counted per call from now on
             self.sigs = None  # (``warm`` keeps what it holds: churned, the table no longer changes)
-            self.hub.internal.notice(
-                "signatures_churned", model=self.name, signatures=table.capacity,
-                note="more distinct input signatures than signature_cache_size; new signatures are no longer treated "
-                     "as cold for this model (warm-up calls still are): raise signature_cache_size to keep them")
+            self.hub.internal.notice("signatures_churned", model=self.name, signatures=table.capacity, note=_CHURNED)
         if index < self.warmup:
             return self.due(index)
         if cold:
@@ -387,6 +384,11 @@ class ModelState:
             if len(self.errors) < 4 * self.hub.config.max_exception_labels:
                 self.errors[cls] = counter
             return counter
+
+
+#: The ``signatures_churned`` warning's note (a workload's, not a fault: ``InternalErrors.notice``).
+_CHURNED = ("more distinct input signatures than signature_cache_size; new signatures are no longer treated as cold "
+            "for this model (warm-up calls still are): raise signature_cache_size to keep them")
 
 
 def _table(st: ModelState) -> SignatureTable:
