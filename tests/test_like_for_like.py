@@ -213,7 +213,9 @@ def test_mix_shift_then_a_planted_op_captures_once_and_names_the_op_against_a_sa
     with the baseline of its own size class, that ranks aten::cdist first."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    policy = RegressionPolicy(window_seconds=1, ratio=1.5, min_samples=20, consecutive=2, baseline_windows=3,
+    # Three windows over x1.5 in a row: two 1 s windows of a shared 2-core host's noise once fired a capture in the
+    # "nothing fires" phase below (a fresh clone's full run, session 30); the planted cdist moves every window.
+    policy = RegressionPolicy(window_seconds=1, ratio=1.5, min_samples=20, consecutive=3, baseline_windows=3,
                               capture_steps=5)
     mon = make_monitor(sample_rate=0.2, warmup_calls=1, regression=policy)
     mon.policy.baseline_check_seconds = 0.0
