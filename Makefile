@@ -56,6 +56,7 @@ bench: $(STAMP)
 	mkdir -p benchmarks/results
 	cd benchmarks && ../$(BIN)/python overhead.py --json results/overhead.json
 	cd benchmarks && ../$(BIN)/python accuracy.py --json results/accuracy.json
+	cd benchmarks && ../$(BIN)/python gil_order.py --json results/gil_order.json
 	cd benchmarks && ../$(BIN)/python detection.py --json results/detection.json
 	cd benchmarks && ../$(BIN)/python scrape.py --json results/scrape.json
 	cd benchmarks && ../$(BIN)/python background.py --json results/background.json

@@ -109,7 +109,7 @@ class Monitor(RequestApi, CaptureApi):
         self.models = Models(cfg, hub, self.generations)
         self.requests = RequestTracker(hub)  # request spans (monitor.request, middlewares, batch): queue/model/rest
         self.metrics = Metrics(self.registry, cfg, states=self.models.states, internal=hub.internal,
-                               started_ns=lambda: hub.started_ns)
+                               first_forward_origin=lambda end_ns: hub.first_forward_origin(end_ns))
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
         self._generation_metrics = GenerationCollector(self.generations)
         self.generations.sinks.append(self._generation_metrics.observe)
@@ -155,7 +155,6 @@ class Monitor(RequestApi, CaptureApi):
             if self._running:
                 return self
             cfg = self.config
-            self._hub.started_ns = perf_counter_ns()
             self._hub.timing = True
             _sweep_trace_dir(self)
             if cfg.prepare_profiler:
@@ -165,7 +164,7 @@ class Monitor(RequestApi, CaptureApi):
             for part in (self.uploads, self.nvml_poller, self.gc_pauses, self._views.efficiency):
                 if part is not None:
                     part.start()
-            self._running = True
+            self._hub.started_ns, self._running = perf_counter_ns(), True  # (perfmon's start-up not in it: TTFF)
             if not self.ports.open():
                 error = self.ports.error
                 self._stop_locked()

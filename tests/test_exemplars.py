@@ -181,8 +181,8 @@ def test_an_exemplar_that_cannot_be_built_costs_the_exemplar_not_the_sample() ->
     from perfmon.metrics.store import Metrics
 
     reg = CollectorRegistry()
-    metrics = Metrics(reg, Config.from_env({}), states=list, internal=InternalErrors(), started_ns=lambda: 0,
-                      process_collectors=False)
+    metrics = Metrics(reg, Config.from_env({}), states=list, internal=InternalErrors(),
+                      first_forward_origin=lambda end_ns: 0, process_collectors=False)
     metrics.observe([Sample("m", "cpu", STEADY, 0, 0.002, 0.002, 1, trace=("not", "ints"))])  # type: ignore[list-item]
     count = reg.get_sample_value("perfmon_forward_duration_seconds_count",
                                  {"model": "m", "device": "cpu", "phase": "steady", "stage": ""})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 import perfmon
 from perfmon.http.security import is_loopback
 from perfmon.process import prefork_server
+from perfmon.testing import FakeNvml
 
 from .conftest import assert_answered_in_time, churning, value, wait_until
 
@@ -273,3 +275,48 @@ def test_health_port_is_not_held_by_slow_clients(make_monitor) -> None:
             s.close()
     # Nothing floods here: a probe held until a slow client is cut (1 s) is the failure, so 0.5 s at worst.
     assert_answered_in_time(took, typical=0.1, worst=0.5)
+
+
+class _SlowDriver(FakeNvml):
+    """NVML whose initialisation takes ``seconds`` (a driver slow to answer): part of perfmon's own start-up."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def nvmlInit(self) -> None:
+        time.sleep(self.seconds)  # the slow driver itself, not a wait for anything
+        super().nvmlInit()
+
+
+def test_time_to_first_forward_counts_from_the_start_perfmon_s_own_start_up_apart(make_monitor) -> None:
+    """perfmon's start-up (here a slow NVML init; by default the profiler's warm-up, ~1.6 s) is not the model's:
+    its time to first forward counts from when start() had the agent running."""
+    mon = make_monitor(nvml=_SlowDriver(0.5), sample_rate=1.0)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    entered = time.perf_counter_ns()
+    mon.start()
+    returned = time.perf_counter_ns()
+    assert returned - entered >= 500_000_000
+    model(torch.zeros(2, 4))
+    ended = time.perf_counter_ns()
+    assert mon.flush()
+    ttff = value(mon, "perfmon_time_to_first_forward_seconds", model="lin")
+    assert ttff is not None and 0 < ttff <= (ended - returned) / 1e9 + 0.05, (ttff, (returned - entered) / 1e9)
+    assert mon.stats()["models"]["lin"]["time_to_first_forward_seconds"] == ttff
+
+
+def test_time_to_first_forward_of_a_model_called_before_start_counts_from_the_construction(make_monitor) -> None:
+    """A model served before start() (the agent made, started later) has a time to first forward, from the monitor's
+    construction, rather than 0."""
+    made = time.perf_counter_ns()
+    mon = make_monitor(sample_rate=1.0)
+    built = time.perf_counter_ns()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    time.sleep(0.05)  # the server's own start-up before its first request (time passing, not a wait for anything)
+    model(torch.zeros(2, 4))
+    ended = time.perf_counter_ns()
+    mon.start()
+    assert mon.flush()
+    ttff = value(mon, "perfmon_time_to_first_forward_seconds", model="lin")
+    assert ttff is not None and (ended - built) / 1e9 - 0.001 <= ttff <= (ended - made) / 1e9 + 0.001, ttff

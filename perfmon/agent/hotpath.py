@@ -51,6 +51,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
     general_signature = signature_of
     clock = perf_counter_ns
     items_fn = st.items_fn
+    counted = st.item_counts  # reset in place after fork(): a closure cell
     hub = st.hub
     name = st.name
     span_of = current.get
@@ -85,9 +86,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
         """A call of one tensor of a warm signature that reached ``st.next_index``: a sample, a capture pending or the
         floor's call (the fast path below counted it). A frame apart: 1 call in 1/sample_rate pays it."""
         try:
-            token = st.due(n)
-            if token.__class__ is tuple and x.dtype not in entry.dtypes:
-                token = st.new_dtype(entry, x.dtype, token)  # type: ignore[arg-type]
+            token = st.due(n)  # (its dtype is checked after the call: ModelState.finish)
         except Exception as exc:
             hub.internal.report("instrument", exc)
             token = None
@@ -113,7 +112,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
             if sigs is not None:
                 if type(x) is tensor and not args and not kwargs:
                     # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and
-                    # reading dtype costs ~50 ns more): the dtype is checked on timed calls below.
+                    # reading dtype costs ~50 ns more): the dtype is checked on timed calls (ModelState.finish).
                     try:
                         key: Hashable = x.shape
                     except RuntimeError:  # a strided nested tensor has none
@@ -123,12 +122,7 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
                         token = st.new_signature(n, key, (x,), kwargs)
                     else:
                         next(entry.calls)
-                        if n >= st.next_index:
-                            token = st.due(n)
-                            if token.__class__ is tuple and x.dtype not in entry.dtypes:
-                                token = st.new_dtype(entry, x.dtype, token)  # type: ignore[arg-type]
-                        else:
-                            token = None
+                        token = st.due(n) if n >= st.next_index else None
                 else:
                     full = args if x is _NO else (x, *args)
                     key = general_signature(full, kwargs)
@@ -139,11 +133,12 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
                         next(entry.calls)
                         token = st.due(n) if n >= st.next_index else None
             else:
-                if st.items_q is not None and items_fn is None:  # signatures churned: count items directly
-                    st.items_q.append(batch_of(args if x is _NO else (x, *args), kwargs))
+                q = counted.q
+                if q is not None and items_fn is None:  # signatures churned: count items directly
+                    q.append(batch_of(args if x is _NO else (x, *args), kwargs))
                 token = st.due(n) if n >= st.next_index else None
             if items_fn is not None:
-                items = st.count_items(args if x is _NO else (x, *args), kwargs)
+                items = counted.count(args if x is _NO else (x, *args), kwargs)
         except Exception as exc:
             hub.internal.report("instrument", exc)
             token = None
@@ -174,9 +169,9 @@ def hot_path(st: ModelState, fn: Callable[..., Any], *,
             # warming shape, churned signatures, an ``items`` callable) goes to ``general``, not yet counted; a call
             # due for a sample is counted here (``due_one``).
             # The shape alone (a torch.Size hashes ~3x faster than a (shape, dtype) tuple, and reading dtype costs
-            # ~50 ns more): the dtype is checked on timed calls (``due_one``). Making and looking up the torch.Size is
-            # most of this path's cost (~260 of ~430 ns over a do-nothing wrapper), and what tells a new shape's cold
-            # call apart (docs/design.md, "Warm signatures apart").
+            # ~50 ns more): the dtype is checked on timed calls, after the call (``ModelState.finish``). Making and
+            # looking up the torch.Size is most of this path's cost (~260 of ~430 ns over a do-nothing wrapper), and
+            # what tells a new shape's cold call apart (docs/design.md, "Warm signatures apart").
             try:
                 entry = warm.get(x.shape)
             except RuntimeError:  # a strided nested tensor has no shape (the try is free until it raises)
@@ -238,24 +233,15 @@ def sampled_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 if span is not None:
                     stamp(span, t0, clock())
-        # Sampled calls only: the batch-size histogram, and the work that sets the size class.
-        size = items
-        if entry is not None:
-            if items is None:
-                items = entry.items  # known from the signature: no need to look at the tensors again
-            if items_fn is None:
-                size = entry.work
-        else:
-            try:
-                if items is None:
-                    items = batch_of(args, kwargs)
-                if items_fn is None:
-                    size = work_of(args, kwargs)
-            except Exception:
-                items = size = None
+        # Nothing between the decision and the start stamp but the stamp: under GIL contention, work done there slows
+        # the timed call itself (BENCHMARKS §3b, "Before the start stamp"). What describes the call (items, size
+        # class, a dtype not seen with its shape) is read after the end stamp (ModelState.finish). A call of one
+        # positional argument is made as the unsampled path makes it (``fn(self, x)``: a ``*args`` call costs
+        # ~150-230 ns more, which the timed window would hold).
+        one = args[0] if len(args) == 1 and not kwargs else _NO
         t0 = clock()
         try:
-            out = fn(self, *args, **kwargs)
+            out = fn(self, *args, **kwargs) if one is _NO else fn(self, one)
         except BaseException as exc:
             st.abort(token)
             st.error(exc)
@@ -263,7 +249,7 @@ def sampled_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
                 stamp(span, t0, clock())
             raise
         t1 = clock()
-        st.finish(token, n, t0, t1, items, size, entry)
+        st.finish(token, n, t0, t1, items, entry, args, kwargs)
         if span is not None:
             stamp(span, t0, t1)
         return out

@@ -125,8 +125,8 @@ class Quiet:
             st, entry = self.prefill
             if entry is not None:
                 next(entry.calls)
-            elif st.items_q is not None:  # its signatures churned: items are counted a call (hotpath)
-                st.items_q.append(self.rows)
+            elif st.item_counts.q is not None:  # its signatures churned: items are counted a call (hotpath)
+                st.item_counts.q.append(self.rows)
             _passed(st, next(st.calls))
         n = self.steps
         if n < 0:

@@ -187,7 +187,7 @@ class Resolver:
                 elif st.next_index:  # not armed yet: its floor falls due then (the thread wakes for it)
                     due = st.last_sample_ns + st.sampler.floor_ns
                     soonest = due if soonest is None or due < soonest else soonest
-                busy = st.drain_items() or busy
+                busy = st.item_counts.drain() or busy
                 if refresh:
                     st.refresh_device()
                     self._note_drops(st)

@@ -34,10 +34,17 @@ class Sampler:
 
     def next_index(self, index: int) -> int:
         """The call to time after timing call ``index``."""
+        return index + self.gap()
+
+    def gap(self) -> int:
+        """A gap to the next call to time (calls, >= 1): uniform over 1 .. 2N-1, so its mean is N.
+
+        ``ModelState`` draws it after a timed call and adds it at the next one: before a timed call's start stamp
+        the request thread does an addition, not a draw (BENCHMARKS §3b, "Before the start stamp")."""
         every = self.every
         if every == 1:
-            return index + 1
-        return index + 1 + int(self._random() * (2 * every - 1))
+            return 1
+        return 1 + int(self._random() * (2 * every - 1))
 
     def floor_due(self, last_sample_ns: int, now_ns: int) -> bool:
         """True when the model has gone ``floor_seconds`` without a timed call."""

@@ -80,7 +80,7 @@ def monitored_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]], state: Mode
     sample-timed and its exceptions counted by class like a call (a ``Span`` around the await); items only from an
     ``items`` callable (counted at the call), as no signature is kept. Calls are not captured: a capture profiles
     a stretch of steps on one thread, and an awaiting interleaves with the event loop's other tasks."""
-    count_items = state.count_items if state.items_fn is not None else None
+    count_items = state.item_counts.count if state.items_fn is not None else None
 
     @functools.wraps(fn)
     async def call(*args: Any, **kwargs: Any) -> Any:

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..faults import InternalErrors, count_value
+from ..faults import InternalErrors
 from ..selfcost import AgentCpu, HttpShedding
 from .clocks import CudaBackend, EventPair, EventPools
+from .errors import ErrorCounts
 from .exemplars import TraceReader, otel_reader
-from .phases import Signature, SignatureTable
+from .items import ItemCounts
+from .phases import Signature, SignatureTable, batch_of, work_of
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
 
@@ -34,7 +36,8 @@ _OOM = torch.cuda.OutOfMemoryError
 _tuple_new = tuple.__new__
 #: A timed call in progress: (cold, CUDA event pair or None on a wall clock, stream or None).
 Token = tuple[bool, "EventPair | None", Any]
-_OTHER = "other"
+#: A timed call's token on a wall clock, made once (``begin`` builds nothing before a call's start stamp).
+_WALL: dict[bool, Token] = {True: (True, None, None), False: (False, None, None)}
 
 
 class Hub:
@@ -60,12 +63,20 @@ class Hub:
         self.timing = True
         #: Request spans open now (requests.py, under its lock). The hot path reads only this while it is 0.
         self.requests = 0
-        #: perf_counter_ns() when the monitor started (origin of time-to-first-forward).
-        self.started_ns = perf_counter_ns()
+        #: perf_counter_ns() when the monitor was made, and when ``start()`` had it running (its own start-up done;
+        #: the construction's until then): the origins of uptime and time to first forward (``first_forward_origin``).
+        self.created_ns = self.started_ns = perf_counter_ns()
         #: Called on the request thread with a CUDA OutOfMemoryError (the allocator snapshot).
         self.on_oom: Callable[[BaseException], object] | None = None
         #: Reads the caller's OpenTelemetry span on timed calls only (exemplars); None without OTel.
         self.trace_reader: TraceReader | None = otel_reader()
+
+    def first_forward_origin(self, end_ns: int) -> int:
+        """Where a model's time to first forward counts from, for a first call that ended at ``end_ns``: the monitor's
+        start (perfmon's own start-up, ~1.6 s with the profiler prepared, is not the model's), or its construction for
+        a model first called before ``start()``."""
+        started = self.started_ns
+        return started if end_ns >= started else self.created_ns
 
     def doze(self, on: bool) -> bool:
         """The resolver dozes (on): the queue's first timed call wakes it; True if one waits already."""
@@ -81,7 +92,7 @@ class Hub:
         self.internal.reset_after_fork()  # reset in place: collectors hold references to these
         self.cpu.reset_after_fork()
         self.http.reset_after_fork()
-        self.started_ns = perf_counter_ns()
+        self.created_ns = self.started_ns = perf_counter_ns()
 
 
 class ModelState:
@@ -92,10 +103,9 @@ class ModelState:
     """
 
     __slots__ = (
-        "_error_lock", "_error_names", "_items_lock", "_resolve_device", "attached", "calls", "capturable", "capture",
-        "cuda_index", "device", "drops", "errors", "hub", "items_fn", "items_on", "items_padded", "items_q",
-        "items_total", "last_sample_ns", "name", "next_index", "padded_total", "sampled", "sampler", "sigs", "stage",
-        "stages", "table", "target", "warm", "warmup",
+        "_resolve_device", "attached", "calls", "capturable", "capture", "cuda_index", "device", "drops", "errors",
+        "gap", "hub", "item_counts", "items_fn", "items_on", "last_sample_ns", "name", "next_index", "sampled",
+        "sampler", "sigs", "stage", "stages", "table", "target", "warm", "warmup",
     )
 
     def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True,
@@ -110,11 +120,7 @@ class ModelState:
         #: (effective, padded); False: not counted.
         self.items_fn: Callable[..., Any] | None = items if callable(items) else None
         self.items_on = items is not False and (self.items_fn is not None or cfg.track_signatures)
-        self.items_padded = False
-        self.items_q: collections.deque[Any] | None = collections.deque() if self.items_fn is not None else None
-        self._items_lock = threading.Lock()
-        self.items_total = 0
-        self.padded_total = 0
+        self.item_counts = ItemCounts(self.items_fn, self.items_on, hub.internal)
         #: False for track() blocks: a capture profiles calls of a wrapped model or function.
         self.capturable = capturable
         #: False once its module was unwrapped (its name may be wrapped again and continue these counters).
@@ -123,11 +129,11 @@ class ModelState:
         self.calls = itertools.count()
         self.sampled = itertools.count()  # timed attempts, drops included
         self.drops = {reason: itertools.count() for reason in DROP_REASONS}
-        self.errors: dict[type, itertools.count[int]] = {}
-        self._error_names: dict[str, itertools.count[int]] = {}
-        self._error_lock = threading.Lock()
+        self.errors = ErrorCounts(cfg.max_exception_labels)
         self.warmup = cfg.warmup_calls
         self.sampler = Sampler(cfg.sample_rate, cfg.sample_floor_seconds)
+        #: Calls from a steady timed call to the next: drawn after a timed call, added at the next one (``begin``).
+        self.gap = self.sampler.gap()
         # 0 until warm-up ends: every warm-up call takes the (cold, timed) slow path.
         self.next_index = 0 if cfg.warmup_calls else self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
@@ -152,18 +158,11 @@ class ModelState:
         self.calls = itertools.count()
         self.sampled = itertools.count()
         self.drops = {reason: itertools.count() for reason in DROP_REASONS}
-        self.errors = {}
-        self._error_names = {}
-        self._error_lock = threading.Lock()
-        self._items_lock = threading.Lock()
-        self.items_total = self.padded_total = 0
-        if self.items_q is not None:
-            self.items_q = collections.deque()
+        self.errors = ErrorCounts(cfg.max_exception_labels)
         tracking = self.sigs is not None or self.table.churning
         self.table = _table(self)
         self.sigs = self.table.seen if (tracking and cfg.track_signatures) else None
-        if self.sigs is not None and self.items_fn is None and self.items_q is not None:
-            self.items_q = None  # counted through signatures again
+        self.item_counts.reset_after_fork(self.sigs is not None)
         self.next_index = self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
         self.capture = None
@@ -187,7 +186,7 @@ class ModelState:
         return list(self.stages.values()) if self.stages else [self]
 
     def error_counts(self) -> dict[str, int]:
-        return {name: count_value(c) for name, c in list(self._error_names.items())}
+        return self.errors.counts()
 
     # -- request-thread side (cold paths; the per-call path is inlined in Probe.__call__) -----
 
@@ -197,8 +196,7 @@ class ModelState:
         table = self.table
         cold = table.observe(key, args, kwargs)
         if table.churning and self.sigs is not None:
-            if self.items_fn is None and self.items_on:
-                self.items_q = collections.deque()  # items are counted per call from now on
+            self.item_counts.per_call()
             self.sigs = None  # (``warm`` keeps what it holds: churned, the table no longer changes)
             self.hub.internal.notice("signatures_churned", model=self.name, signatures=table.capacity, note=_CHURNED)
         if index < self.warmup:
@@ -207,71 +205,19 @@ class ModelState:
             return self.begin(index, True)
         return self.due(index) if index >= self.next_index else None
 
-    def new_dtype(self, entry: Signature, dtype: Any, token: Token) -> Token:
-        """A timed call of a known shape in a dtype not seen with it: a new signature, so a cold call.
+    def new_dtype(self, entry: Signature, dtype: Any) -> None:
+        """A timed call of a known shape in a dtype not seen with it: a new signature, so the call was cold.
 
-        Noticed on timed calls only (the unsampled path keys on the shape alone): a dtype switch is a
-        deployment event (fp32 to bf16), not per-request traffic, and its first timed call is cold.
+        Noticed on timed calls only, after their end stamp (``finish``; the unsampled path keys on the shape
+        alone): a dtype switch is a deployment event (fp32 to bf16), not per-request traffic.
         """
         entry.dtypes = entry.dtypes | {dtype}
         entry.respec(dtype)
         self.table.distinct += 1
-        return (True, token[1], token[2])
-
-    # -- items ---------------------------------------------------------------------------------
-
-    def count_items(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
-        """Run the user's ``items`` callable; queue (effective, padded); never raises (faults are counted)."""
-        try:
-            value = self.items_fn(args, kwargs)  # type: ignore[misc]
-            if isinstance(value, tuple):
-                effective, padded = value
-            else:
-                effective, padded = value, None
-            for v in (effective, padded):
-                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                    raise ValueError(f"items callable returned {value!r}: expected int >= 0 or (effective, padded)")
-            if padded is not None and effective > padded:
-                raise ValueError(f"items callable returned {value!r}: effective items exceed padded items")
-        except Exception as exc:
-            self.hub.internal.report("items", exc)
-            return None
-        if padded is not None:
-            self.items_padded = True
-        self.items_q.append((effective, padded))  # type: ignore[union-attr]
-        return int(effective)
-
-    def drain_items(self) -> bool:
-        """Fold queued per-call items into the totals (resolver housekeeping and scrapes); True if any were."""
-        q = self.items_q
-        if not q:
-            return False
-        effective = padded = 0
-        while q:
-            try:
-                v = q.popleft()
-            except IndexError:
-                break
-            if isinstance(v, tuple):
-                effective += v[0]
-                padded += v[1] if v[1] is not None else 0
-            elif v is not None:
-                effective += v
-        with self._items_lock:
-            self.items_total += effective
-            self.padded_total += padded
-        return True
 
     def items_counts(self) -> tuple[int | None, int | None]:
-        """(items, padded items) so far, exact; None where not counted."""
-        self.drain_items()
-        if not self.items_on:
-            return None, None
-        with self._items_lock:
-            items, padded = self.items_total, self.padded_total
-        if self.items_fn is None:
-            return items + self.table.items(), None
-        return items, (padded if self.items_padded else None)
+        """(items, padded items) so far, exact; None where not counted (``ItemCounts.counts``)."""
+        return self.item_counts.counts(self.table)
 
     def due(self, index: int) -> Token | Any | None:
         """Call ``index`` reached ``next_index``: a warm-up call (cold) or a steady-state sample."""
@@ -287,7 +233,11 @@ class ModelState:
     def begin(self, index: int, cold: bool) -> Token | Any | None:
         """Start timing call ``index``; returns a token for ``finish``, None if not timed, or the
         capture controller when a capture of this model is pending (calls under the profiler are
-        not timed: its overhead is not the model's latency)."""
+        not timed: its overhead is not the model's latency).
+
+        Only what must precede the call: under GIL contention, work the request thread does between deciding
+        to time a call and its start stamp slows the timed call itself (~6% for ~10 µs, BENCHMARKS §3b, "Before
+        the start stamp"), so counting, the next gap's draw and describing the call wait for ``finish``."""
         capture = self.capture
         if capture is not None:
             return capture
@@ -295,18 +245,17 @@ class ModelState:
         if not hub.timing:
             return None
         if not cold:
-            self.next_index = self.sampler.next_index(index)
-        next(self.sampled)
+            self.next_index = index + self.gap
         cuda = self.cuda_index
         if cuda < 0:
-            return (cold, None, None)
+            return _WALL[cold]
         backend = hub.backend
         if backend.is_capturing(cuda):
-            next(self.drops["graph_capture"])
+            self._drop("graph_capture")
             return None
         pair = hub.pools.get(cuda).acquire()
         if pair is None:
-            next(self.drops["pool_exhausted"])
+            self._drop("pool_exhausted")
             return None
         try:
             stream = backend.current_stream(cuda)
@@ -316,14 +265,46 @@ class ModelState:
             raise
         return (cold, pair, stream)
 
+    def _drop(self, reason: str) -> None:
+        """A timed attempt ``begin`` could not time: counted as sampled and dropped for ``reason``."""
+        next(self.sampled)
+        next(self.drops[reason])
+        self.gap = self.sampler.gap()
+
     def finish(self, token: Token, index: int, start_ns: int, end_ns: int, items: int | None = None,
-               size: int | None = None, sig: Signature | None = None) -> None:
-        """Close a timed call and hand it to the resolver; never raises."""
+               sig: Signature | None = None, args: tuple[Any, ...] | None = None,
+               kwargs: Mapping[str, Any] | None = None) -> None:
+        """Close a timed call and hand it to the resolver; never raises.
+
+        ``items``: what the user's ``items`` callable gave, or None; ``sig``: the call's signature, or None; ``args``
+        and ``kwargs``: the call's inputs (its items and size class when ``sig`` is None, its dtype when ``sig`` keys
+        a tensor's shape alone), or None when it has none (a ``track`` block)."""
         cold, pair, stream = token
         hub = self.hub
         try:
             if pair is not None:
                 pair.end.record(stream)
+            next(self.sampled)
+            self.gap = self.sampler.gap()
+            size = items  # an items callable's count is the size class too
+            if sig is not None:
+                if items is None:
+                    items = sig.items  # known from the signature: no need to look at the tensors again
+                if self.items_fn is None:
+                    size = sig.work
+                dtypes = sig.dtypes  # a shape-keyed signature's (one tensor): is this a dtype not seen with it?
+                dtype = getattr(args[0], "dtype", None) if dtypes and args else None
+                if dtype is not None and dtype not in dtypes:
+                    self.new_dtype(sig, dtype)
+                    cold = True
+            elif args is not None:
+                try:
+                    if items is None:
+                        items = batch_of(args, kwargs or {})
+                    if self.items_fn is None:
+                        size = work_of(args, kwargs or {})
+                except Exception:
+                    items = size = None
             queue = hub.queue
             if len(queue) >= hub.queue_size:
                 next(self.drops["queue_full"])
@@ -350,11 +331,14 @@ class ModelState:
             hub.internal.report("instrument", exc)
 
     def abort(self, token: Token | None) -> None:
-        """The timed call raised: give its events back; never raises."""
-        if token is None or token[1] is None:
+        """The timed call raised: count the attempt, give its events back; never raises."""
+        if token is None:
             return
         try:
-            self.hub.pools.release(token[1])
+            next(self.sampled)
+            self.gap = self.sampler.gap()
+            if token[1] is not None:
+                self.hub.pools.release(token[1])
         except Exception as exc:
             self.hub.internal.report("instrument", exc)
 
@@ -362,28 +346,15 @@ class ModelState:
         """Count one exception raised by the user's code, by class name (capped); never raises."""
         try:
             cls = type(exc)
-            counter = self.errors.get(cls)
+            errors = self.errors
+            counter = errors.by_class.get(cls)
             if counter is None:
-                counter = self._error_counter(cls)
+                counter = errors.counter(cls)
             next(counter)
             if cls is _OOM and self.hub.on_oom is not None:
                 self.hub.on_oom(exc)
         except Exception as inner:
             self.hub.internal.report("errors", inner)
-
-    def _error_counter(self, cls: type) -> itertools.count[int]:
-        with self._error_lock:
-            names = self._error_names
-            name = cls.__name__
-            counter = names.get(name)
-            if counter is None:
-                if len(names) >= self.hub.config.max_exception_labels:
-                    name = _OTHER
-                counter = names.setdefault(name, itertools.count())
-            # Bounded too: beyond this, unseen classes take the lock path (errors are rare anyway).
-            if len(self.errors) < 4 * self.hub.config.max_exception_labels:
-                self.errors[cls] = counter
-            return counter
 
 
 #: The ``signatures_churned`` warning's note (a workload's, not a fault: ``InternalErrors.notice``).

@@ -46,7 +46,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_cold_start_seconds": (
         "gauge", "seconds", ("model",), "Duration of the model's first call (device time on GPU)."),
     "perfmon_time_to_first_forward_seconds": (
-        "gauge", "seconds", ("model",), "From monitor start to the end of the model's first call."),
+        "gauge", "seconds", ("model",), "From monitor start (its own start-up apart; its construction for a model "
+        "called before start()) to the end of the model's first call."),
     "perfmon_sample_rate": (
         "gauge", "ratio", ("model",), "Configured fraction of steady-state calls that are timed."),
     "perfmon_input_signatures": (

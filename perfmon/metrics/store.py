@@ -119,12 +119,12 @@ class Metrics:
         *,
         states: Callable[[], Iterable[ModelState]],
         internal: InternalErrors,
-        started_ns: Callable[[], int],
+        first_forward_origin: Callable[[int], int],
         process_collectors: bool = True,
     ) -> None:
         self.registry = registry
         self._states = states
-        self._started_ns = started_ns
+        self._first_forward_origin = first_forward_origin
         self._bounds = config.buckets
         self._host_bounds = config.host_buckets
         self._les = tuple(_le(b) for b in (*config.buckets, math.inf))
@@ -187,7 +187,7 @@ class Metrics:
                 batch.observe_many(values)
         for sample in samples:
             if sample.seq == 0 and sample.model not in self._firsts:
-                ttff = (sample.end_ns - self._started_ns()) / 1e9
+                ttff = (sample.end_ns - self._first_forward_origin(sample.end_ns)) / 1e9
                 self._firsts[sample.model] = (sample.duration_seconds, max(ttff, 0.0))
 
     @staticmethod
