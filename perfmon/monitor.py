@@ -16,16 +16,14 @@ from typing import Any, TypeVar, overload
 import torch
 from prometheus_client import CollectorRegistry
 
-from . import process
+from . import assembly, process
 from ._version import __version__
 from .agent import streams
 from .agent.clocks import CudaBackend, NoCuda, TorchCuda
 from .agent.dynamo import mark_for_dynamo
 from .agent.exemplars import OTEL, TraceReader
-from .agent.flopcount import FlopCounter
 from .agent.generation import Generation, GenerationTracker
 from .agent.models import Models
-from .agent.records import STEADY
 from .agent.requests import RequestApi, RequestTracker
 from .agent.resolver import Resolver
 from .agent.span import Span, Untracked
@@ -33,40 +31,25 @@ from .agent.state import Hub
 from .captures.api import CaptureApi
 from .captures.controller import CaptureController
 from .captures.detector import RegressionPolicy
-from .captures.moved import host_device, queue_moved
 from .captures.policy import FROM_ENV, CapturePolicy, resolve_policy
 from .captures.profiler import ProfilerFactory, torch_profiler
-from .captures.roofline import device_peaks
 from .config import Config
-from .exceptions import PortUnavailable
+from .exceptions import ConfigError, PortUnavailable
 from .faults import count_value
-from .http.apps import make_asgi_app, make_wsgi_app
+from .http.apps import AppsApi
 from .http.ports import Ports
 from .logs import make_logger
 from .metrics.collectors import (
-    AgentCollector,
-    BatchCollector,
-    CaptureCollector,
-    GcCollector,
     GenerationCollector,
-    TelemetryCollector,
-    UploadCollector,
 )
-from .metrics.efficiency import EfficiencyCollector
-from .metrics.occupancy import OccupancyCollector
-from .metrics.requests import RequestCollector
+from .metrics.registrations import Registrations
 from .metrics.store import Metrics
-from .stats.efficiency import Efficiency
-from .stats.gc import GcView
 from .stats.history import History
-from .stats.occupancy import Occupancy
-from .stats.views import Views
+from .stats.views import ViewApi, Views
 from .stats.windows import Windows
 from .store.traces import TraceStore
 from .store.uploader import TraceUploader
-from .telemetry.gcpauses import GcPauses
-from .telemetry.memory import MemorySource, OomSnapshotter, TorchMemory
-from .telemetry.nvml import NvmlPoller
+from .telemetry.memory import MemorySource
 
 __all__ = ["Monitor"]
 
@@ -74,7 +57,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
-class Monitor(RequestApi, CaptureApi):
+class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
     """An in-process performance monitor for PyTorch inference.
 
     ``Monitor(**settings)`` takes every ``Config`` setting as a keyword argument (keywords win over
@@ -102,13 +85,14 @@ class Monitor(RequestApi, CaptureApi):
         #: Faults inside the agent, counted (perfmon_internal_errors_total), and its threads' CPU time.
         self.internal, self.cpu = hub.internal, hub.cpu
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._registrations = Registrations(self.registry)  # what close() takes off it again
         self.generations = GenerationTracker(
             internal=hub.internal, timing=lambda: hub.timing, max_names=cfg.max_models,
             max_live=cfg.max_live_generations, queue_size=cfg.generation_queue_size,
             window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples, wake=lambda: hub.wake.set())
         self.models = Models(cfg, hub, self.generations)
         self.requests = RequestTracker(hub)  # request spans (monitor.request, middlewares, batch): queue/model/rest
-        self.metrics = Metrics(self.registry, cfg, states=self.models.states, internal=hub.internal,
+        self.metrics = Metrics(self._registrations, cfg, states=self.models.states, internal=hub.internal,
                                first_forward_origin=lambda end_ns: hub.first_forward_origin(end_ns))
         self.windows = Windows(cfg.stats_window_seconds, cfg.stats_max_samples)
         self._generation_metrics = GenerationCollector(self.generations)
@@ -119,22 +103,23 @@ class Monitor(RequestApi, CaptureApi):
             self.traces, internal=hub.internal, log=logger(component="capture"),
             cooldown_seconds=limits.cooldown_seconds, max_auto_per_hour=limits.max_captures_per_hour,
             max_manual_per_hour=cfg.manual_captures_per_hour, arm_timeout_seconds=cfg.capture_arm_timeout_seconds,
-            profiler_factory=profiler_factory or torch_profiler, cpu=hub.cpu, peaks=functools.partial(_peaks, cfg),
-            max_bytes=cfg.capture_max_bytes, export_timeout_seconds=cfg.capture_export_timeout_seconds,
+            profiler_factory=profiler_factory or torch_profiler, cpu=hub.cpu,
+            peaks=functools.partial(assembly.peaks, cfg), max_bytes=cfg.capture_max_bytes,
+            export_timeout_seconds=cfg.capture_export_timeout_seconds,
             max_baseline_per_hour=limits.baseline_captures_per_hour)
         self.policy = CapturePolicy(regression, models=self.models, captures=self.captures, internal=hub.internal,
-                                    log=self.log, explainers=_explainers(self))
+                                    log=self.log, explainers=assembly.explainers(self))
         self.detector = self.policy.detector
         self.resolver = Resolver(hub, [self.metrics.observe, self.windows.add, self.policy.sink],
                                   states=self.models.states, on_tick=self._tick, log=logger(component="resolver"))
         self.resolver.doze.dozers += [self.generations.doze, self.requests.doze]
-        self.gc_pauses, self._gc = _gc_stage(self)
+        self.gc_pauses, self._gc = assembly.gc_stage(self)
         #: Captures copied to object storage (trace_store), or None: they stay in trace_dir only.
         self.uploads: TraceUploader | None = None if cfg.trace_store is None else TraceUploader(
             self.traces, cfg.trace_store, internal=hub.internal, timeout_seconds=cfg.trace_upload_timeout_seconds,
             backoff_max_seconds=cfg.trace_upload_max_backoff_seconds, cpu=hub.cpu, log=logger(component="upload"))
         #: The NVML poller (nvml=True) and the allocator snapshot written on a CUDA OOM (oom_snapshot), or None.
-        memory, self.nvml_poller, self.oom = _telemetry(cfg, hub, memory, nvml, logger)
+        memory, self.nvml_poller, self.oom = assembly.telemetry(cfg, hub, memory, nvml, logger)
         self._memory = memory
         self.ports = Ports(self, shedding=hub.http, set_port=self.metrics.set_port, log=self.log)
         self.history = History(wake=lambda: hub.wake.set())  # read at each call: a forked child has its own event
@@ -142,7 +127,11 @@ class Monitor(RequestApi, CaptureApi):
                             history=self.history, generations=self.generations, requests=self.requests,
                             captures=self.captures, traces=self.traces, detector=self.detector, resolver=self.resolver,
                             http=self.ports.detail, memory=memory, nvml=self.nvml_poller, gc=(*self._gc, None)[0])
-        _register_collectors(self)
+        try:
+            assembly.register_collectors(self)
+        except BaseException:
+            self._registrations.close()  # a registry taken by another Monitor: leave it as it was
+            raise
         self._lifecycle, self._running = threading.Lock(), False  # start/stop/fork; whether started
         process.live.add(self)
 
@@ -154,9 +143,11 @@ class Monitor(RequestApi, CaptureApi):
         with self._lifecycle:
             if self._running:
                 return self
+            if self._registrations.closed:
+                raise ConfigError("perfmon: this Monitor was closed; make a new one")
             cfg = self.config
             self._hub.timing = True
-            _sweep_trace_dir(self)
+            assembly.sweep_trace_dir(self)
             if cfg.prepare_profiler:
                 process.prepare_profiler(self.log, self.internal)
             # Timing first, the port second: a worker that cannot bind still counts and times its calls.
@@ -224,6 +215,12 @@ class Monitor(RequestApi, CaptureApi):
             self.nvml_poller.stop(timeout)
         if self.oom is not None:
             self.oom.join(timeout)
+
+    def close(self) -> None:
+        """Stop, then take perfmon's metrics off the registry, so that another Monitor can use it (a shared one:
+        ``prometheus_client.REGISTRY``, served by the application). Idempotent; a closed monitor cannot start again."""
+        self.stop()
+        self._registrations.close()
 
     def after_fork_in_child(self, *, restart: bool = True) -> None:
         """A fresh agent in a forked child (gunicorn --preload, multiprocessing 'fork'; see ``perfmon.process``).
@@ -342,158 +339,3 @@ class Monitor(RequestApi, CaptureApi):
         benchmarks and shutdown paths; never needed on the request path)."""
         return self.resolver.drain(deadline_ns=perf_counter_ns() + int(timeout * 1e9))
 
-    def stats(self) -> dict[str, Any]:
-        """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
-        return self._views.stats()
-
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, details): healthy while the resolver thread runs; ``http`` says whether the port is bound.
-
-        An unbound port does not make the monitor unhealthy: the application and its mounted routes are fine.
-        """
-        return self._views.health()
-
-    def devices(self) -> dict[str, Any]:
-        """This moment's device telemetry: torch allocator per CUDA device and NVML per GPU (fail soft)."""
-        return self._views.devices()
-
-    @property
-    def wsgi_app(self) -> Callable[..., Any]:
-        """/metrics, /healthz and /stats as a WSGI app, to mount in your own server."""
-        return make_wsgi_app(self)
-
-    @property
-    def asgi_app(self) -> Callable[..., Any]:
-        """/metrics, /healthz and /stats as an ASGI app, to mount in your own server."""
-        return make_asgi_app(self)
-
-
-def _register_collectors(monitor: Monitor) -> None:
-    """The collectors that read the stages at scrape time (the histograms register themselves), and the
-    efficiency stage (``_efficiency_stage``), which feeds one of them and /stats."""
-    reg, oom = monitor.registry, monitor.oom
-    monitor._views.efficiency = _efficiency_stage(monitor)
-    reg.register(monitor._generation_metrics)
-    reg.register(BatchCollector(monitor.models.batch_tokens))
-    requests = RequestCollector(monitor.requests)
-    monitor.requests.sinks.append(requests.observe)
-    monitor.requests.on_fork.append(requests.reset_after_fork)
-    reg.register(requests)
-    reg.register(CaptureCollector(detector=monitor.detector, controller=monitor.captures))
-    if monitor.uploads is not None:
-        reg.register(UploadCollector(monitor.uploads))
-    reg.register(AgentCollector(cpu=monitor.cpu, resolver=monitor.resolver, http=monitor._hub.http,
-                                listening=lambda: monitor.ports.listening(monitor._running)))
-    if monitor._gc:
-        reg.register(monitor._gc[1])
-    reg.register(TelemetryCollector(memory=monitor._memory, nvml=monitor.nvml_poller, internal=monitor.internal,
-                                    oom_snapshots=(lambda: len(oom.written)) if oom is not None else None))
-    _occupancy_stage(monitor)
-
-
-def _occupancy_stage(monitor: Monitor) -> None:
-    """GPU occupancy and the host-bound verdict (stats/occupancy.py): a resolver sink, a capture listener, a /stats
-    section per model, four gauges. Its fork reset rides the request tracker's hook (Monitor is at its line limit)."""
-    cfg = monitor.config
-    occupancy = Occupancy(models=monitor.models, store=monitor.traces, window_seconds=cfg.stats_window_seconds,
-                          max_age_seconds=cfg.occupancy_capture_max_age_seconds)
-    monitor.resolver.sinks.append(occupancy.sample)
-    monitor.captures.exporter.listeners.append(occupancy.capture_done)
-    monitor.requests.on_fork.append(occupancy.reset_after_fork)
-    monitor._views.model_sections.append(lambda name, now: ("occupancy", occupancy.model(name, now)))
-    monitor.registry.register(OccupancyCollector(occupancy.rows, monitor.internal))
-
-
-def _efficiency_stage(monitor: Monitor) -> Efficiency | None:
-    """Live FLOP/s, bytes/s, MFU and MBU (``count_flops``): a resolver sink that keeps steady samples and has each new
-    signature counted once (agent/flopcount.py, its own thread), read by /stats and the collector; None when off."""
-    cfg, models = monitor.config, monitor.models
-    if not cfg.count_flops:
-        return None
-
-    def state_of(model: str, stage: str) -> Any:
-        st = models.get(model)
-        return st.stages.get(stage) if st is not None and st.stages else st
-
-    # A CudaBackend written before own_stream existed still works: its counts run on the thread's current stream.
-    counter = FlopCounter(per_minute=cfg.flop_counts_per_minute, timeout_seconds=cfg.flop_count_timeout_seconds,
-                          share=cfg.flop_count_share, cpu=monitor.cpu,
-                          streams=getattr(monitor._hub.backend, "own_stream", None))
-    eff = Efficiency(counter, window_seconds=cfg.stats_window_seconds,
-                     peaks=functools.partial(_peaks, cfg), state_of=state_of)
-    monitor.resolver.sinks.append(eff.observe)
-    monitor.resolver.on_stop.append(eff.stop)  # once the resolver, which feeds the counter, has stopped
-    monitor.registry.register(EfficiencyCollector(eff, monitor.internal))
-    return eff
-
-
-def _peaks(cfg: Config, device: str) -> Any:
-    """The device peaks for a capture's roofline (the configured ones win)."""
-    return device_peaks(device, peak_flops=cfg.peak_flops, peak_bandwidth=cfg.peak_bandwidth)
-
-
-def _explainers(monitor: Monitor) -> list[Callable[[str, str, int, int], tuple[str, Any]]]:
-    """What a regression's reason gets besides the detector's own: host vs device and queue (captures/moved.py)."""
-    return [functools.partial(_host_device, monitor), functools.partial(_queue, monitor)]
-
-
-def _queue(monitor: Monitor, model: str, stage: str, since_ns: int, until_ns: int) -> tuple[str, Any]:
-    """A regression's ``queue`` entry: its request spans during the regressed windows vs as long before them."""
-    during = monitor.requests.recent(model, since_ns, until_ns)
-    before = monitor.requests.recent(model, 2 * since_ns - until_ns, since_ns)
-    return "queue", queue_moved(before, during)
-
-
-def _host_device(monitor: Monitor, model: str, stage: str, since_ns: int, until_ns: int) -> tuple[str, Any]:
-    """A regression's ``host_device`` entry: host and device time before vs during its windows (/stats windows)."""
-    st = monitor.models.get(model)
-    before, during = monitor.windows.split(model, STEADY, since_ns, until_ns, stage)
-    return "host_device", host_device(before, during, device_clock=st is not None and st.cuda_index >= 0)
-
-
-def _gc_stage(monitor: Monitor) -> tuple[GcPauses | None, tuple[GcView, GcCollector] | tuple[()]]:
-    """GC pauses (``gc_pauses``): the resolver marks samples, the generation tick marks requests, a regression's
-    reason gets a ``gc`` entry, the collector exports pauses and overlaps. Installed by start(), removed by stop()."""
-    cfg = monitor.config
-    if not cfg.gc_pauses:
-        return None, ()
-    keep = max(cfg.stats_window_seconds, 120.0)  # the /stats window, and a regression's windows (2 x 10 s, or longer)
-    pauses = GcPauses(internal=monitor.internal, keep_seconds=keep)
-    view = GcView(pauses, monitor.windows, window_seconds=cfg.stats_window_seconds, max_samples=cfg.stats_max_samples)
-    collector = GcCollector(lambda: list(monitor.models.by_name))
-    pauses.sinks.append(collector.observe)
-    monitor.resolver.annotate = pauses.mark
-    monitor.resolver.sinks.append(collector.sample)
-    monitor.generations.sinks.append(view.generation_sink)
-    monitor.policy.explainers.append(lambda model, stage, since, until: ("gc",
-                                                                         view.regression(model, stage, since, until)))
-    return pauses, (view, collector)
-
-
-def _telemetry(cfg: Config, hub: Hub, memory: MemorySource | None, nvml: Any,
-               logger: Callable[..., Any]) -> tuple[MemorySource | None, NvmlPoller | None, OomSnapshotter | None]:
-    """The telemetry stage: torch's allocator (with CUDA, unless given), the NVML poller, the OOM snapshotter."""
-    if memory is None and torch.cuda.is_available():
-        memory = TorchMemory()
-    poller = None if not cfg.nvml else NvmlPoller(nvml, interval_seconds=cfg.nvml_interval_seconds, cpu=hub.cpu,
-                                                  log=logger(component="nvml"))
-    oom = None
-    if cfg.oom_snapshot and memory is not None:
-        log = logger(component="monitor")
-        oom = hub.on_oom = OomSnapshotter(
-            memory, cfg.trace_dir, cfg.oom_snapshot_cooldown_seconds,
-            on_written=lambda path: log.warning("oom_snapshot_written", path=str(path)),
-            on_error=lambda exc: hub.internal.report("oom_snapshot", exc))
-    return memory, poller, oom
-
-
-def _sweep_trace_dir(monitor: Monitor) -> None:
-    """At start: clear stale temp files; an unusable trace_dir is logged and fails captures, never the start."""
-    try:
-        unusable = monitor.traces.sweep_temp()
-    except Exception as exc:
-        monitor.internal.report("trace_store", exc)
-        unusable = str(exc)
-    if unusable is not None:
-        monitor.log.error("trace_dir_refused", trace_dir=monitor.config.trace_dir, reason=unusable,
-                          note="captures are refused until it is fixed; monitoring goes on")

@@ -6,6 +6,7 @@ import http.client
 import json
 import socket
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -320,3 +321,54 @@ def test_time_to_first_forward_of_a_model_called_before_start_counts_from_the_co
     assert mon.flush()
     ttff = value(mon, "perfmon_time_to_first_forward_seconds", model="lin")
     assert ttff is not None and (ended - built) / 1e9 - 0.001 <= ttff <= (ended - made) / 1e9 + 0.001, ttff
+
+
+def _perfmon_names(registry: Any) -> set[str]:
+    return {m.name for m in registry.collect() if m.name.startswith("perfmon")}
+
+
+def test_a_closed_monitor_leaves_a_shared_registry_to_the_next_one(make_monitor) -> None:
+    """On the application's own registry (prometheus_client.REGISTRY, served by its /metrics): a second Monitor is
+    refused with an error that says what to do, and leaves the first one's metrics as they were; once the first is
+    closed its metrics are gone from the registry, it cannot start again, and a new Monitor registers there."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    first = make_monitor(registry=REGISTRY).start()
+    try:
+        first.wrap(torch.nn.Linear(4, 4), name="lin")(torch.zeros(2, 4))
+        names = _perfmon_names(REGISTRY)
+        assert "perfmon_forward_calls" in names
+        with pytest.raises(perfmon.ConfigError, match=r"close\(\) that Monitor first"):
+            make_monitor(registry=REGISTRY)
+        assert _perfmon_names(REGISTRY) == names
+        assert value(first, "perfmon_forward_calls_total", model="lin") == 1
+        first.close()
+        first.close()  # idempotent
+        assert _perfmon_names(REGISTRY) == set()
+        assert b"perfmon_" not in generate_latest(REGISTRY)
+        with pytest.raises(perfmon.ConfigError, match="closed"):
+            first.start()
+        second = make_monitor(registry=REGISTRY)
+        try:
+            second.wrap(torch.nn.Linear(4, 4), name="lin")(torch.zeros(2, 4))
+            assert value(second, "perfmon_forward_calls_total", model="lin") == 1
+            assert _perfmon_names(REGISTRY) == names
+        finally:
+            second.close()
+    finally:
+        first.close()
+    assert _perfmon_names(REGISTRY) == set()
+
+
+def test_close_keeps_the_application_s_own_collectors(make_monitor) -> None:
+    """close() unregisters what perfmon registered, no more: a process collector the application had registered
+    before (perfmon then registers none of its own) stays."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    mon = make_monitor(registry=registry)
+    assert "process_cpu_seconds" in {m.name for m in registry.collect()}
+    mon.close()
+    assert {m.name for m in registry.collect() if not m.name.startswith("process_")} == set()
+    assert "process_cpu_seconds" in {m.name for m in registry.collect()}

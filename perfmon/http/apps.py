@@ -10,7 +10,21 @@ from .agent import Agent
 from .routes import Router
 from .wire import MAX_BODY_BYTES, REASONS
 
-__all__ = ["make_asgi_app", "make_wsgi_app"]
+__all__ = ["AppsApi", "make_asgi_app", "make_wsgi_app"]
+
+
+class AppsApi:
+    """The mountable-apps part of ``Monitor``'s surface: its routes as WSGI and ASGI apps."""
+
+    @property
+    def wsgi_app(self) -> Callable[..., Any]:
+        """/metrics, /healthz and /stats as a WSGI app, to mount in your own server."""
+        return make_wsgi_app(self)  # type: ignore[arg-type]  # a Monitor: the Agent protocol
+
+    @property
+    def asgi_app(self) -> Callable[..., Any]:
+        """/metrics, /healthz and /stats as an ASGI app, to mount in your own server."""
+        return make_asgi_app(self)  # type: ignore[arg-type]  # a Monitor: the Agent protocol
 
 
 def make_wsgi_app(monitor: Agent, *, mounted: bool = True) -> Callable[..., Iterable[bytes]]:

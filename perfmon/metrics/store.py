@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Info
+from prometheus_client import Info
 from prometheus_client.core import Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -30,6 +30,7 @@ from ..faults import InternalErrors, count_value
 from .catalog import BATCH_BUCKETS, METRICS, _family
 from .family import HistogramRow, HistogramRows
 from .native import NativeBuckets
+from .registrations import Registrations
 
 __all__ = ["Metrics", "trace_exemplar"]
 
@@ -114,7 +115,7 @@ class Metrics:
 
     def __init__(
         self,
-        registry: CollectorRegistry,
+        registry: Registrations,
         config: Config,
         *,
         states: Callable[[], Iterable[ModelState]],
@@ -135,7 +136,8 @@ class Metrics:
         self._batch_les = tuple(_le(b) for b in (*BATCH_BUCKETS, math.inf))
         self._firsts: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
-        self._info = Info("perfmon", METRICS["perfmon_info"][3], registry=registry)
+        self._info = Info("perfmon", METRICS["perfmon_info"][3], registry=None)
+        registry.register(self._info)
         self.set_port(None)
         registry.register(_CountsCollector(self, states, internal))
         if process_collectors:
@@ -294,7 +296,7 @@ def _versions() -> dict[str, str]:
     return {"version": __version__, "torch_version": torch_version, "cuda": cuda}
 
 
-def _register_process_collectors(registry: CollectorRegistry) -> None:
+def _register_process_collectors(registry: Registrations) -> None:
     """Process RSS/CPU/fds and platform info, unless the registry already has them.
 
     Not the GC collector: its nine series per scrape tell little about inference latency and the
@@ -302,11 +304,10 @@ def _register_process_collectors(registry: CollectorRegistry) -> None:
     """
     from prometheus_client import REGISTRY
 
-    if registry is REGISTRY:
+    if registry.registry is REGISTRY:
         return  # prometheus_client registered its defaults there on import
-    for make in (lambda: ProcessCollector(registry=registry),
-                 lambda: PlatformCollector(registry=registry)):
+    for make in (lambda: ProcessCollector(registry=None), lambda: PlatformCollector(registry=None)):
         try:
-            make()
+            registry.register(make())
         except ValueError:
             pass  # already registered by the caller

@@ -31,7 +31,28 @@ from .gc import GcView
 from .history import History
 from .windows import Windows
 
-__all__ = ["Views"]
+__all__ = ["ViewApi", "Views"]
+
+
+class ViewApi:
+    """The views part of ``Monitor``'s surface (kept here with the stage that builds them; monitor.py wires)."""
+
+    _views: Views
+
+    def stats(self) -> dict[str, Any]:
+        """Per model: exact counts and the exact percentiles of recent samples, by phase (seconds)."""
+        return self._views.stats()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, details): healthy while the resolver thread runs; ``http`` says whether the port is bound.
+
+        An unbound port does not make the monitor unhealthy: the application and its mounted routes are fine.
+        """
+        return self._views.health()
+
+    def devices(self) -> dict[str, Any]:
+        """This moment's device telemetry: torch allocator per CUDA device and NVML per GPU (fail soft)."""
+        return self._views.devices()
 
 
 class Views:
