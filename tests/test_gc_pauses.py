@@ -386,3 +386,36 @@ def test_a_forked_child_starts_from_no_pause_and_times_its_own(make_monitor) -> 
 
     child = in_forked_child(child_body)
     assert child == {"fresh": 0.0, "after": 1.0, "hooks": 1, "installed": True}
+
+
+def test_a_ring_overflowed_between_drains_is_warned_once_and_not_counted_as_a_fault() -> None:
+    """More collections between two drains than the ring holds: the oldest are gone, and the drain says so, once
+    (a warning about the workload, not a fault of perfmon's); a ring that never filled says nothing."""
+    import io
+    import json
+
+    from perfmon.logs import make_logger
+
+    internal, roomy_internal = InternalErrors(), InternalErrors()
+    small, roomy = GcPauses(internal=internal, ring_size=4), GcPauses(internal=roomy_internal, ring_size=64)
+    small.install()
+    roomy.install()
+    try:
+        for _ in range(10):
+            gc.collect(0)
+        assert small.drain() == 4
+        assert roomy.drain() >= 10
+        for _ in range(10):
+            gc.collect(0)
+        assert small.drain() == 4
+    finally:
+        small.uninstall()
+        roomy.uninstall()
+    out = io.StringIO()
+    internal.log_new(make_logger("json", "info", component="resolver", stream=out))
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(e["event"], e["level"], e["ring"]) for e in events] == [("gc_pauses_dropped", "warning", 4)]
+    assert internal.total() == 0
+    out = io.StringIO()
+    roomy_internal.log_new(make_logger("json", "info", component="resolver", stream=out))
+    assert out.getvalue() == ""

@@ -22,7 +22,8 @@ pauses that overlapped a call are kept when its sample is marked. A ring holds `
 two drains: the resolver's passes are a second apart while the process collects, but collections that begin while
 it dozes (agent/doze.py: up to 8 s, and the hook cannot wake it, as it can take no lock) wait for its next pass, so
 the ring holds 8 s at 4,096 a second (~150 bytes a pause, allocated only as it fills); more than that is a process
-doing little but collecting, and the oldest go.
+doing little but collecting, and the oldest go: a drain that finds the ring full says so once, a warning
+(``gc_pauses_dropped``), since the pause series then undercount that stretch.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ RING_SIZE = 32_768
 #: Pauses kept for overlap and summaries (the oldest go first), and for how long.
 MAX_KEPT = 16_384
 
+#: The ``gc_pauses_dropped`` warning's note.
+_OVERFLOWED = ("the ring of GC pauses filled between two of the resolver's passes: collections past it pushed the "
+               "oldest out unrecorded, so perfmon_gc_pause_seconds may undercount that stretch (warned once)")
 #: (start_ns, end_ns, generation, collected objects): one collection, on perf_counter_ns.
 Pause = tuple[int, int, int, int]
 #: A stage fed each drained batch of pauses (resolver thread).
@@ -105,6 +109,7 @@ class GcPauses:
         self.ring: collections.deque[Pause] = collections.deque(maxlen=ring_size)
         self.sinks: list[PauseSink] = []
         self._drained = 0  # pauses drained since ``take_drained`` last read them
+        self._overflowed = False  # the ring was found full once (warned)
         self._errors_seen = count_value(_errors)
         self._reset()
 
@@ -157,6 +162,10 @@ class GcPauses:
     def drain(self) -> int:
         """Move the ring's pauses to the kept ones and the sinks; returns how many. Never raises."""
         ring = self.ring
+        if not self._overflowed and len(ring) >= (ring.maxlen or 0):
+            # Full: the hook may have pushed the oldest out (it cannot count them: no counter in a collection).
+            self._overflowed = True
+            self._internal.notice("gc_pauses_dropped", ring=ring.maxlen, note=_OVERFLOWED)
         batch: list[Pause] = []
         while ring:
             try:
