@@ -367,6 +367,29 @@ def test_torch_jit_script_takes_a_wrapped_module_and_a_parent_of_one(make_monito
     assert model.perfmon_name == "m"
 
 
+@pytest.mark.parametrize("signatures", [True, False])
+def test_torch_jit_trace_of_a_wrapped_module_warns_nothing_from_perfmon(make_monitor, signatures: bool) -> None:
+    """Under ``torch.jit.trace`` sizes are traced tensors: perfmon's own reading of a call's rows and work (a new
+    signature, a timed call) warned ``TracerWarning: Converting a tensor to a Python integer`` pointing at perfmon's
+    code, as though the user's trace were wrong. The trace warns nothing from perfmon, runs as the bare module, and
+    the tracing calls count."""
+    import warnings
+
+    mon = make_monitor(sample_rate=1.0, track_signatures=signatures)
+    torch.manual_seed(0)
+    bare = _Small()
+    model = mon.wrap(copy.deepcopy(bare), name="m")
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(model, x)
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "/perfmon/" in w.filename.replace("\\", "/")]
+    assert ours == []
+    assert torch.allclose(traced(x), bare(x))
+    mon.flush()
+    assert mon.stats()["models"]["m"]["calls"] >= 1
+
+
 def test_moving_a_model_makes_its_next_calls_cold(make_monitor) -> None:
     """After ``.to(device)`` the first call of a known shape is cold on the new device (kernel selection,
     workspaces): the device label follows the module, and steady state is not polluted by the move."""

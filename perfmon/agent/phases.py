@@ -18,6 +18,7 @@ import collections
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -123,10 +124,10 @@ def work_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     (batch x tokens for a prefill, batch for a decode step), else of the first tensor argument."""
     ids = kwargs.get("input_ids") if kwargs else None
     if isinstance(ids, _Tensor):
-        return int(ids.numel())
+        return _int(ids.numel())
     for value in (*args, *kwargs.values()):
         if isinstance(value, _Tensor):
-            return int(value.numel())
+            return _int(value.numel())
     return None
 
 
@@ -134,8 +135,18 @@ def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     """Default items of a call: the first dimension of its first tensor argument (1 for a scalar tensor)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, _Tensor):
-            return int(value.size(0)) if value.dim() else 1  # size(0), not shape[0]: a nested tensor has one
+            return _int(value.size(0)) if value.dim() else 1  # size(0), not shape[0]: a nested tensor has one
     return None
+
+
+def _int(n: Any) -> int:
+    """A size as an int. Under ``torch.jit.trace`` sizes are traced tensors, and ``int()`` of one warns that the trace
+    may be wrong: perfmon's own bookkeeping, not the model's data flow, so its warning is not the user's."""
+    if type(n) is int:
+        return n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return int(n)
 
 
 class Signature:
