@@ -145,12 +145,23 @@ def _reinit_after_fork() -> None:
 
 
 def _stop_at_exit() -> None:
-    """Interpreter exit: stop running monitors (bounded joins, no capture left on, ports closed)."""
+    """Interpreter exit: stop running monitors (bounded joins, no capture left on, ports closed).
+
+    A capture still recording here (its thread, which alone can stop the profiler, makes no further call) leaves
+    torch's profiler on through the exit, and torch's C++ static destructors then crash the process (SIGSEGV,
+    exit status 139, a core). So the exit then skips them as a guarded fork child's does (``_exit(status)`` after
+    Python's finalisation): the status the program chose, its buffers flushed."""
+    global _EXIT_GUARDED
+    recording = False
     for agent in list(live):
         try:
             agent.stop()
+            recording = recording or agent.captures.state == "recording"
         except Exception:  # pragma: no cover
             pass
+    if recording and not _EXIT_GUARDED and sys.platform.startswith("linux"):
+        _EXIT_GUARDED = True
+        _exit_through_underscore_exit()
 
 
 if hasattr(os, "register_at_fork"):

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from perfmon.captures.profiler import profiler_active
@@ -99,3 +103,27 @@ def test_a_long_lived_thread_keeps_its_capture_across_calls(make_monitor) -> Non
     meta = wait_until(lambda: (p := mon.profile(cap["id"])) and p.get("status") == "done" and p, timeout=60,
                       what="the capture to finish")
     assert meta["ended_by"] == "steps" and meta["steps_recorded"] == 3, meta
+
+
+_EXIT_WHILE_RECORDING = """
+import sys, torch, perfmon
+mon = perfmon.Monitor(port=None, prepare_profiler=False, log_level="error", regression=None,
+                      trace_dir=sys.argv[1]).start()
+model = mon.wrap(torch.nn.Linear(2, 2), name="lin")
+model(torch.randn(1, 2))
+mon.capture("lin", steps=50, max_seconds=60)
+model(torch.randn(1, 2))
+print("state", mon.captures.state, flush=False)  # flushed by the exit, as any program's buffered output
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the exit guard is glibc's on_exit")
+def test_a_process_exiting_while_a_capture_records_exits_with_its_own_status(tmp_path: Path) -> None:
+    """The capturing thread made its last call mid-capture and the program exits: the profiler, which only that
+    thread can stop, is still on, and torch's C++ static destructors crashed the exit (SIGSEGV, status 139).
+    The exit now skips them: the program's own status, its output flushed."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_RECORDING, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.stdout.strip() == "state recording", done
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])

@@ -278,24 +278,28 @@ class CaptureController:
             with self._lock:
                 self._finish_locked(st, "failed", f"profiler did not stop: {type(exc).__name__}: {exc}", "fail")
             return
+        # The export thread takes the profiler out of this list, so that no frame or Thread
+        # attribute keeps it (and the gigabyte it may hold) alive once the trace is written.
+        held = [prof]
+        del prof
         with self._lock:
             cap.duration_seconds = elapsed
             cap.ended_at = _now_iso()
             self._release_model(st)
             self._move("stop")
+            # Started as it is published, with the move to exporting: stop(), which reads both under this lock,
+            # sees a recording still, or an export thread it can join (joining one not yet started raised).
+            # daemon=True given, not inherited: inheriting reads threading.current_thread(), which on an
+            # exiting thread (``_thread_ended``) would register a stray dummy thread.
+            exporter = threading.Thread(target=self._export, args=(cap, held, self._abort),
+                                        name="perfmon-capture-export", daemon=True)
+            del held
+            exporter.start()
+            self._export_thread = exporter
         if self._log is not None and cap.ended_by == "max_bytes":
             self._log.warning("capture_cut", id=cap.id, model=cap.model, steps=cap.steps_recorded,
                               memory_growth_bytes=cap.memory_growth_bytes, max_bytes=self.max_bytes,
                               recording_budget_bytes=recording_budget(self.max_bytes, cap.options))
-        aborted = self._abort
-        # The export thread takes the profiler out of this list, so that no frame or Thread
-        # attribute keeps it (and the gigabyte it may hold) alive once the trace is written.
-        # daemon=True given, not inherited: inheriting reads threading.current_thread(), which on an
-        # exiting thread (``_thread_ended``) would register a stray dummy thread.
-        self._export_thread = threading.Thread(target=self._export, args=(cap, [prof], aborted),
-                                               name="perfmon-capture-export", daemon=True)
-        del prof
-        self._export_thread.start()
 
     def _owns(self, st: Any) -> bool:
         """``st`` is the model being captured, or one of its stages."""
@@ -370,10 +374,11 @@ class CaptureController:
             elif self.state == RECORDING:
                 self._abort = True
         while self.state == RECORDING and self._clock() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # the recording thread's next call ends it (bounded by the deadline)
         if self.state == RECORDING and self._log is not None:
             self._log.warning("capture_still_recording", id=self.current.id if self.current else None,
                               note="the profiler stops at the capturing thread's next call of the model")
-        exporter = self._export_thread
+        with self._lock:
+            exporter = self._export_thread
         if exporter is not None:
             exporter.join(max(0.0, deadline - self._clock()))
