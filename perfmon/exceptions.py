@@ -32,7 +32,7 @@ class WrapError(PerfmonError, TypeError):
 
 
 class CaptureBusy(PerfmonError):
-    """A capture is armed, recording or exporting, or another torch profiler is running."""
+    """A capture is armed, recording or exporting, another torch profiler is running, or the monitor is stopped."""
 
     def __init__(self, message: str, running_id: str | None) -> None:
         super().__init__(message)

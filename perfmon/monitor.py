@@ -205,22 +205,27 @@ class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
         self._running = False
         timeout = self.config.stop_timeout_seconds
         self._hub.timing = False
-        self.ports.stop(timeout)
-        self.captures.stop(timeout)
-        for part in (self.uploads, self.gc_pauses):  # after the captures (a last export spools), before the resolver
+        # In order: the uploads and GC pauses after the captures (a last export spools), before the resolver. Each
+        # part stops whatever the one before did: a fault there is counted, never leaves the next one running.
+        for part in (self.ports, self.captures, self.uploads, self.gc_pauses, self.resolver, self.nvml_poller):
             if part is not None:
-                part.stop(timeout)
-        self.resolver.stop(timeout)
-        if self.nvml_poller is not None:
-            self.nvml_poller.stop(timeout)
+                try:
+                    part.stop(timeout)
+                except Exception as exc:
+                    self.internal.report("stop", exc)
         if self.oom is not None:
             self.oom.join(timeout)
 
     def close(self) -> None:
         """Stop, then take perfmon's metrics off the registry, so that another Monitor can use it (a shared one:
-        ``prometheus_client.REGISTRY``, served by the application). Idempotent; a closed monitor cannot start again."""
-        self.stop()
-        self._registrations.close()
+        ``prometheus_client.REGISTRY``, served by the application). Idempotent; a closed monitor cannot start again.
+        Leaving a ``with Monitor(...)`` block closes it."""
+        with self._lifecycle:
+            self._registrations.refuse()  # a start() racing this one is refused from here (or stopped below)
+        try:
+            self.stop()
+        finally:
+            self._registrations.close()
 
     def after_fork_in_child(self, *, restart: bool = True) -> None:
         """A fresh agent in a forked child (gunicorn --preload, multiprocessing 'fork'; see ``perfmon.process``).
@@ -251,7 +256,7 @@ class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()  # the block is the monitor's life: stopped, its registry left to the next one
 
     @property
     def running(self) -> bool:

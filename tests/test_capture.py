@@ -237,6 +237,33 @@ def test_403_over_real_http_when_mounted_without_a_token(make_monitor) -> None:
         t.join(10)
 
 
+def test_a_capture_is_armed_through_the_mounted_wsgi_app(make_monitor) -> None:
+    """POST /profile through the app mounted in a real WSGI server (wsgiref): PEP 3333 puts Content-Type apart
+    from the HTTP_ variables, and the app read only those, so every capture request was a 415."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    mon = make_monitor(token="token-12345678")
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    httpd = make_server("127.0.0.1", 0, mon.wsgi_app, handler_class=Quiet)
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}"
+        status, _, body = _post(url + "/profile", b'{"model": "m", "steps": 2}', token="token-12345678")
+        assert status == 202, body
+        capture_id = json.loads(body)["id"]
+        assert wait_capture(mon, capture_id, drive=lambda: model(torch.ones(1, 2)))["outcome"] == "ok"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        t.join(10)
+
+
 def test_retention_keeps_the_store_within_its_limits(make_monitor) -> None:
     """With trace_max_files=2, three captures leave the two newest; oldest files are deleted."""
     mon = make_monitor(trace_max_files=2)

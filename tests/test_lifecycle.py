@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 from typing import Any
 
@@ -372,3 +373,77 @@ def test_close_keeps_the_application_s_own_collectors(make_monitor) -> None:
     mon.close()
     assert {m.name for m in registry.collect() if not m.name.startswith("process_")} == set()
     assert "process_cpu_seconds" in {m.name for m in registry.collect()}
+
+
+def test_a_registry_holding_any_of_perfmon_s_names_is_refused_either_way(make_monitor) -> None:
+    """An application metric named like one of perfmon's, registered before the Monitor: refused with the name (it
+    went on /metrics twice, which Prometheus refuses to ingest); registered after: prometheus_client refuses it."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    registry = CollectorRegistry()
+    Counter("perfmon_forward_calls", "the application's own", registry=registry)
+    with pytest.raises(perfmon.ConfigError, match="perfmon_forward_calls") as refused:
+        make_monitor(registry=registry)
+    assert "or the application did" in str(refused.value)
+    assert {m.name for m in registry.collect()} == {"perfmon_forward_calls"}  # nothing of perfmon's left behind
+
+    mine = CollectorRegistry()
+    mon = make_monitor(registry=mine)
+    with pytest.raises(ValueError, match="perfmon_sample_rate"):
+        Gauge("perfmon_sample_rate", "the application's own", registry=mine)
+    mon.close()
+    Gauge("perfmon_sample_rate", "the application's own, once perfmon is gone", registry=mine)
+
+
+def test_leaving_a_with_block_closes_the_monitor(make_monitor) -> None:
+    """``with Monitor(...) as m:`` is the monitor's life: leaving it stops it and leaves the registry to the next."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    with make_monitor(registry=registry) as mon:
+        assert mon.running and _perfmon_names(registry)
+    assert not mon.running and _perfmon_names(registry) == set()
+    with make_monitor(registry=registry) as again:
+        again.wrap(torch.nn.Linear(4, 4), name="lin")(torch.zeros(2, 4))
+        assert value(again, "perfmon_forward_calls_total", model="lin") == 1
+
+
+def test_a_start_racing_close_never_leaves_a_closed_monitor_running(make_monitor) -> None:
+    """start() from another thread while close() runs: either it started first and close() stops it, or it is
+    refused. A closed monitor never runs (its threads and port gone) with its metrics off the registry."""
+    for _ in range(10):
+        mon = make_monitor(port=0)
+        refused: list[BaseException] = []
+        go = threading.Event()
+
+        def starter(mon: perfmon.Monitor = mon, refused: list[BaseException] = refused,
+                    go: threading.Event = go) -> None:
+            go.wait(timeout=10)
+            try:
+                mon.start()
+            except perfmon.ConfigError as exc:
+                refused.append(exc)
+
+        t = threading.Thread(target=starter)
+        t.start()
+        go.set()
+        mon.close()
+        t.join(timeout=30)
+        assert not t.is_alive() and not mon.running and mon.url is None
+        assert not [th.name for th in threading.enumerate() if th.name in ("perfmon-http", "perfmon-resolver")]
+
+
+def test_a_stopped_monitor_refuses_a_capture_and_its_mounted_route_says_409(make_monitor) -> None:
+    """After stop() nothing would expire an armed capture or end a recording (the next call started the profiler
+    and the process crashed at exit): capture() is refused, and POST /profile on the mounted app answers 409."""
+    from werkzeug.test import Client
+
+    mon = make_monitor(port=None, token="t" * 32).start()
+    mon.wrap(torch.nn.Linear(4, 4), name="lin")(torch.zeros(2, 4))
+    mon.stop()
+    with pytest.raises(perfmon.CaptureBusy, match="stopped"):
+        mon.capture("lin")
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    answer = Client(mon.wsgi_app).post("/profile", json={"model": "lin"}, headers=auth)
+    assert answer.status_code == 409 and "stopped" in answer.get_json()["error"]
+    assert mon.captures.state == "idle"

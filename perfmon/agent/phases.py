@@ -145,7 +145,7 @@ def _int(n: Any) -> int:
     if type(n) is int:
         return n
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # type: ignore[attr-defined]
         return int(n)
 
 

@@ -33,6 +33,8 @@ def make_wsgi_app(monitor: Agent, *, mounted: bool = True) -> Callable[..., Iter
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
+        if environ.get("CONTENT_TYPE"):  # PEP 3333 puts it apart from the HTTP_ variables (POST /profile needs it)
+            headers["content-type"] = environ["CONTENT_TYPE"]
         path = environ.get("PATH_INFO", "/") or "/"
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)

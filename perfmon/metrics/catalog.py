@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..agent.generation import DURATION_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
 from ..agent.requests import REQUEST_BUCKETS
 
 __all__ = ["BATCH_BUCKETS", "GC_PAUSE_BUCKETS", "GENERATION_HISTOGRAMS", "METRICS", "NATIVE_GENERATION",
-           "REQUEST_HISTOGRAMS"]
+           "REQUEST_HISTOGRAMS", "Declared"]
 
 #: name (as exposed, without histogram suffixes) -> (type, unit, labels, help). docs/metrics.md
 #: lists the same; a test keeps the two and the registry in step.
@@ -298,6 +298,23 @@ REQUEST_HISTOGRAMS: dict[str, tuple[float, ...]] = {
 #: Generation histograms that also carry native buckets in protobuf scrapes: the two latency signals.
 #: (Duration and token counts stay classic: coarse on purpose, see generation.py.)
 NATIVE_GENERATION = frozenset({"perfmon_time_to_first_token_seconds", "perfmon_inter_token_latency_seconds"})
+
+
+class Declared:
+    """A collector that exports nothing and describes every family perfmon exports (its Info apart, which describes
+    itself): registered first, it makes a registry refuse a clash with these names, on either side. perfmon's
+    scrape-time collectors describe nothing (their families depend on the models), so without it another
+    collector's ``perfmon_forward_calls`` went on a shared ``/metrics`` twice, which Prometheus refuses to ingest."""
+
+    def describe(self) -> list[Metric]:
+        out = []
+        for name, (typ, _, _, doc) in METRICS.items():
+            if typ != "info":
+                out.append(Metric(name.removesuffix("_total") if typ == "counter" else name, doc, typ))
+        return out
+
+    def collect(self) -> list[Metric]:
+        return []
 
 
 def _family(name: str) -> Any:

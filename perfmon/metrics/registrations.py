@@ -38,10 +38,19 @@ class Registrations:
             try:
                 self.registry.register(collector)
             except ValueError as exc:
+                # prometheus_client's DuplicateTimeseries (a ValueError) holds the names taken since 0.21.
+                taken = sorted(getattr(exc, "duplicates", None) or [str(exc)])
+                shown = ", ".join(taken[:4]) + (f" and {len(taken) - 4} more" if len(taken) > 4 else "")
                 raise ConfigError(
-                    f"perfmon: the registry already holds these metrics ({exc}): another Monitor registered them "
-                    "there. close() that Monitor first, or give this one its own registry (registry=...)") from exc
+                    f"perfmon: the registry already holds {shown}: another Monitor registered them there (close() "
+                    "that Monitor first) or the application did; otherwise give this Monitor its own registry "
+                    "(registry=...)") from exc
             self._mine.append(collector)
+
+    def refuse(self) -> None:
+        """From now on ``register`` is refused and ``closed`` reads True (``close`` to come: a monitor closing)."""
+        with self._lock:
+            self.closed = True
 
     def close(self) -> int:
         """Unregister every collector registered through this; returns how many. Idempotent."""

@@ -27,7 +27,7 @@ from ..agent.records import DROP_REASONS, Sample
 from ..agent.state import ModelState
 from ..config import Config
 from ..faults import InternalErrors, count_value
-from .catalog import BATCH_BUCKETS, METRICS, _family
+from .catalog import BATCH_BUCKETS, METRICS, Declared, _family
 from .family import HistogramRow, HistogramRows
 from .native import NativeBuckets
 from .registrations import Registrations
@@ -136,6 +136,7 @@ class Metrics:
         self._batch_les = tuple(_le(b) for b in (*BATCH_BUCKETS, math.inf))
         self._firsts: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
+        registry.register(Declared())  # first: a registry holding any of perfmon's names refuses it here
         self._info = Info("perfmon", METRICS["perfmon_info"][3], registry=None)
         registry.register(self._info)
         self.set_port(None)
