@@ -287,19 +287,13 @@ class CaptureController:
             cap.ended_at = _now_iso()
             self._release_model(st)
             self._move("stop")
-            # Started as it is published, with the move to exporting: stop(), which reads both under this lock,
-            # sees a recording still, or an export thread it can join (joining one not yet started raised).
-            # daemon=True given, not inherited: inheriting reads threading.current_thread(), which on an
-            # exiting thread (``_thread_ended``) would register a stray dummy thread.
-            exporter = threading.Thread(target=self._export, args=(cap, held, self._abort),
-                                        name="perfmon-capture-export", daemon=True)
+            # Started with the move to exporting: stop() reads both under this lock, so it sees a recording still
+            # or a thread it can join (it joined one not yet started, which raises).
+            self._export_thread = _exporter(self._export, cap, held, self._abort)
             del held
-            exporter.start()
-            self._export_thread = exporter
+            self._export_thread.start()
         if self._log is not None and cap.ended_by == "max_bytes":
-            self._log.warning("capture_cut", id=cap.id, model=cap.model, steps=cap.steps_recorded,
-                              memory_growth_bytes=cap.memory_growth_bytes, max_bytes=self.max_bytes,
-                              recording_budget_bytes=recording_budget(self.max_bytes, cap.options))
+            _warn_cut(self._log, cap, self.max_bytes)
 
     def _owns(self, st: Any) -> bool:
         """``st`` is the model being captured, or one of its stages."""
@@ -382,3 +376,16 @@ class CaptureController:
             exporter = self._export_thread
         if exporter is not None:
             exporter.join(max(0.0, deadline - self._clock()))
+
+
+def _exporter(target: Callable[..., None], *args: Any) -> threading.Thread:
+    """The export thread. daemon=True given, not inherited: inheriting reads threading.current_thread(), which on an
+    exiting thread (``_thread_ended``) would register a stray dummy thread."""
+    return threading.Thread(target=target, args=args, name="perfmon-capture-export", daemon=True)
+
+
+def _warn_cut(log: Any, cap: Capture, max_bytes: int) -> None:
+    """A capture ended by its memory budget: say so (its steps, growth and budget)."""
+    log.warning("capture_cut", id=cap.id, model=cap.model, steps=cap.steps_recorded,
+                memory_growth_bytes=cap.memory_growth_bytes, max_bytes=max_bytes,
+                recording_budget_bytes=recording_budget(max_bytes, cap.options))
