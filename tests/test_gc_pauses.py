@@ -20,7 +20,7 @@ from perfmon.faults import InternalErrors
 from perfmon.stats.gc import GcView, overlap_stats
 from perfmon.stats.windows import Windows
 from perfmon.telemetry import gcpauses
-from perfmon.telemetry.gcpauses import GcPauses
+from perfmon.telemetry.gcpauses import GcPauses, ThreadGc
 
 from .conftest import in_forked_child, value
 
@@ -202,6 +202,45 @@ def test_install_is_idempotent_and_the_hook_is_in_gc_callbacks_once_for_two_ring
         a.uninstall()
         b.uninstall()
     assert _hooks() == before  # gone unless another monitor of this process still runs
+
+
+def test_a_thread_gc_clock_sums_the_collections_of_its_own_thread_only() -> None:
+    """ThreadGc bound on a thread sums the collections that run there, not another thread's; binding puts the
+    one hook in gc.callbacks with no ring installed, and it leaves with the last binding."""
+    before = _hooks()
+    clock = ThreadGc()
+    bound, collected, done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, float] = {}
+
+    def owner() -> None:
+        clock.bind()
+        bound.set()
+        try:
+            assert collected.wait(30)
+            seen["after_other"] = clock.seconds()
+            gc.collect(2)
+            seen["after_own"] = clock.seconds()
+        finally:
+            clock.unbind()
+            done.set()
+
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        assert bound.wait(30)
+        assert _hooks() == 1
+        gc.collect(2)  # on this thread: not the clock's
+        collected.set()
+        assert done.wait(30)
+    finally:
+        collected.set()
+        t.join(30)
+    assert seen["after_other"] == 0.0
+    assert seen["after_own"] > 0.0
+    assert clock.seconds() == seen["after_own"]  # kept after unbind, and nothing added since
+    gc.collect(0)
+    assert clock.seconds() == seen["after_own"]
+    assert _hooks() == before
 
 
 def test_the_hook_never_raises_into_the_collector_and_its_fault_is_counted() -> None:

@@ -13,7 +13,9 @@ This server instead:
   answered at once from a precomputed answer; half of ``http_cpu_budget`` on top of it) and work
   (``http_cpu_budget`` of one core: scrapes first, everything else only above a reserve kept for
   scrapes). Every CPU second of the loop is charged to one of them, so no client can make the agent
-  take more than 1.5x its budget from the model; what waits stays parked or in the kernel's queue;
+  take more than 1.5x its budget from the model; what waits stays parked or in the kernel's queue.
+  Garbage collections that run on the loop's thread are left out (``ThreadGc``): a full one is the
+  heap's work (0.3-1 s in a large server), and charged it put the budget a minute in debt;
 - reads everything that arrived before answering, and answers every ``/metrics`` request that was
   read before a render started from that render (per format): 50 scrapers cost one render;
 - at the connection cap, closes the oldest connection that never sent a byte (else the one quiet
@@ -41,6 +43,7 @@ from collections.abc import Callable
 
 from ..faults import InternalErrors
 from ..selfcost import AgentCpu, CpuBudget, HttpShedding
+from ..telemetry.gcpauses import ThreadGc
 from .connections import WAKE, Conn, ConnectionTable
 from .exchange import Exchange, Ready
 from .routes import Router
@@ -89,7 +92,8 @@ class AgentServer:
     def __init__(self, router: Router, host: str, port: int, *, port_range: int = 1,
                  connection_timeout: float = 30.0, cpu_budget: float = 0.01,
                  throttle: AuthThrottle | None = None, cpu: AgentCpu | None = None,
-                 shedding: HttpShedding | None = None, internal: InternalErrors | None = None) -> None:
+                 shedding: HttpShedding | None = None, internal: InternalErrors | None = None,
+                 gc_clock: ThreadGc | None = None) -> None:
         self.router = router
         self.host = host
         self.timeout = connection_timeout
@@ -102,6 +106,8 @@ class AgentServer:
         self.cpu = cpu if cpu is not None else AgentCpu()
         self.shedding = shedding if shedding is not None else HttpShedding()
         self.internal = internal if internal is not None else InternalErrors()
+        #: Collections that run on the loop's thread are the heap's work, not the agent's: no budget pays them.
+        self.gc_clock = gc_clock if gc_clock is not None else ThreadGc()
         self._listener = bind_listener(host, port, port_range)
         self.port = int(self._listener.getsockname()[1])
         router.bound = str(self._listener.getsockname()[0])  # the address the peer check compares against
@@ -157,7 +163,12 @@ class AgentServer:
 
     # -- the loop --------------------------------------------------------------------------------
 
+    def _cpu(self) -> float:
+        """The loop thread's CPU seconds less the collections that ran on it: what the budgets are charged."""
+        return time.thread_time() - self.gc_clock.seconds()
+
     def _serve(self) -> None:
+        self.gc_clock.bind()
         try:
             while not self._stop.is_set():
                 c0 = time.thread_time()
@@ -169,6 +180,7 @@ class AgentServer:
                     self._stop.wait(0.01)
                 self.cpu.add("http", time.thread_time() - c0)
         finally:
+            self.gc_clock.unbind()
             self._close_all()
 
     def _work_wait(self) -> float | None:
@@ -188,16 +200,16 @@ class AgentServer:
         itself is in debt: readable sockets stay readable (level-triggered) for a later turn, and the
         loop sleeps rather than polling them.
         """
-        turn0 = time.thread_time()
+        turn0 = self._cpu()
         work_spent = lane_spent = 0.0
         work = self._work_wait()
         triage_wait = self.triage.wait_seconds()
         if triage_wait > 0:
             pause = min(triage_wait, work if work else _PAUSE_SLICE_SECONDS, _PAUSE_SLICE_SECONDS)
             t0 = time.monotonic()
-            c0 = time.thread_time()
+            c0 = self._cpu()
             self._lane_pass(pause)  # new connections (health probes) still get in
-            lane_spent = time.thread_time() - c0  # charged to the lane, not to triage
+            lane_spent = self._cpu() - c0  # charged to the lane, not to triage
             self.shedding.paused_seconds += time.monotonic() - t0
         else:
             # Idle, the loop sleeps until a socket or its next connection deadline (None: no connection, no work):
@@ -210,20 +222,20 @@ class AgentServer:
             events = self._conns.selector.select(timeout)
             if work is not None and work > 0:  # requests waited for the budget meanwhile
                 self.shedding.paused_seconds += time.monotonic() - t0
-            self._triage(events, time.thread_time() + self.triage.available())
+            self._triage(events, self._cpu() + self.triage.available())
         if self._work_wait() == 0:
-            c0 = time.thread_time()
+            c0 = self._cpu()
             self._work(c0)
-            work_spent = time.thread_time() - c0
+            work_spent = self._cpu() - c0
             self.budget.charge(work_spent)
         # Triage pays for the rest of the turn too (select, sleeping, bookkeeping): every CPU second the
         # loop spends is charged to one bucket or the other.
-        self.triage.charge(time.thread_time() - turn0 - work_spent - lane_spent)
+        self.triage.charge(self._cpu() - turn0 - work_spent - lane_spent)
 
     def _triage(self, events: list[tuple[selectors.SelectorKey, int]], limit: float) -> None:
         now = time.monotonic()
         for key, mask in events:
-            if time.thread_time() > limit:
+            if self._cpu() > limit:
                 break  # the rest stay ready for the next turn
             conn: Conn | None = key.data
             if conn is None:
@@ -238,7 +250,7 @@ class AgentServer:
         """Answer queued requests while the budget lasts: scrapes first; the rest only above the reserve."""
         now = time.monotonic()
         while True:
-            spent = time.thread_time() - c0
+            spent = self._cpu() - c0
             left = self.budget.available() - spent
             if self._scrapes and left > 0:
                 conn, request = self._scrapes.popleft()
@@ -261,7 +273,7 @@ class AgentServer:
 
     def _accept(self, now: float, limit: float) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
-            if time.thread_time() > limit:
+            if self._cpu() > limit:
                 return
             try:
                 sock, address = self._listener.accept()
@@ -315,12 +327,12 @@ class AgentServer:
         wait = self.lane.wait_seconds()
         accepting = wait <= 0
         self._conns.lane_accepts(accepting)
-        c0 = time.thread_time()
+        c0 = self._cpu()
         events = self._conns.lane.select(timeout if accepting else min(timeout, wait))
         now = time.monotonic()
-        limit = time.thread_time() + max(self.lane.available(), _LANE_READ_SECONDS)
+        limit = self._cpu() + max(self.lane.available(), _LANE_READ_SECONDS)
         for key, _ in events:
-            if time.thread_time() > limit:
+            if self._cpu() > limit:
                 break
             conn: Conn | None = key.data
             if conn is None:
@@ -328,7 +340,7 @@ class AgentServer:
             elif conn is not WAKE and conn in self._conns:
                 self._guard(conn, self._exchange.read, now)
         self._conns.expire_young(now)
-        self.lane.charge(time.thread_time() - c0)
+        self.lane.charge(self._cpu() - c0)
 
     def _close_all(self) -> None:
         self._conns.drop_all()

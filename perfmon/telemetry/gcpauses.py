@@ -1,20 +1,23 @@
 """Garbage-collection pauses of this process: stamped by a ``gc.callbacks`` hook, read on the resolver's tick.
 
     any thread, GIL held   _on_gc(phase, info): "start" stamps perf_counter_ns; "stop" appends
-                           (start_ns, end_ns, generation, collected) to each installed GcPauses' ring
+                           (start_ns, end_ns, generation, collected) to each installed GcPauses' ring,
+                           and adds the pause to a bound ThreadGc when the collecting thread is its thread
     resolver thread        GcPauses.drain() ─► sinks (the pause histogram, collected objects) and the kept
                            pauses (sorted by time) that mark() and summary() read
 
 A collection runs on whichever thread allocated past the threshold, holding the GIL, for every collection
 (gen-0 ones come tens to hundreds of times a second in a torch loop), so the hook does two clock reads, one
-tuple and one ``deque.append`` per installed monitor, nothing else: no lock, no counter, no wake. It never
-raises (a fault is counted in a module counter and reported as ``internal_errors{stage="gc"}`` by the
-resolver's next drain; reporting from the hook could take a lock the collecting thread already holds).
+tuple and one ``deque.append`` per installed monitor (and one dict lookup while a thread is bound), nothing
+else: no lock, no counter, no wake. It never raises (a fault is counted in a module counter and reported as
+``internal_errors{stage="gc"}`` by the resolver's next drain; reporting from the hook could take a lock the
+collecting thread already holds).
 
 One hook per process whatever the number of monitors: ``install()`` adds this monitor's ring to the hook's
 tuple and puts the hook in ``gc.callbacks`` once; ``uninstall()`` takes the ring out, and the hook with the
-last one. A forked child keeps both (``gc.callbacks`` and this module's state are copied), so a monitor that
-restarts there finds itself installed; ``reset_after_fork`` empties what the parent recorded.
+last one (unless a ``ThreadGc`` still sums a thread's collections: the HTTP loop's budget leaves them out).
+A forked child keeps both (``gc.callbacks`` and this module's state are copied), so a monitor that restarts
+there finds itself installed; ``reset_after_fork`` empties what the parent recorded.
 
 Pauses of a call finish before the call's record reaches the resolver (the collector holds the GIL, and the
 call's end stamp needs it), and the resolver drains this ring after it takes the records of its pass, so the
@@ -33,6 +36,7 @@ import gc
 import itertools
 import os
 import threading
+from _thread import get_ident
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
@@ -42,7 +46,7 @@ from typing import Any
 from ..agent.records import Sample
 from ..faults import InternalErrors, count_value
 
-__all__ = ["GENERATIONS", "RING_SIZE", "GcPauses", "Pause", "PauseSink"]
+__all__ = ["GENERATIONS", "RING_SIZE", "GcPauses", "Pause", "PauseSink", "ThreadGc"]
 
 #: CPython's collector generations (the ``generation`` label).
 GENERATIONS = (0, 1, 2)
@@ -62,6 +66,8 @@ PauseSink = Callable[[list[Pause]], None]
 # The hook's state: module globals, the cheapest reads from the callback.
 _start_ns = 0
 _rings: tuple[collections.deque[Pause], ...] = ()
+#: Threads whose collections are summed (``ThreadGc``): thread ident -> [nanoseconds].
+_threads: dict[int, list[int]] = {}
 _errors = itertools.count()
 _last_error: BaseException | None = None
 _lock = threading.Lock()  # install/uninstall only; never taken by the hook
@@ -76,9 +82,15 @@ def _on_gc(phase: str, info: dict[str, int]) -> None:
             return
         start, _start_ns = _start_ns, 0
         if start:  # 0: installed while a collection was running; its start was not seen
-            pause = (start, perf_counter_ns(), info["generation"], info["collected"])
-            for ring in _rings:
-                ring.append(pause)
+            end = perf_counter_ns()
+            if _rings:
+                pause = (start, end, info["generation"], info["collected"])
+                for ring in _rings:
+                    ring.append(pause)
+            if _threads:
+                spent = _threads.get(get_ident())
+                if spent is not None:
+                    spent[0] += end - start
     except Exception as exc:  # never into the collector (it would print an "Exception ignored" line)
         next(_errors)
         _last_error = exc
@@ -88,10 +100,54 @@ def _after_fork_in_child() -> None:
     global _lock, _start_ns
     _lock = threading.Lock()  # a thread of the parent may have held it at fork()
     _start_ns = 0
+    _threads.clear()  # the parent's threads are not the child's (an ident may come round again)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _hook_needed() -> None:
+    """Put the hook in ``gc.callbacks`` while a ring or a thread is fed, take it out after (under ``_lock``)."""
+    wanted = bool(_rings or _threads)
+    if wanted and _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+    elif not wanted and _on_gc in gc.callbacks:
+        gc.callbacks.remove(_on_gc)
+
+
+class ThreadGc:
+    """Seconds of garbage collection that ran on one thread: what the agent's HTTP loop leaves out of its budgets.
+
+    A collection runs on whichever thread allocates past the threshold, and its work is the whole heap's, not
+    that thread's: a full (gen-2) collection of a server holding a few million objects takes 0.3-1 s. Charged
+    to the HTTP loop's 1%-of-a-core budget, one that happened to land there put the budget 30-100 s in debt,
+    and the next scrapes missed Prometheus' timeout. ``bind()`` on the thread itself (the hook goes into
+    ``gc.callbacks`` while a thread is bound), ``seconds()`` from that thread, ``unbind()`` when it ends.
+    """
+
+    def __init__(self) -> None:
+        self._spent = [0]
+        self._ident: int | None = None
+
+    def bind(self) -> None:
+        """Sum the collections that run on the calling thread from now on. Idempotent on that thread."""
+        with _lock:
+            self._ident = get_ident()
+            _threads[self._ident] = self._spent
+            _hook_needed()
+
+    def unbind(self) -> None:
+        """Stop summing (the sum is kept). Idempotent."""
+        with _lock:
+            if self._ident is not None and _threads.get(self._ident) is self._spent:
+                del _threads[self._ident]
+            self._ident = None
+            _hook_needed()
+
+    def seconds(self) -> float:
+        """Seconds of collections on the bound thread since it was first bound (0.0 while none ran)."""
+        return self._spent[0] / 1e9
 
 
 class GcPauses:
@@ -132,16 +188,14 @@ class GcPauses:
         with _lock:
             if not any(r is self.ring for r in _rings):
                 _rings = (*_rings, self.ring)
-            if _on_gc not in gc.callbacks:
-                gc.callbacks.append(_on_gc)
+            _hook_needed()
 
     def uninstall(self) -> None:
-        """Stop feeding this ring; the hook leaves ``gc.callbacks`` with the last ring. Idempotent."""
+        """Stop feeding this ring; the hook leaves ``gc.callbacks`` with the last ring and thread. Idempotent."""
         global _rings
         with _lock:
             _rings = tuple(r for r in _rings if r is not self.ring)
-            if not _rings and _on_gc in gc.callbacks:
-                gc.callbacks.remove(_on_gc)
+            _hook_needed()
 
     def start(self) -> None:
         """``install()``: the monitor starts it with its other parts."""
