@@ -10,7 +10,13 @@ p50/p99/max and how many took over 10 s, one render's time and size per format (
 in-process before the scrapers start), the series count, the agent's HTTP CPU as a share of a core and
 the time it paused for its budget.
 
-    python benchmarks/scrape_limits.py [--seconds 140] [--interval 15] [--budget 0.01] [--json out.json]
+    python benchmarks/scrape_limits.py [--seconds 140] [--interval 15] [--budget 0.01] [--heap 0] [--json out.json]
+
+``--heap N`` has the application hold N live objects and keep each request's record for a while, as a large
+server does (a transformers server holds a few million): full garbage collections then take what they take in
+such a process (~0.6 s at 850,000 objects here) and come round every few scrapes, and a render (the process's
+largest burst of allocations) is often the one that starts them, on the HTTP thread. Printed beside the scrapes:
+full collections meanwhile and the seconds of collections that ran on the HTTP thread (left out of its budget).
 
 ``--interval 1.5 --budget 0.1`` compresses the schedule tenfold at the same budget ratio (CPU per scrape
 interval); waits for the budget shrink tenfold with it, render times do not.
@@ -19,6 +25,8 @@ interval); waits for the budget shrink tenfold with it, render times do not.
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import gzip
 import http.client
 import itertools
@@ -42,8 +50,9 @@ ACCEPTS = {
 }
 
 
-def traffic(mon, models, stop: threading.Event) -> None:
-    """Round-robin calls of every model and a short generation request per name, ~200 rounds a second."""
+def traffic(mon, models, stop: threading.Event, kept: collections.deque | None = None) -> None:
+    """Round-robin calls of every model and a short generation request per name, ~200 rounds a second; with
+    ``kept``, each round's request record (a few small containers) is kept until the deque drops it."""
     x = torch.randn(2, 8)
     names = [f"gen_{i:02d}" for i in range(len(models))]
     for i in itertools.cycle(range(len(models))):
@@ -53,6 +62,8 @@ def traffic(mon, models, stop: threading.Event) -> None:
         with mon.generation(names[i], prompt_tokens=16 + i) as g:
             for _ in range(1 + i % 5):
                 g.token()
+        if kept is not None:
+            kept.extend({"id": i, "tokens": [i] * 4, "meta": (i, names[i])} for _ in range(20))
         time.sleep(0.005)
 
 
@@ -102,17 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=0.01, help="http_cpu_budget (fraction of a core)")
     parser.add_argument("--accept", choices=sorted(ACCEPTS), default="openmetrics")
     parser.add_argument("--client-timeout", type=float, default=60.0)
+    parser.add_argument("--heap", type=int, default=0, help="live objects the application holds (0: none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     print(machine() + "\n")
 
+    heap = [(i, [i]) for i in range(args.heap // 2)]  # noqa: F841 - held (two tracked objects each)
+    kept: collections.deque | None = collections.deque(maxlen=200_000) if args.heap else None
     mon = monitor(port=0, http_cpu_budget=args.budget)
     mon.start()
     n = mon.config.max_models
     models = [mon.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), name=f"model_{i:02d}")
               for i in range(n)]
     stop = threading.Event()
-    feeder = threading.Thread(target=traffic, args=(mon, models, stop), daemon=True)
+    feeder = threading.Thread(target=traffic, args=(mon, models, stop, kept), daemon=True)
     feeder.start()
     time.sleep(3.0)  # every model past warm-up with steady samples, every name with requests
     mon.flush()
@@ -122,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu0, paused0 = value(mon, "perfmon_agent_cpu_seconds_total", thread="http"), \
         value(mon, "perfmon_agent_http_paused_seconds_total")
     port = int(mon.url.rsplit(":", 1)[1])
+    server = mon.ports.server
+    clock = getattr(server, "gc_clock", None)  # older trees charged collections to the budget: not summed
+    gc0, full0 = clock.seconds() if clock is not None else 0.0, gc.get_stats()[2]["collections"]
     t0 = time.monotonic()
     until = t0 + args.seconds
     results: list[list[float]] = [[], []]
@@ -135,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - t0
     cpu = value(mon, "perfmon_agent_cpu_seconds_total", thread="http") - cpu0
     paused = value(mon, "perfmon_agent_http_paused_seconds_total") - paused0
+    on_http = clock.seconds() - gc0 if clock is not None else float("nan")
+    full = gc.get_stats()[2]["collections"] - full0
     stop.set()
     feeder.join(5)
     mon.stop()
@@ -144,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = [t for t in took if t != float("inf")]
     p99 = took[min(len(took) - 1, round(0.99 * (len(took) - 1)))]
     print(f"{n} models + {n} generation names, {series} series; budget {args.budget} of a core; two scrapers every "
-          f"{args.interval:g} s ({args.accept}, gzip) for {args.seconds:g} s\n")
+          f"{args.interval:g} s ({args.accept}, gzip) for {args.seconds:g} s; application heap {args.heap:,} objects; "
+          f"{len(gc.get_objects()):,} tracked\n")
     print(table(["format", "render ms (median of 15)", "bytes"],
                 [[fmt, f"{ms:.1f}", b] for fmt, (ms, b, _) in renders.items()]))
     print()
@@ -152,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         return f"{t:.3f}" if t != float("inf") else f"> {args.client_timeout:g} (gave up)"
 
     print(table(["scrapes", "p50 s", "p99 s", "max s", "over 10 s", "failed", "HTTP CPU (share of a core)",
-                 "paused s"],
+                 "paused s", "full GCs", "GC s on the HTTP thread"],
                 [[len(took), secs(statistics.median(took)), secs(p99), secs(max(took)),
-                  sum(1 for t in took if t > 10.0), failed, f"{cpu / wall:.4f}", f"{paused:.1f} of {wall:.0f}"]]))
+                  sum(1 for t in took if t > 10.0), failed, f"{cpu / wall:.4f}", f"{paused:.1f} of {wall:.0f}",
+                  full, f"{on_http:.2f}"]]))
     dump(args.json, {"series": series, "renders": {k: {"ms": v[0], "bytes": v[1]} for k, v in renders.items()},
                      "scrapes": ok, "failed": failed, "http_cpu_share": cpu / wall, "paused_seconds": paused,
-                     "wall_seconds": wall, "interval": args.interval, "budget": args.budget, "accept": args.accept})
+                     "wall_seconds": wall, "interval": args.interval, "budget": args.budget, "accept": args.accept,
+                     "heap": args.heap, "full_collections": full, "gc_seconds_on_http": on_http})
     return 0
 
 

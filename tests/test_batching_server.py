@@ -6,8 +6,8 @@ span per request, the endpoint marks the enqueue, a batcher thread runs one forw
 (``GET /debug``: arrival and response from its own middleware, enqueue, batch start and end), taken beside
 perfmon's, never shared with it. perfmon reports only histograms, so the check is per bucket: each part's
 cumulative bucket counts in /metrics match the server's figures put in the same buckets, within one bucket
-(a stamp taken microseconds apart can cross a bound), and each part's sum matches the server's within 0.5 ms a
-request on average.
+(a stamp taken microseconds apart can cross a bound), and each part's sum matches the server's within 1 ms a
+request on average (a thread switch between two such stamps moves one request by up to 5 ms).
 """
 
 from __future__ import annotations
@@ -127,8 +127,11 @@ def test_perfmon_split_matches_the_servers_own_stamps(server: str) -> None:
             below = bisect.bisect_right(figures, bounds[i - 1]) if i else 0
             above = bisect.bisect_right(figures, bounds[i + 1]) if i + 1 < len(bounds) else n
             assert below - 1 <= got[le] <= above + 1, (part, le, got[le], below, above)
+        # Stamps taken microseconds apart in code can land a thread switch apart (the interpreter's 5 ms switch
+        # interval, between the event loop and the batcher): on a loaded 2-core machine a few of the 64 requests
+        # see one (a mean of 0.62 ms was seen once). A stamp in the wrong place moves every request by its part.
         mean_gap = abs(hists[part]["sum"] - sum(figures)) / n
-        assert mean_gap < 0.0005, (part, hists[part]["sum"], sum(figures))
+        assert mean_gap < 0.001, (part, hists[part]["sum"], sum(figures))
 
 
 def test_stats_and_metrics_show_the_split(server: str) -> None:
