@@ -539,3 +539,54 @@ def test_torch_cycle_warning_never_fails_a_profiler_start(monkeypatch: pytest.Mo
         torch_prof._WARNINGS_SHOWN.clear()
         quiet_kineto(prof.start)  # perfmon's start: no exception
         quiet_kineto(prof.stop)
+
+
+_FIRST_CAPTURE_ON_A_THREAD = r"""
+import gzip, json, sys, threading, time
+import torch, perfmon
+from prometheus_client import CollectorRegistry
+mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", regression=None,
+                      prepare_profiler=False, trace_dir=sys.argv[1]).start()
+model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+out = {}
+def serve():
+    x = torch.randn(2, 4)
+    for _ in range(50):
+        model(x)
+    cap = mon.capture("m", steps=3)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        model(x)
+        meta = mon.profile(cap["id"])
+        if meta and meta.get("outcome"):
+            out["meta"] = meta
+            return
+        time.sleep(0.01)
+t = threading.Thread(target=serve)
+t.start()
+t.join(90)
+meta = out.get("meta") or {}
+names = []
+if meta.get("trace_file"):
+    with open(f"{sys.argv[1]}/{meta['trace_file']}", "rb") as f:
+        events = json.loads(gzip.decompress(f.read()))["traceEvents"]
+    names = sorted({e.get("name", "") for e in events if str(e.get("name", "")).startswith("aten::")})
+mon.close()
+print(json.dumps({"outcome": meta.get("outcome"), "aten": names}))
+"""
+
+
+def test_the_first_capture_on_a_serving_thread_records_and_prints_no_kineto_complaint(tmp_path) -> None:
+    """Without the profiler prepared at start(), the process's first capture starts Kineto on the serving thread:
+    Kineto then printed ``ERROR: External init callback must run in same thread as registerClient`` to stderr (the
+    client init it skips is empty in torch). The capture records the model's ops, and the line is not printed.
+    (A subprocess: Kineto prints it once a process, at its first start.)"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CAPTURE_ON_A_THREAD, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["outcome"] == "ok" and "aten::linear" in got["aten"], (got, proc.stderr[-3000:])
+    assert "External init callback" not in proc.stderr and "USDT:" not in proc.stderr, proc.stderr[-3000:]

@@ -105,16 +105,23 @@ def _no_cycle_warning() -> Iterator[None]:
         yield
 
 
+#: Lines of Kineto's that a start or stop writes to fd 2 and ``quiet_kineto`` drops: its ``USDT:`` trace points, and the
+#: complaint its first start in a process prints when it runs on another thread than the one that imported torch
+#: (torch registers its Kineto client there; a capture starts on a serving thread). On that line Kineto skips the
+#: client's ``init()``, which torch leaves empty: the profiler starts and records all the same (tests/test_capture.py).
+_KINETO_NOISE = (b"USDT:", b"ERROR: External init callback must run in same thread as registerClient")
+
+
 def quiet_kineto(fn: Callable[[], None]) -> None:
-    """Run ``fn`` (a profiler start or stop) with Kineto's ``USDT:`` stderr lines filtered out
-    (and torch's one-cycle warning ignored: ``_no_cycle_warning``).
+    """Run ``fn`` (a profiler start or stop) with Kineto's ``USDT:`` stderr lines filtered out, and its
+    wrong-thread complaint (``_KINETO_NOISE``), and torch's one-cycle warning ignored (``_no_cycle_warning``).
 
     Kineto logs ``USDT: ... profiler_start`` / ``profiler_stop`` at its USDT severity (5), above
     ERROR (4), so no ``KINETO_LOG_LEVEL`` hides them without also hiding Kineto's errors (6 hides
     everything), and the level is read once, at the first profiler start in the process. Instead,
     fd 2 points at an anonymous temp file for the duration of the call (a start ~1 ms; a stop as long
     as the stop, ~0.7 s at the default memory bound for a large model) and everything written there
-    except lines starting ``USDT:`` is written back to the real stderr. Another thread's stderr output
+    except those lines is written back to the real stderr. Another thread's stderr output
     in that window is delayed, not lost; a process killed inside the window would lose it.
     """
     try:
@@ -145,7 +152,7 @@ def quiet_kineto(fn: Callable[[], None]) -> None:
             raise
     finally:
         os.close(saved)
-        kept = b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"USDT:"))
+        kept = b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(_KINETO_NOISE))
         while kept:
             try:
                 kept = kept[os.write(2, kept):]
