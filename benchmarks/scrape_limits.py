@@ -16,7 +16,7 @@ the time it paused for its budget.
 server does (a transformers server holds a few million): full garbage collections then take what they take in
 such a process (~0.6 s at 850,000 objects here) and come round every few scrapes, and a render (the process's
 largest burst of allocations) is often the one that starts them, on the HTTP thread. Printed beside the scrapes:
-full collections meanwhile and the seconds of collections that ran on the HTTP thread (left out of its budget).
+full collections meanwhile and the seconds of those that ran on the HTTP thread (left out of its budget).
 
 ``--interval 1.5 --budget 0.1`` compresses the schedule tenfold at the same budget ratio (CPU per scrape
 interval); waits for the budget shrink tenfold with it, render times do not.
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{t:.3f}" if t != float("inf") else f"> {args.client_timeout:g} (gave up)"
 
     print(table(["scrapes", "p50 s", "p99 s", "max s", "over 10 s", "failed", "HTTP CPU (share of a core)",
-                 "paused s", "full GCs", "GC s on the HTTP thread"],
+                 "paused s", "full GCs", "full-GC s on the HTTP thread"],
                 [[len(took), secs(statistics.median(took)), secs(p99), secs(max(took)),
                   sum(1 for t in took if t > 10.0), failed, f"{cpu / wall:.4f}", f"{paused:.1f} of {wall:.0f}",
                   full, f"{on_http:.2f}"]]))

@@ -160,7 +160,7 @@ class Config:
     #: when nobody reads (telemetry/nvml.py).
     nvml_interval_seconds: float = 5.0
     #: Time the process's garbage-collection pauses (a ``gc.callbacks`` hook, ~1 µs a collection) and mark the
-    #: timed calls and generation requests they overlapped (telemetry/gcpauses.py). Off, the hook still sums the
+    #: timed calls and generation requests they overlapped (telemetry/gcpauses.py). Off, the hook still sums the full
     #: collections that run on the agent's HTTP thread, which its CPU budget leaves out (they are the heap's work).
     gc_pauses: bool = True
     #: Where captures and allocator snapshots go (created 0700).

@@ -205,8 +205,8 @@ def test_install_is_idempotent_and_the_hook_is_in_gc_callbacks_once_for_two_ring
 
 
 def test_a_thread_gc_clock_sums_the_collections_of_its_own_thread_only() -> None:
-    """ThreadGc bound on a thread sums the collections that run there, not another thread's; binding puts the
-    one hook in gc.callbacks with no ring installed, and it leaves with the last binding."""
+    """ThreadGc bound on a thread sums the full collections that run there, not young ones, not another thread's;
+    binding puts the one hook in gc.callbacks with no ring installed, and it leaves with the last binding."""
     before = _hooks()
     clock = ThreadGc()
     bound, collected, done = threading.Event(), threading.Event(), threading.Event()
@@ -218,6 +218,9 @@ def test_a_thread_gc_clock_sums_the_collections_of_its_own_thread_only() -> None
         try:
             assert collected.wait(30)
             seen["after_other"] = clock.seconds()
+            gc.collect(0)
+            gc.collect(1)
+            seen["after_young"] = clock.seconds()  # young collections: the thread's own allocations, not summed
             gc.collect(2)
             seen["after_own"] = clock.seconds()
         finally:
@@ -235,7 +238,7 @@ def test_a_thread_gc_clock_sums_the_collections_of_its_own_thread_only() -> None
     finally:
         collected.set()
         t.join(30)
-    assert seen["after_other"] == 0.0
+    assert seen["after_other"] == 0.0 and seen["after_young"] == 0.0
     assert seen["after_own"] > 0.0
     assert clock.seconds() == seen["after_own"]  # kept after unbind, and nothing added since
     gc.collect(0)

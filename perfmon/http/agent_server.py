@@ -14,7 +14,7 @@ This server instead:
   (``http_cpu_budget`` of one core: scrapes first, everything else only above a reserve kept for
   scrapes). Every CPU second of the loop is charged to one of them, so no client can make the agent
   take more than 1.5x its budget from the model; what waits stays parked or in the kernel's queue.
-  Garbage collections that run on the loop's thread are left out (``ThreadGc``): a full one is the
+  Full garbage collections that run on the loop's thread are left out (``ThreadGc``): one is the
   heap's work (0.3-1 s in a large server), and charged it put the budget a minute in debt;
 - reads everything that arrived before answering, and answers every ``/metrics`` request that was
   read before a render started from that render (per format): 50 scrapers cost one render;
@@ -106,7 +106,7 @@ class AgentServer:
         self.cpu = cpu if cpu is not None else AgentCpu()
         self.shedding = shedding if shedding is not None else HttpShedding()
         self.internal = internal if internal is not None else InternalErrors()
-        #: Collections that run on the loop's thread are the heap's work, not the agent's: no budget pays them.
+        #: Full collections that run on the loop's thread are the heap's work, not the agent's: no budget pays them.
         self.gc_clock = gc_clock if gc_clock is not None else ThreadGc()
         self._listener = bind_listener(host, port, port_range)
         self.port = int(self._listener.getsockname()[1])
@@ -164,7 +164,7 @@ class AgentServer:
     # -- the loop --------------------------------------------------------------------------------
 
     def _cpu(self) -> float:
-        """The loop thread's CPU seconds less the collections that ran on it: what the budgets are charged."""
+        """The loop thread's CPU seconds less the full collections that ran on it: what the budgets are charged."""
         return time.thread_time() - self.gc_clock.seconds()
 
     def _serve(self) -> None:

@@ -2,7 +2,7 @@
 
     any thread, GIL held   _on_gc(phase, info): "start" stamps perf_counter_ns; "stop" appends
                            (start_ns, end_ns, generation, collected) to each installed GcPauses' ring,
-                           and adds the pause to a bound ThreadGc when the collecting thread is its thread
+                           and adds a full (gen-2) one to a bound ThreadGc when it ran on that one's thread
     resolver thread        GcPauses.drain() ─► sinks (the pause histogram, collected objects) and the kept
                            pauses (sorted by time) that mark() and summary() read
 
@@ -15,7 +15,7 @@ collecting thread already holds).
 
 One hook per process whatever the number of monitors: ``install()`` adds this monitor's ring to the hook's
 tuple and puts the hook in ``gc.callbacks`` once; ``uninstall()`` takes the ring out, and the hook with the
-last one (unless a ``ThreadGc`` still sums a thread's collections: the HTTP loop's budget leaves them out).
+last one (unless a ``ThreadGc`` still sums a thread's full collections: the HTTP loop's budget leaves them out).
 A forked child keeps both (``gc.callbacks`` and this module's state are copied), so a monitor that restarts
 there finds itself installed; ``reset_after_fork`` empties what the parent recorded.
 
@@ -66,7 +66,7 @@ PauseSink = Callable[[list[Pause]], None]
 # The hook's state: module globals, the cheapest reads from the callback.
 _start_ns = 0
 _rings: tuple[collections.deque[Pause], ...] = ()
-#: Threads whose collections are summed (``ThreadGc``): thread ident -> [nanoseconds].
+#: Threads whose full (generation-2) collections are summed (``ThreadGc``): thread ident -> [nanoseconds].
 _threads: dict[int, list[int]] = {}
 _errors = itertools.count()
 _last_error: BaseException | None = None
@@ -87,7 +87,7 @@ def _on_gc(phase: str, info: dict[str, int]) -> None:
                 pause = (start, end, info["generation"], info["collected"])
                 for ring in _rings:
                     ring.append(pause)
-            if _threads:
+            if _threads and info["generation"] == 2:
                 spent = _threads.get(get_ident())
                 if spent is not None:
                     spent[0] += end - start
@@ -117,13 +117,15 @@ def _hook_needed() -> None:
 
 
 class ThreadGc:
-    """Seconds of garbage collection that ran on one thread: what the agent's HTTP loop leaves out of its budgets.
+    """Seconds of full garbage collections that ran on one thread: what the agent's HTTP loop leaves out of its budgets.
 
-    A collection runs on whichever thread allocates past the threshold, and its work is the whole heap's, not
-    that thread's: a full (gen-2) collection of a server holding a few million objects takes 0.3-1 s. Charged
-    to the HTTP loop's 1%-of-a-core budget, one that happened to land there put the budget 30-100 s in debt,
-    and the next scrapes missed Prometheus' timeout. ``bind()`` on the thread itself (the hook goes into
-    ``gc.callbacks`` while a thread is bound), ``seconds()`` from that thread, ``unbind()`` when it ends.
+    A collection runs on whichever thread allocates past the threshold. A full (generation-2) one's work is the whole
+    heap's, not that thread's: in a server holding a few million objects it takes 0.3-1 s. Charged to the HTTP loop's
+    1%-of-a-core budget, one that happened to land there put the budget 30-100 s in debt, and the next scrapes missed
+    Prometheus' timeout. Young collections (generations 0 and 1) stay charged: their work is the recent allocations,
+    which the thread's own work drives (a flood of requests must not buy itself collections the budget does not see).
+    ``bind()`` on the thread itself (the hook goes into ``gc.callbacks`` while a thread is bound), ``seconds()`` from
+    that thread, ``unbind()`` when it ends.
     """
 
     def __init__(self) -> None:
@@ -131,7 +133,7 @@ class ThreadGc:
         self._ident: int | None = None
 
     def bind(self) -> None:
-        """Sum the collections that run on the calling thread from now on. Idempotent on that thread."""
+        """Sum the full collections that run on the calling thread from now on. Idempotent on that thread."""
         with _lock:
             self._ident = get_ident()
             _threads[self._ident] = self._spent
@@ -146,7 +148,7 @@ class ThreadGc:
             _hook_needed()
 
     def seconds(self) -> float:
-        """Seconds of collections on the bound thread since it was first bound (0.0 while none ran)."""
+        """Seconds of full collections on the bound thread since it was first bound (0.0 while none ran)."""
         return self._spent[0] / 1e9
 
 
