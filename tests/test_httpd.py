@@ -239,8 +239,10 @@ def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:
     mon = make_monitor(port=0, http_cpu_budget=0.02).start()
     mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
     port = _port(mon)
+    assert mon.ports.server is not None
+    gc_clock = mon.ports.server.gc_clock
     t0 = time.monotonic()
-    cpu0 = mon.cpu.totals()["http"]
+    cpu0, full0 = mon.cpu.totals()["http"], gc_clock.seconds()
     answered = [0]
     stop = threading.Event()
 
@@ -263,7 +265,9 @@ def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:
         for t in threads:
             t.join(60)
     elapsed = time.monotonic() - t0
-    spent = mon.cpu.totals()["http"] - cpu0
+    # What the budgets charge: the thread's CPU less the full collections that ran on it (the heap's work: 0.57 s in
+    # this suite's process by the time it runs late, and a flood makes the server's thread a likely host of one).
+    spent = (mon.cpu.totals()["http"] - cpu0) - (gc_clock.seconds() - full0)
     # by construction: the burst (0.1 s) + the budget over the elapsed time + one loop turn's overshoot
     assert spent <= 0.1 + 0.02 * elapsed + 0.05, (spent, elapsed)
     assert answered[0] > 0
