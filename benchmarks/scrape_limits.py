@@ -14,8 +14,8 @@ the time it paused for its budget.
 
 ``--heap N`` has the application hold N live objects and keep each request's record for a while, as a large
 server does (a transformers server holds a few million): full garbage collections then take what they take in
-such a process (~0.6 s at 850,000 objects here) and come round every few scrapes, and a render (the process's
-largest burst of allocations) is often the one that starts them, on the HTTP thread. Printed beside the scrapes:
+such a process (~0.6 s at 850,000 objects here) and come round every few scrapes, and a render (a burst of
+allocations) can be the one that starts one, on the HTTP thread. Printed beside the scrapes:
 full collections meanwhile and the seconds of those that ran on the HTTP thread (left out of its budget).
 
 ``--interval 1.5 --budget 0.1`` compresses the schedule tenfold at the same budget ratio (CPU per scrape

@@ -21,6 +21,7 @@ from perfmon.http.wire import MAX_HEADER_BYTES
 from perfmon.selfcost import CpuBudget
 
 from .conftest import assert_answered_in_time, churning, value, wait_until
+from .conftest import http as fetch
 
 
 def _raw(port: int, data: bytes, *, timeout: float = 10) -> bytes:
@@ -33,18 +34,6 @@ def _raw(port: int, data: bytes, *, timeout: float = 10) -> bytes:
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
-
-
-def _get(port: int, path: str, *, timeout: float) -> int:
-    """One GET on a new connection: the status (raises past ``timeout``)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
 
 
 def _port(mon) -> int:
@@ -302,7 +291,6 @@ def test_a_collection_on_the_server_thread_is_not_charged_to_its_budget(make_mon
     timed as every collection is."""
     mon = make_monitor(port=0).start()
     mon.wrap(torch.nn.Linear(2, 2), name="m")(torch.randn(1, 2))
-    port = _port(mon)
     full = _FullCollection()
     mon.registry.register(full)
 
@@ -316,10 +304,10 @@ def test_a_collection_on_the_server_thread_is_not_charged_to_its_budget(make_mon
     gc.callbacks.append(large_heap)  # after perfmon's hook: its start stamp comes first, so the pause includes it
     try:
         full.armed.set()
-        assert _get(port, "/metrics", timeout=30) == 200
+        assert fetch(f"{mon.url}/metrics", timeout=30)[0] == 200
         assert full.ran.is_set()
         t0 = time.monotonic()
-        assert _get(port, "/metrics", timeout=10) == 200  # Prometheus' default scrape timeout
+        assert fetch(f"{mon.url}/metrics", timeout=10)[0] == 200  # Prometheus' default scrape timeout
         took = time.monotonic() - t0
     finally:
         gc.callbacks.remove(large_heap)
