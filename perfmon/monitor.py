@@ -65,7 +65,8 @@ class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
     ``CollectorRegistry``; a private one by default), ``cuda`` (a ``CudaBackend``; real CUDA when
     available), ``nvml`` (anything with pynvml's API; pynvml by default), ``memory`` (a
     ``MemorySource``; torch's allocator when CUDA is available) and ``trace_reader`` (a ``TraceReader``
-    giving the caller's OpenTelemetry span for exemplars, or None; OpenTelemetry's when installed).
+    giving the caller's OpenTelemetry span for exemplars, called on the request thread; an ``exemplars.Deferred``,
+    taken there and read on the resolver thread; or None; OpenTelemetry's, deferred, when installed).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None, cuda: CudaBackend | None = None,
@@ -81,7 +82,8 @@ class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
         logger = functools.partial(make_logger, cfg.log_format, cfg.log_level)
         self.log = logger(component="monitor")  # the process hooks log through it (perfmon.process)
         hub = self._hub = Hub(cfg, cuda if cuda is not None else TorchCuda() if torch.cuda.is_available() else NoCuda())
-        hub.trace_reader = hub.trace_reader if trace_reader is OTEL else trace_reader  # type: ignore[assignment]
+        if trace_reader is not OTEL:
+            hub.set_trace_reader(trace_reader)  # type: ignore[arg-type]
         #: Faults inside the agent, counted (perfmon_internal_errors_total), and its threads' CPU time.
         self.internal, self.cpu = hub.internal, hub.cpu
         self.registry = registry if registry is not None else CollectorRegistry()

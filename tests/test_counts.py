@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 from typing import Any
 
@@ -215,6 +216,28 @@ def test_call_sampler_times_the_first_call_a_share_and_one_per_floor() -> None:
     tenth = CallSampler(0.1, 3600.0, seed=7)
     share = sum(bool(tenth.pick(i)) for i in range(20_000)) / 20_000
     assert 0.09 < share < 0.11, share
+
+
+def test_the_sampled_share_holds_through_gaps_drawn_in_batches(make_monitor) -> None:
+    """A timed call takes its next gap from a batch drawn ahead (``Sampler.gaps``, ``GAP_BATCH`` at a time): over
+    many batches the gaps are uniform over 1 .. 2N-1 as the Sampler draws them, so the share of calls timed is the
+    rate (the batch's refill is on a timed call's path: a wrong one would show here)."""
+    from perfmon.agent.sampling import Sampler
+    from perfmon.agent.state import GAP_BATCH
+
+    sampler = Sampler(0.05, 3600.0, seed=3)
+    gaps = [g for _ in range(40) for g in sampler.gaps(GAP_BATCH)]
+    assert min(gaps) == 1 and max(gaps) == 39 and abs(statistics.mean(gaps) - 20) < 0.5
+    assert list(Sampler(1.0, 3600.0).gaps(5)) == [1] * 5
+    mon = make_monitor(sample_rate=0.05, warmup_calls=0, sample_floor_seconds=3600.0, queue_size=4096).start()
+    model = mon.wrap(torch.nn.Identity(), name="ident")
+    x = torch.ones(1)
+    calls = 20 * GAP_BATCH * 8  # ~8 batches of gaps used
+    for _ in range(calls):
+        model(x)
+    mon.flush()
+    sampled = value(mon, "perfmon_forward_sampled_total", model="ident")
+    assert 0.045 < sampled / calls < 0.055, sampled / calls  # ~2,048 timed: ±5 sd is ±0.5 percentage points
 
 
 def test_errors_counted_by_class_with_a_cap(make_monitor) -> None:

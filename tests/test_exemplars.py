@@ -17,7 +17,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from perfmon.agent.exemplars import otel_reader
 from perfmon.testing import BusyWait
 
-from .conftest import http, promtool_check, wait_until
+from .conftest import hist_count, http, promtool_check, wait_until
 from .prom import running_prometheus
 
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -149,6 +149,75 @@ def test_a_failing_trace_reader_costs_the_exemplar_not_the_sample(make_monitor) 
                                          {"model": "lin", "device": "cpu", "phase": "steady", "stage": ""}) == 4
 
 
+def _exemplars(mon: Any, model: str) -> set[str]:
+    """The exemplars' label sets on ``model``'s steady latency buckets, from its registry rendered as OpenMetrics."""
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    body = generate_latest(mon.registry)
+    return {ln.split(" # ", 1)[1].split("}", 1)[0] + "}" for ln in _bucket_lines(body, model)
+            if 'phase="steady"' in ln and " # " in ln}
+
+
+def test_the_exemplar_is_the_span_the_call_ran_in_read_off_the_request_thread(monkeypatch: pytest.MonkeyPatch,
+                                                                             make_monitor) -> None:
+    """By default the request thread takes OpenTelemetry's current context and the resolver thread finds the span
+    in it (exemplars.otel_deferred: the lookup's five frames cost a server's cold request thread ~8 µs a timed call).
+    The exemplar is still the span the call ran in, though that span has ended and another is current when it is
+    read; opentelemetry's span lookup never runs on the request thread."""
+    import opentelemetry.trace as otel_trace
+
+    looked: list[int] = []
+    real = otel_trace.get_current_span
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        looked.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(otel_trace, "get_current_span", recording)  # read when the monitor makes its reader
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    model(torch.randn(1, 4))  # the cold call
+    with _span(trace_id=7, span_id=9):
+        for _ in range(3):
+            model(torch.randn(1, 4))
+    with _span(trace_id=8, span_id=10):  # current while the resolver reads, on its own thread
+        wait_until(lambda: hist_count(mon, "lin", "steady") == 3,
+                   timeout=20, what="the resolver thread's pass")
+    assert _exemplars(mon, "lin") == {f'{{span_id="{9:016x}",trace_id="{7:032x}"}}'}
+    assert looked and threading.get_ident() not in looked, looked
+
+
+def test_a_user_deferred_reader_is_taken_on_the_request_thread_and_read_on_the_resolvers(make_monitor) -> None:
+    """``Monitor(trace_reader=Deferred(take, read))``: ``take`` on the calling thread at each timed call, ``read`` on
+    the resolver thread with what ``take`` gave; a ``read`` that raises costs that exemplar, not the sample."""
+    from perfmon.agent.exemplars import Deferred
+
+    took: list[int] = []
+    read: list[tuple[int, int]] = []
+
+    def take() -> int:
+        took.append(threading.get_ident())
+        return len(took)
+
+    def reading(taken: int) -> tuple[int, int] | None:
+        read.append((taken, threading.get_ident()))
+        if taken == 2:
+            raise RuntimeError("tracer broke")
+        return (taken, 1)
+
+    mon = make_monitor(sample_rate=1.0, warmup_calls=1, trace_reader=Deferred(take, reading)).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    for _ in range(4):
+        model(torch.randn(1, 4))
+    wait_until(lambda: len(read) == 4, timeout=20, what="the resolver reading every timed call's trace")
+    assert took == [threading.get_ident()] * 4
+    assert sorted(t for t, _ in read) == [1, 2, 3, 4] and threading.get_ident() not in {i for _, i in read}
+    wait_until(lambda: hist_count(mon, "lin", "steady") == 3,
+               timeout=20, what="every steady sample counted, the one whose read raised too")
+    assert mon.registry.get_sample_value("perfmon_internal_errors_total", {"stage": "exemplar"}) == 1
+    assert _exemplars(mon, "lin") == {f'{{span_id="{1:016x}",trace_id="{4:032x}"}}'}  # the latest steady call's
+
+
 @pytest.mark.parametrize("trace_id, span_id, kept", [
     (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, True), ((1 << 128) - 1, (1 << 64) - 1, True),
     (1 << 128, 1, False), (1, 1 << 64, False), (-5, 7, False), ("abc", 7, False), (1.5, 7, False), (0, 7, False),
@@ -161,14 +230,15 @@ def test_only_w3c_sized_sampled_ids_make_exemplars(monkeypatch: pytest.MonkeyPat
 
     import opentelemetry.trace as otel_trace
 
-    from perfmon.agent.exemplars import otel_reader
+    from perfmon.agent.exemplars import otel_deferred, otel_reader
 
     ctx = types.SimpleNamespace(trace_id=trace_id, span_id=span_id, trace_flags=types.SimpleNamespace(sampled=True))
     monkeypatch.setattr(otel_trace, "get_current_span",
-                        lambda: types.SimpleNamespace(get_span_context=lambda: ctx))
-    reader = otel_reader()
-    assert reader is not None
+                        lambda context=None: types.SimpleNamespace(get_span_context=lambda: ctx))
+    reader, deferred = otel_reader(), otel_deferred()
+    assert reader is not None and deferred is not None
     assert (reader() is not None) is kept
+    assert (deferred.read(deferred.take()) is not None) is kept  # the default: the same checks, on the resolver
 
 
 def test_an_exemplar_that_cannot_be_built_costs_the_exemplar_not_the_sample() -> None:

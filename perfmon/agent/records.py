@@ -38,7 +38,9 @@ class Pending(NamedTuple):
     device: str  # the device label at the time of the call ("cpu", "cuda:0")
     items: int | None = None  # items (batch size by default) the call carried, when known
     size: int | None = None  # the call's work for like-for-like detection (see Sample.size)
-    trace: tuple[int, int] | None = None  # (trace_id, span_id) of the caller's sampled OpenTelemetry span
+    # (trace_id, span_id) of the caller's sampled OpenTelemetry span, or what the deferred reader took for the resolver
+    # to read it from (Hub.trace_read; exemplars.otel_deferred), or None
+    trace: Any = None
     sig: Any = None  # the call's phases.Signature (its FLOPs and bytes, once counted), None when not tracked
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator
 
 __all__ = ["EVERY_STEP", "TIMELINE", "CallSampler", "Sampler"]
 
@@ -45,6 +46,15 @@ class Sampler:
         if every == 1:
             return 1
         return 1 + int(self._random() * (2 * every - 1))
+
+    def gaps(self, n: int) -> Iterator[int]:
+        """``n`` gaps drawn as ``gap`` draws them, to be taken one by one with ``next()`` (a C call, where ``gap`` is
+        a Python frame: a timed call's cold cost after its end stamp, docs/design.md "After the end stamp")."""
+        every = self.every
+        if every == 1:
+            return itertools.repeat(1, n)
+        draw, width = self._random, 2 * every - 1
+        return iter([1 + int(draw() * width) for _ in range(n)])
 
     def floor_due(self, last_sample_ns: int, now_ns: int) -> bool:
         """True when the model has gone ``floor_seconds`` without a timed call."""

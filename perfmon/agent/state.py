@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -22,13 +22,16 @@ from ..faults import InternalErrors
 from ..selfcost import AgentCpu, HttpShedding
 from .clocks import CudaBackend, EventPair, EventPools
 from .errors import ErrorCounts
-from .exemplars import TraceReader, otel_reader
+from .exemplars import Deferred, TraceReader, otel_deferred
 from .items import ItemCounts
 from .phases import Signature, SignatureTable, batch_of, work_of
 from .records import DROP_REASONS, Pending
 from .sampling import Sampler
 
-__all__ = ["Hub", "ModelState", "Token"]
+__all__ = ["GAP_BATCH", "Hub", "ModelState", "Token"]
+
+#: Gaps a model draws at once for its timed calls (``Sampler.gaps``): ~20 µs a batch, once per 256 timed calls.
+GAP_BATCH = 256
 
 _OOM = torch.cuda.OutOfMemoryError
 #: Builds a ``Pending`` from its fields in order without the named tuple's Python ``__new__`` (~70 against ~320 ns a
@@ -42,6 +45,11 @@ _WALL: dict[bool, Token] = {True: (True, None, None), False: (False, None, None)
 
 class Hub:
     """What every model's hot path shares: the queue to the resolver, the event pools, fault counts."""
+
+    # Slots: a timed call reads five of these after its end stamp, each a slot read rather than an instance dict's
+    # lookup (what a cold cache makes dear: docs/design.md, "After the end stamp").
+    __slots__ = ("_wake_at", "backend", "config", "cpu", "created_ns", "http", "internal", "on_oom", "pools", "queue",
+                 "queue_size", "requests", "started_ns", "timing", "trace_read", "trace_reader", "wake", "wake_at")
 
     def __init__(self, config: Config, backend: CudaBackend) -> None:
         self.config = config
@@ -68,8 +76,20 @@ class Hub:
         self.created_ns = self.started_ns = perf_counter_ns()
         #: Called on the request thread with a CUDA OutOfMemoryError (the allocator snapshot).
         self.on_oom: Callable[[BaseException], object] | None = None
-        #: Reads the caller's OpenTelemetry span on timed calls only (exemplars); None without OTel.
-        self.trace_reader: TraceReader | None = otel_reader()
+        #: On timed calls only, after the end stamp (exemplars): reads the caller's OpenTelemetry span, or (with
+        #: ``trace_read`` set) takes what the resolver reads it from; None: no exemplars (no OTel).
+        self.trace_reader: TraceReader | Callable[[], Any] | None = None
+        #: The resolver's half of the default reader (``exemplars.Deferred.read``), or None: ``trace_reader`` reads.
+        self.trace_read: Callable[[Any], tuple[int, int] | None] | None = None
+        self.set_trace_reader(otel_deferred())
+
+    def set_trace_reader(self, reader: TraceReader | Deferred | None) -> None:
+        """A reader for the exemplars' spans: a ``TraceReader`` (on the request thread), a ``Deferred`` (taken
+        there, read on the resolver thread) or None (no exemplars)."""
+        if isinstance(reader, Deferred):
+            self.trace_reader, self.trace_read = reader.take, reader.read
+        else:
+            self.trace_reader, self.trace_read = reader, None
 
     def first_forward_origin(self, end_ns: int) -> int:
         """Where a model's time to first forward counts from, for a first call that ended at ``end_ns``: the monitor's
@@ -104,7 +124,7 @@ class ModelState:
 
     __slots__ = (
         "_resolve_device", "attached", "calls", "capturable", "capture", "cuda_index", "device", "drops", "errors",
-        "gap", "hub", "item_counts", "items_fn", "items_on", "last_sample_ns", "name", "next_index", "sampled",
+        "gap", "gaps", "hub", "item_counts", "items_fn", "items_on", "last_sample_ns", "name", "next_index", "sampled",
         "sampler", "sigs", "stage", "stages", "table", "target", "warm", "warmup",
     )
 
@@ -134,6 +154,8 @@ class ModelState:
         self.sampler = Sampler(cfg.sample_rate, cfg.sample_floor_seconds)
         #: Calls from a steady timed call to the next: drawn after a timed call, added at the next one (``begin``).
         self.gap = self.sampler.gap()
+        #: The gaps ``finish`` takes next (``Sampler.gaps``; empty: the first timed call draws a batch).
+        self.gaps: Iterator[int] = iter(())
         # 0 until warm-up ends: every warm-up call takes the (cold, timed) slow path.
         self.next_index = 0 if cfg.warmup_calls else self.sampler.first_index(0)
         self.last_sample_ns = perf_counter_ns()
@@ -285,7 +307,14 @@ class ModelState:
             if pair is not None:
                 pair.end.record(stream)
             next(self.sampled)
-            self.gap = self.sampler.gap()
+            # The next gap from a batch drawn ahead: one C call, where the Sampler's draw is a Python frame of its own
+            # (~3-7 µs of a timed call's cold cost after its end stamp in a server: docs/design.md, "After the end
+            # stamp").
+            gap = next(self.gaps, 0)
+            if not gap:  # the batch used up (1 timed call in GAP_BATCH): the next one
+                self.gaps = gaps = self.sampler.gaps(GAP_BATCH)
+                gap = next(gaps)
+            self.gap = gap
             size = items  # an items callable's count is the size class too
             if sig is not None:
                 if items is None:
@@ -313,6 +342,7 @@ class ModelState:
                 return
             # The caller's span, for an exemplar: read here, on timed calls only and after the end stamp
             # (never in the measured time); ~1 µs with OpenTelemetry (docs/design.md, "Exemplars").
+            # The default reader's first half (exemplars.otel_deferred): OpenTelemetry's context, read by the resolver.
             reader = hub.trace_reader
             trace = None
             if reader is not None:
