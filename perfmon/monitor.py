@@ -148,6 +148,7 @@ class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
             if self._registrations.closed:
                 raise ConfigError("perfmon: this Monitor was closed; make a new one")
             cfg = self.config
+            self.captures.accept()
             self._hub.timing = True
             assembly.sweep_trace_dir(self)
             if cfg.prepare_profiler:

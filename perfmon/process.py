@@ -23,10 +23,12 @@ import atexit
 import ctypes
 import os
 import sys
+import threading
 import weakref
 from typing import Any
 
 from .captures.profiler import profiler_has_run, warm_up_profiler
+from .captures.profiler import reset_after_fork as reset_profiler_after_fork
 
 __all__ = ["PREFORK_SERVERS", "live", "prefork_server", "prepare_profiler"]
 
@@ -39,6 +41,12 @@ _PROFILER_PREPARED = False
 _WARNED_FORK = False
 #: This process's exit skips the C++ static destructors (see the module doc); a fork copies it.
 _EXIT_GUARDED = False
+#: Set while the fork hook resets and restarts the agents (``prepare_profiler`` then runs on a thread).
+_IN_FORK_HOOK = False
+#: The thread preparing the profiler, started from the fork hook, or None.
+_PREPARING: threading.Thread | None = None
+#: How long the exit waits for that thread before it skips the C++ destructors (seconds).
+_PREPARE_EXIT_WAIT_SECONDS = 5.0
 
 #: Modules whose presence means this process may be a pre-fork server's master: it imports the
 #: application (and so starts the monitor), then forks the workers.
@@ -57,9 +65,15 @@ def prefork_server(modules: Any, *, forked: bool) -> str | None:
 
 
 def prepare_profiler(log: Any, internal: Any) -> None:
-    """Take Kineto's ~1 s first start off the first capture, where that is safe (see ``Config.prepare_profiler``)."""
-    global _PROFILER_PREPARED
-    if _PROFILER_PREPARED:
+    """Take Kineto's ~1 s first start off the first capture, where that is safe (see ``Config.prepare_profiler``).
+
+    Inside the fork hook (a monitor restarting in a pre-fork server's worker) it runs on a thread of its own: the
+    hook runs within ``os.fork()``, before the server has set up the worker (gunicorn installs the worker's signal
+    handlers after it), so seconds spent there delayed every worker's boot and a SIGTERM meanwhile went to the
+    master's handlers, copied into the worker, which ignore it: the worker stayed up until SIGKILLed at
+    ``--graceful-timeout`` (3 of 3). A capture armed while it runs waits for it (``profiler_warming``)."""
+    global _PROFILER_PREPARED, _PREPARING
+    if _PROFILER_PREPARED or (_PREPARING is not None and _PREPARING.is_alive()):
         return
     server = prefork_server(sys.modules, forked=_FORKED)
     if server is not None:
@@ -67,6 +81,16 @@ def prepare_profiler(log: Any, internal: Any) -> None:
                  note="this process may fork workers: each worker prepares its own profiler "
                       "when its monitor restarts after the fork")
         return
+    if _IN_FORK_HOOK:
+        _PREPARING = threading.Thread(target=_prepare, args=(log, internal), name="perfmon-profiler-prepare",
+                                      daemon=True)
+        _PREPARING.start()
+        return
+    _prepare(log, internal)
+
+
+def _prepare(log: Any, internal: Any) -> None:
+    global _PROFILER_PREPARED
     try:
         took = warm_up_profiler()
         _PROFILER_PREPARED = True
@@ -126,9 +150,11 @@ def forked_for(frame: Any, *, depth: int = 64) -> str | None:
 
 
 def _reinit_after_fork() -> None:
-    global _FORKED, _PROFILER_PREPARED, _EXIT_GUARDED
+    global _FORKED, _PROFILER_PREPARED, _EXIT_GUARDED, _IN_FORK_HOOK, _PREPARING
     _FORKED = True
     _PROFILER_PREPARED = False  # the child's own Kineto state is not initialised by the parent's run
+    _PREPARING = None  # a preparation the parent ran has no thread here
+    reset_profiler_after_fork()
     if profiler_has_run() and not _EXIT_GUARDED and sys.platform.startswith("linux"):
         _EXIT_GUARDED = True  # a grandchild inherits this handler with the rest of the atexit list
         atexit.register(_exit_through_underscore_exit)
@@ -137,11 +163,15 @@ def _reinit_after_fork() -> None:
         restart = forked_for(sys._getframe(1)) is None
     except Exception:  # pragma: no cover - a fork with no Python caller: restart, as before
         restart = True
-    for agent in list(live):
-        try:
-            agent.after_fork_in_child(restart=restart)
-        except Exception:  # pragma: no cover - never break the child process
-            pass
+    _IN_FORK_HOOK = True  # what takes seconds goes to a thread (prepare_profiler)
+    try:
+        for agent in list(live):
+            try:
+                agent.after_fork_in_child(restart=restart)
+            except Exception:  # pragma: no cover - never break the child process
+                pass
+    finally:
+        _IN_FORK_HOOK = False
 
 
 def _stop_at_exit() -> None:
@@ -159,6 +189,10 @@ def _stop_at_exit() -> None:
             recording = recording or agent.captures.state == "recording"
         except Exception:  # pragma: no cover
             pass
+    preparing = _PREPARING
+    if preparing is not None:  # a worker told to exit as it booted: Kineto may be mid-start on that thread
+        preparing.join(_PREPARE_EXIT_WAIT_SECONDS)
+        recording = recording or preparing.is_alive()
     if recording and not _EXIT_GUARDED and sys.platform.startswith("linux"):
         _EXIT_GUARDED = True
         _exit_through_underscore_exit()

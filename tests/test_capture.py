@@ -334,6 +334,42 @@ def test_users_own_profiler_is_never_nested_or_wiped(make_monitor) -> None:
     assert any(e.key == "aten::linear" and e.count == 2 for e in prof.key_averages())
 
 
+def test_a_capture_armed_while_perfmon_prepares_a_profiler_waits_for_it(make_monitor) -> None:
+    """A forked worker prepares its profiler on a thread of its own: a capture armed meanwhile is not refused as
+    "another torch profiler" (that profiler is perfmon's own warm-up), and the model's calls while a start of
+    perfmon's is in progress elsewhere leave it armed (untimed, unprofiled); the first call after records."""
+    from perfmon.captures.profiler import exclusive_start, warm_up_profiler
+
+    mon = make_monitor().start()
+    lin = torch.nn.Linear(4, 4)
+    want = lin(torch.ones(1, 4))
+    model = mon.wrap(lin, name="m")
+    held, release = threading.Event(), threading.Event()
+
+    def elsewhere() -> None:  # what a warm-up holds while it starts its profiler
+        with exclusive_start() as free:
+            assert free
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    try:
+        assert held.wait(10)
+        cap = mon.capture("m", steps=2)
+        for _ in range(3):
+            assert torch.equal(model(torch.ones(1, 4)), want)
+        assert mon.captures.state == "armed"  # waiting, not failed
+    finally:
+        release.set()
+        t.join(10)
+    for _ in range(2):
+        model(torch.ones(1, 4))
+    meta = wait_outcome(mon, cap["id"])
+    assert meta["outcome"] == "ok" and meta["steps_recorded"] == 2, meta
+    assert warm_up_profiler() >= 0.0  # a warm-up after it: nothing running, it starts and stops one
+
+
 def test_armed_capture_expires_and_stop_aborts(make_monitor) -> None:
     """An armed capture with no call expires as aborted; stop() aborts an armed one; the slot frees."""
     mon = make_monitor(capture_arm_timeout_seconds=0.05).start()

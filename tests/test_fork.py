@@ -244,3 +244,52 @@ def test_data_loader_workers_start_no_agent_and_leave_the_port_to_the_parent() -
     assert (got["worker_running"], got["worker_threads"], got["worker_urls"]) == (False, 0, ["None"])
     assert got["same_url"] and got["served"]
     assert "port_unavailable" not in done.stdout + done.stderr
+
+
+_FORK_WHILE_RECORDING = r"""
+import json, threading, time, torch, perfmon
+from torch.utils.data import DataLoader, TensorDataset
+torch.set_num_threads(1)
+mon = perfmon.Monitor(port=None, count_flops=False, trace_dir=%r, log_level="error").start()
+model = mon.wrap(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), name="enc")
+stop = threading.Event()
+def serve():
+    deadline = time.monotonic() + 60
+    with torch.inference_mode():
+        while not stop.is_set() and time.monotonic() < deadline:
+            model(torch.randn(2, 16))
+            stop.wait(0.02)  # ~50 calls a second: the capture's 100 steps outlast the workers' fork
+t = threading.Thread(target=serve, daemon=True)
+t.start()
+loader = DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=8, num_workers=2, timeout=60)
+mon.capture("enc", steps=100, max_seconds=30)
+deadline = time.monotonic() + 30
+while mon.captures.state != "recording" and time.monotonic() < deadline:
+    time.sleep(0.001)
+batches = iter(loader)  # two workers forked while the serving thread records
+state_at_fork = mon.captures.state
+batches = sum(1 for _ in batches)
+deadline = time.monotonic() + 60
+while mon.captures.state != "idle" and time.monotonic() < deadline:
+    time.sleep(0.01)
+stop.set()
+t.join(60)
+done = mon.profiles()[0]
+print(json.dumps({"at_fork": state_at_fork, "batches": batches, "outcome": done["outcome"],
+                  "ended_by": done["ended_by"]}))
+mon.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_workers_forked_while_a_capture_records_on_another_thread_live(tmp_path: Path) -> None:
+    """A DataLoader's workers forked while a capture records on the serving thread: each child clears the (absent)
+    owner thread's locals inside os.fork(), and the recording's end-of-thread finaliser used to stop the parent's
+    profiler there and start an export mid-fork: every worker died of SIGSEGV (5 of 5). Now the finaliser leaves a
+    child alone, the workers load every batch, and the parent's capture records on and ends as asked."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", _FORK_WHILE_RECORDING % str(tmp_path)], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"at_fork": "recording", "batches": 8, "outcome": "ok", "ended_by": "steps"}, got

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import perfmon
+from perfmon.captures.records import CaptureOptions
 from perfmon.http.security import is_loopback
 from perfmon.process import prefork_server
 from perfmon.testing import FakeNvml
@@ -447,3 +448,46 @@ def test_a_stopped_monitor_refuses_a_capture_and_its_mounted_route_says_409(make
     answer = Client(mon.wsgi_app).post("/profile", json={"model": "lin"}, headers=auth)
     assert answer.status_code == 409 and "stopped" in answer.get_json()["error"]
     assert mon.captures.state == "idle"
+
+
+def test_a_capture_racing_close_is_refused_or_cancelled_never_left_armed(make_monitor) -> None:
+    """capture() on one thread while close() runs on another: the stopped check and the arming were two steps,
+    and a capture armed between them stayed armed in the closed monitor (11-38 rounds in 100), so the next call
+    started the profiler and an export thread after close(). Arming now checks under the controller's lock, which
+    stop() takes to refuse further captures before it cancels what is armed. The controller refuses at once after
+    stop() (the interleaving the race hit), and twenty real races leave nothing armed."""
+    mon = make_monitor(port=None).start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+    mon.stop()
+    st = mon.models.pick("lin")  # what capture() had picked when stop() ran in between
+    with pytest.raises(perfmon.CaptureBusy, match="stopped"):
+        mon.captures.arm(st, CaptureOptions(), trigger="manual", reason={})
+    mon.start()
+    mon.capture("lin")  # accepted again once started
+    assert mon.captures.state == "armed"
+    mon.close()  # (armed, not recording: a recording would end at this thread's next call, which never comes)
+    assert mon.captures.state == "idle"
+    for _ in range(20):
+        mon = make_monitor(port=None).start()
+        model = mon.wrap(torch.nn.Linear(4, 4), name="lin")
+        go, done = threading.Event(), threading.Event()
+
+        def arming(mon: perfmon.Monitor = mon, go: threading.Event = go, done: threading.Event = done) -> None:
+            go.set()
+            deadline = time.monotonic() + 10
+            while not done.is_set() and time.monotonic() < deadline:
+                try:
+                    mon.capture("lin", steps=1)
+                except perfmon.CaptureBusy:
+                    pass
+
+        t = threading.Thread(target=arming)
+        t.start()
+        go.wait(10)
+        mon.close()
+        done.set()
+        t.join(30)
+        assert not t.is_alive() and mon.captures.state == "idle", mon.captures.state
+        model(torch.zeros(1, 4))  # the call after close() starts no profiler
+        assert mon.captures.state == "idle"
+        assert "perfmon-capture-export" not in [th.name for th in threading.enumerate()]

@@ -181,6 +181,37 @@ def test_gunicorn_preload_workers_count_exactly_respawn_and_exit_cleanly(tmp_pat
     assert not _events(stderr, "fork_after_profiler")
 
 
+def test_gunicorn_preload_workers_boot_before_their_profiler_is_ready_and_exit_on_sigterm(tmp_path: Path) -> None:
+    """The fork hook runs inside os.fork(), before gunicorn sets up the worker (its signal handlers come later): the
+    profiler's preparation there (1-8 s a worker here) delayed every worker's "Booting worker" line and made a
+    SIGTERM meanwhile land in the master's copied handlers, which ignore it (SIGKILL at --graceful-timeout, 3 of 3).
+    It now runs on a thread of its own: each worker boots first and says profiler_ready later, and a SIGTERM while
+    the workers still prepare is obeyed at once (their exits wait for the preparation, bounded)."""
+    pytest.importorskip("gunicorn")  # the dev extras install it; a bare Python (the GPU machines) may not
+    app_port = _free_range(1)
+    base = _free_range(3)
+    cmd = [sys.executable, "-m", "gunicorn", "--preload", "--no-control-socket", "-w", "2", "-k", "sync",
+           "-b", f"127.0.0.1:{app_port}", "--graceful-timeout", "30", "tests.apps.wsgi_model:app"]
+    log = tmp_path / "gunicorn.log"
+    # No FLOP counting: nothing in the master imports torch.profiler, so each worker's preparation imports it and
+    # starts Kineto (~0.8 s here, as in an application that never imported it; 9 ms once the master had).
+    env = _env(tmp_path, PERFMON_PORT=str(base), PERFMON_PORT_RANGE="3", PERFMON_COUNT_FLOPS="false")
+    with _server(cmd, env, log) as proc:
+        wait_until(lambda: len(_booted(log)) == 2, timeout=60, what="both workers' boot lines")
+        took = _stop(proc, timeout=40)
+    text = log.read_text(errors="replace")
+    lines = text.splitlines()
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    # By their own stamps (the processes' lines reach the shared log out of order): the workers' agents started (the
+    # master's first) before either profiler was ready. In the hook, each worker's was ready before it started.
+    started = sorted(e["timestamp"] for e in _events(text, "started"))[1:]
+    ready = sorted(e["timestamp"] for e in _events(text, "profiler_ready"))
+    assert len(started) == 2 and len(ready) == 2 and max(started) < min(ready), "\n".join(lines[-40:])
+    assert took < 15, f"workers took {took:.1f} s to exit (--graceful-timeout 30: ignored SIGTERMs wait it out)"
+    for bad in ("terminate called", "system_error", "Aborted", "Traceback", "Segmentation"):
+        assert bad not in "\n".join(lines), "\n".join(lines[-40:])
+
+
 def test_gunicorn_worker_without_a_free_port_serves_times_and_says_so(tmp_path: Path) -> None:
     """A port range one short (the master took a port too): the last worker logs an error naming the range,
     serves and times its calls, and its mounted /healthz says the port is unbound."""

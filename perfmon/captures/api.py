@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import CaptureBusy
 from .records import CaptureOptions
 
 if TYPE_CHECKING:
@@ -37,9 +36,7 @@ class CaptureApi:
         Raises ``LookupError`` for an unknown model, ``ConfigError`` for bad options, ``CaptureBusy``
         while a capture runs or the monitor is stopped, and ``CaptureRateLimited`` past ``manual_captures_per_hour``.
         """
-        if not self._hub.timing:  # stopped (or closed): no resolver to expire it, no stop() to end its recording
-            raise CaptureBusy("perfmon: the monitor is stopped; start() it before a capture", None)
-        st = self.models.pick(model)
+        st = self.models.pick(model)  # (stopped or closed: the controller refuses it, under its lock)
         options = CaptureOptions(steps=steps, max_seconds=max_seconds, record_shapes=record_shapes,
                                  with_stack=with_stack, profile_memory=profile_memory)
         cap = self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]})

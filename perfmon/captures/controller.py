@@ -53,7 +53,7 @@ from ..store.traces import TraceStore
 from .counts import CaptureCounts
 from .export import EXPORT_MAX_MEMORY_BYTES, Exporter, latest_baseline
 from .limits import CaptureLimits
-from .profiler import Profiler, ProfilerFactory, profiler_active, torch_profiler
+from .profiler import Profiler, ProfilerFactory, profiler_active, profiler_warming, torch_profiler, wait_warm_up
 from .recording import Recording
 from .records import ARMED, EXPORTING, IDLE, RECORDING, TRIGGERS, Capture, CaptureOptions
 from .roofline import Peaks
@@ -80,26 +80,13 @@ def _now_iso() -> str:
 class CaptureController:
     """Owns the one capture slot of a monitor, its limits and its export thread."""
 
-    def __init__(
-        self,
-        store: TraceStore,
-        *,
-        internal: InternalErrors,
-        log: Any = None,
-        cooldown_seconds: float = 600.0,
-        max_auto_per_hour: int = 4,
-        max_manual_per_hour: int = 30,
-        max_baseline_per_hour: int = 4,
-        arm_timeout_seconds: float = 60.0,
-        profiler_factory: ProfilerFactory = torch_profiler,
-        clock: Callable[[], float] = time.monotonic,
-        cpu: AgentCpu | None = None,
-        peaks: Callable[[str], Peaks | None] = lambda device: None,
-        max_bytes: int = 256 * 2**20,
-        export_timeout_seconds: float = 120.0,
-        export_max_memory_bytes: int = EXPORT_MAX_MEMORY_BYTES,
-        memory: Callable[[], ResidentMemory] = ResidentMemory,
-    ) -> None:
+    def __init__(self, store: TraceStore, *, internal: InternalErrors, log: Any = None, cooldown_seconds: float = 600.0,
+                 max_auto_per_hour: int = 4, max_manual_per_hour: int = 30, max_baseline_per_hour: int = 4,
+                 arm_timeout_seconds: float = 60.0, profiler_factory: ProfilerFactory = torch_profiler,
+                 clock: Callable[[], float] = time.monotonic, cpu: AgentCpu | None = None,
+                 peaks: Callable[[str], Peaks | None] = lambda device: None, max_bytes: int = 256 * 2**20,
+                 export_timeout_seconds: float = 120.0, export_max_memory_bytes: int = EXPORT_MAX_MEMORY_BYTES,
+                 memory: Callable[[], ResidentMemory] = ResidentMemory) -> None:
         #: Memory one capture may add (recording + stop), bytes; see ``recording_budget``.
         self.max_bytes = max_bytes
         self._memory = memory
@@ -115,6 +102,9 @@ class CaptureController:
         self.arm_timeout = arm_timeout_seconds
         self._make_profiler = profiler_factory
         self._clock = clock
+        #: Why ``arm`` refuses every capture (the monitor stopped), or None. Set and read under ``_lock``: a
+        #: ``capture()`` racing ``stop()``/``close()`` is refused or cancelled, never left armed in a stopped monitor.
+        self._refusal: str | None = None
         self.reset_after_fork()
 
     def reset_after_fork(self) -> None:
@@ -161,10 +151,12 @@ class CaptureController:
                 self._log.error("capture_refused", model=st.name, trigger=trigger, error=problem)
             raise exc
         with self._lock:
+            if self._refusal is not None:
+                raise CaptureBusy(self._refusal, None)
             if self.state != IDLE:
                 cur = self.current
                 raise CaptureBusy(f"a capture is {self.state}", cur.id if cur else None)
-            if profiler_active():
+            if profiler_active() and not profiler_warming():  # (perfmon's warm-up: the capture waits for its end)
                 raise CaptureBusy("another torch profiler is running in this process; perfmon will not nest one "
                            "(a nested session silently wipes the outer one)", None)
             self.limits.check(trigger, now)
@@ -227,20 +219,23 @@ class CaptureController:
             self._step(st, work)
 
     def _try_start(self, st: Any) -> None:
+        # perfmon's warm-up on a thread of its own (a forked worker's): wait for its end, bounded, outside the lock (a
+        # first start would take as long unprepared); every call that finds it running resumes at that end at once.
+        wait_warm_up(WARM_UP_WAIT_SECONDS)
         with self._lock:
             if self.state != ARMED or not self._owns(st):
                 return
             cap = self.current
             assert cap is not None
-            if profiler_active():
-                self._finish_locked(st, "failed", "another torch profiler started before the capture", "cancel")
+            rec = Recording.try_start(self._make_profiler, cap.options, getattr(st, "cuda_index", -1) >= 0,
+                                      memory=self._memory, clock=self._clock)
+            if rec is None:  # perfmon's warm-up runs (a forked worker's, on its own thread): the next call tries
                 return
-            try:
-                cuda = getattr(st, "cuda_index", -1) >= 0
-                rec = Recording.start(self._make_profiler, cap.options, cuda, memory=self._memory, clock=self._clock)
-            except Exception as exc:
-                self._internal.report("capture", exc)
-                self._finish_locked(st, "failed", f"profiler did not start: {type(exc).__name__}: {exc}", "cancel")
+            if not isinstance(rec, Recording):
+                if isinstance(rec, Exception):
+                    self._internal.report("capture", rec)
+                    rec = f"profiler did not start: {type(rec).__name__}: {rec}"
+                self._finish_locked(st, "failed", rec, "cancel")
                 return
             # A thread-per-request server's thread ends after its request: the recording ends with it,
             # on it (the one thread the profiler can be stopped on; see ``recording``).
@@ -359,10 +354,16 @@ class CaptureController:
             return cap.public()
         return None
 
+    def accept(self) -> None:
+        """Arm captures again (the monitor started)."""
+        self._refusal = None
+
     def stop(self, timeout_seconds: float) -> None:
-        """Cancel an armed capture; ask a recording one to end at its thread's next call; wait for export."""
+        """Refuse new captures until ``accept``; cancel an armed one; ask a recording one to end at its thread's next
+        call; wait for export."""
         deadline = self._clock() + timeout_seconds
         with self._lock:
+            self._refusal = STOPPED
             if self.state == ARMED:
                 self._finish_locked(self._state_ref, "aborted", "monitor stopped", "cancel")
             elif self.state == RECORDING:
@@ -376,6 +377,13 @@ class CaptureController:
             exporter = self._export_thread
         if exporter is not None:
             exporter.join(max(0.0, deadline - self._clock()))
+
+
+#: How long a call that would start an armed capture waits for perfmon's warm-up to end (seconds); then it runs
+#: unrecorded and the capture stays armed for the next call.
+WARM_UP_WAIT_SECONDS = 2.0
+#: ``arm``'s refusal while the monitor is stopped (no resolver to expire a capture, no stop() to end its recording).
+STOPPED = "perfmon: the monitor is stopped; start() it before a capture"
 
 
 def _exporter(target: Callable[..., None], *args: Any) -> threading.Thread:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,8 +22,9 @@ from typing import Any, Protocol
 from .records import CaptureOptions
 
 __all__ = [
-    "Profiler", "ProfilerFactory", "Scope", "no_scope", "profiler_active", "profiler_has_run", "quiet_kineto",
-    "step_annotation", "torch_profiler", "warm_up_profiler",
+    "Profiler", "ProfilerFactory", "Scope", "exclusive_start", "no_scope", "profiler_active", "profiler_has_run",
+    "profiler_warming", "quiet_kineto", "reset_after_fork", "step_annotation", "torch_profiler", "wait_warm_up",
+    "warm_up_profiler",
 ]
 
 #: A real torch profiler was built in this process, or in a parent before it forked this one (a fork
@@ -75,19 +77,64 @@ def profiler_active() -> bool:
         return True
 
 
+#: Held while perfmon decides to start a profiler and starts it (``exclusive_start``, and the warm-up's decision):
+#: two of perfmon's never start at once.
+_STARTING = threading.Lock()
+#: Clear while ``warm_up_profiler``'s profiler runs (seconds): a capture armed meanwhile waits for it to end.
+_IDLE = threading.Event()
+_IDLE.set()
+
+
+def profiler_warming() -> bool:
+    """True while perfmon's own warm-up profiler runs (a capture waits for it rather than fail as "nested")."""
+    return not _IDLE.is_set()
+
+
+def wait_warm_up(seconds: float) -> bool:
+    """Wait up to ``seconds`` for perfmon's warm-up to end (at once when none runs); True once none runs."""
+    return _IDLE.wait(seconds)
+
+
 def warm_up_profiler() -> float:
-    """Start and stop a profiler once on this thread; returns seconds taken.
+    """Start and stop a profiler once on this thread; returns seconds taken (0 when a profiler runs already).
 
     The first profiler start in a process initialises Kineto (measured 1.1-1.3 s here); doing it
-    at Monitor.start(), before traffic, keeps that stall off the first capture's request.
+    at Monitor.start(), before traffic, keeps that stall off the first capture's request. On a thread of its own
+    beside a busy one it takes far longer (22 s beside a pure-Python loop here: it gives up the GIL often), while
+    that thread stands still for 0.35 s in all.
     """
-    if profiler_active():
-        return 0.0
-    t0 = time.perf_counter()
-    prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
-    quiet_kineto(prof.start)
-    quiet_kineto(prof.stop)
-    return time.perf_counter() - t0
+    with _STARTING:
+        if profiler_active():
+            return 0.0
+        _IDLE.clear()
+    try:
+        t0 = time.perf_counter()
+        prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
+        quiet_kineto(prof.start)
+        quiet_kineto(prof.stop)
+        return time.perf_counter() - t0
+    finally:
+        _IDLE.set()
+
+
+@contextlib.contextmanager
+def exclusive_start() -> Iterator[bool]:
+    """Around a capture's decision to start its profiler and the start: yields False while another of perfmon's
+    starts or the warm-up runs (the capture stays armed and tries at the model's next call), True otherwise."""
+    if not _STARTING.acquire(blocking=False):
+        yield False
+        return
+    try:
+        yield _IDLE.is_set()
+    finally:
+        _STARTING.release()
+
+
+def reset_after_fork() -> None:
+    """In a forked child: no warm-up runs here (its thread was the parent's), no start is in progress."""
+    global _STARTING
+    _STARTING = threading.Lock()
+    _IDLE.set()
 
 
 @contextlib.contextmanager

@@ -23,11 +23,12 @@ covers the calls of one request.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
 
-from .profiler import Profiler, ProfilerFactory, Scope, quiet_kineto, step_annotation
+from .profiler import Profiler, ProfilerFactory, Scope, exclusive_start, profiler_active, quiet_kineto, step_annotation
 from .records import Capture, CaptureOptions
 from .rss import ResidentMemory, recording_budget
 
@@ -36,16 +37,22 @@ __all__ = ["Recording"]
 
 class _ThreadEnd:
     """Kept in the owner thread's ``threading.local``: its finaliser runs on that thread as it exits
-    (CPython clears a thread's locals there), and calls ``callback`` unless the recording let go first."""
+    (CPython clears a thread's locals there), and calls ``callback`` unless the recording let go first.
 
-    __slots__ = ("__weakref__", "callback")
+    Not in a forked child: there the owner thread does not exist and its locals are cleared inside ``os.fork()``, on
+    the forking thread, before any after-fork hook has reset the controller. Ending the recording there stopped the
+    parent's profiler in the child and started an export thread mid-fork, which segfaulted in
+    ``export_chrome_trace`` (every ``DataLoader`` worker forked while a capture recorded, 5 of 5)."""
+
+    __slots__ = ("__weakref__", "callback", "pid")
 
     def __init__(self, callback: Callable[[], None] | None) -> None:
         self.callback = callback
+        self.pid = os.getpid()
 
     def __del__(self) -> None:
         callback, self.callback = self.callback, None
-        if callback is not None:
+        if callback is not None and os.getpid() == self.pid:
             callback()  # never raises: the controller reports its own failures
 
 
@@ -94,6 +101,23 @@ class Recording:
                 rss.close()
             raise
         return cls(prof, scope=scope, rss=rss, rss0=rss0, started=clock())
+
+    @classmethod
+    def try_start(cls, make_profiler: ProfilerFactory, options: CaptureOptions, cuda: bool, *,
+                  memory: Callable[[], ResidentMemory],
+                  clock: Callable[[], float]) -> Recording | Exception | str | None:
+        """``start`` unless a profiler runs: the Recording; None while perfmon's own warm-up runs or starts (the
+        capture stays armed: the model's next call tries again); why not (a str) when another torch profiler runs
+        (a nested session silently wipes the outer one); the exception when the profiler did not start."""
+        with exclusive_start() as free:
+            if not free:
+                return None
+            if profiler_active():
+                return "another torch profiler started before the capture"
+            try:
+                return cls.start(make_profiler, options, cuda, memory=memory, clock=clock)
+            except Exception as exc:
+                return exc
 
     def step(self, cap: Capture, now: float, *, abort: bool, max_bytes: int, work: int | None = None) -> float | None:
         """Count one recorded call of ``cap`` that did ``work`` (its size, for ``cap.step_sizes``: comparisons line
