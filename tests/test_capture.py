@@ -370,6 +370,49 @@ def test_a_capture_armed_while_perfmon_prepares_a_profiler_waits_for_it(make_mon
     assert warm_up_profiler() >= 0.0  # a warm-up after it: nothing running, it starts and stops one
 
 
+def test_a_long_warm_up_delays_the_calls_that_would_start_a_capture_two_seconds_in_all(make_monitor) -> None:
+    """Beside a busy serving thread a forked worker's warm-up ran 22 s. The calls that would start a capture armed
+    meanwhile wait for it, but for WARM_UP_WAIT_SECONDS counted from the first of them, in all: before, each call
+    waited 2 s afresh for as long as the warm-up ran. After it, the capture records."""
+    from perfmon.captures.controller import WARM_UP_WAIT_SECONDS
+    from perfmon.captures.profiler import profiler_warming, warm_up_profiler
+
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:  # a warm-up profiler whose start takes as long as the test says
+        def start(self) -> None:
+            started.set()
+            release.wait(60)
+
+        def stop(self) -> None:
+            pass
+
+    mon = make_monitor().start()
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    t = threading.Thread(target=warm_up_profiler, args=(lambda options, cuda: Slow(),))
+    t.start()
+    try:
+        assert started.wait(10) and profiler_warming()
+        cap = mon.capture("m", steps=2)
+        t0 = time.monotonic()
+        model(torch.ones(1, 4))  # waits for the warm-up, then runs unrecorded
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        for _ in range(5):
+            model(torch.ones(1, 4))
+        rest = time.monotonic() - t0
+        assert mon.captures.state == "armed"
+    finally:
+        release.set()
+        t.join(10)
+    assert first >= WARM_UP_WAIT_SECONDS * 0.9, first
+    assert rest < WARM_UP_WAIT_SECONDS, rest  # not 5 x 2 s: each call after the first waited nothing
+    for _ in range(2):
+        model(torch.ones(1, 4))
+    meta = wait_outcome(mon, cap["id"])
+    assert meta["outcome"] == "ok" and meta["steps_recorded"] == 2, meta
+
+
 def test_armed_capture_expires_and_stop_aborts(make_monitor) -> None:
     """An armed capture with no call expires as aborted; stop() aborts an armed one; the slot frees."""
     mon = make_monitor(capture_arm_timeout_seconds=0.05).start()

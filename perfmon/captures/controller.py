@@ -219,8 +219,8 @@ class CaptureController:
             self._step(st, work)
 
     def _try_start(self, st: Any) -> None:
-        # perfmon's warm-up on a thread of its own (a forked worker's): wait for its end, bounded, outside the lock (a
-        # first start would take as long unprepared); every call that finds it running resumes at that end at once.
+        # perfmon's warm-up on a thread of its own (a forked worker's): wait for its end outside the lock (a first
+        # start would stall this call as long unprepared), bounded for all the calls together, not for each.
         wait_warm_up(WARM_UP_WAIT_SECONDS)
         with self._lock:
             if self.state != ARMED or not self._owns(st):
@@ -379,8 +379,8 @@ class CaptureController:
             exporter.join(max(0.0, deadline - self._clock()))
 
 
-#: How long a call that would start an armed capture waits for perfmon's warm-up to end (seconds); then it runs
-#: unrecorded and the capture stays armed for the next call.
+#: How long the calls that would start an armed capture wait for perfmon's warm-up to end (seconds, counted from the
+#: first of them, in all); then they run unrecorded and the capture stays armed for a call after the warm-up.
 WARM_UP_WAIT_SECONDS = 2.0
 #: ``arm``'s refusal while the monitor is stopped (no resolver to expire a capture, no stop() to end its recording).
 STOPPED = "perfmon: the monitor is stopped; start() it before a capture"

@@ -83,6 +83,10 @@ _STARTING = threading.Lock()
 #: Clear while ``warm_up_profiler``'s profiler runs (seconds): a capture armed meanwhile waits for it to end.
 _IDLE = threading.Event()
 _IDLE.set()
+#: Until when (``time.monotonic()``) the calls that would start a capture wait for the running warm-up: set by the
+#: first that waits for it, None before. A warm-up that runs long (22 s beside a busy thread) delays them
+#: ``wait_warm_up``'s ``seconds`` in all, not each.
+_WAIT_UNTIL: float | None = None
 
 
 def profiler_warming() -> bool:
@@ -91,25 +95,37 @@ def profiler_warming() -> bool:
 
 
 def wait_warm_up(seconds: float) -> bool:
-    """Wait up to ``seconds`` for perfmon's warm-up to end (at once when none runs); True once none runs."""
-    return _IDLE.wait(seconds)
+    """Wait for perfmon's warm-up to end (at once when none runs), up to ``seconds`` after the first call that waited
+    for this warm-up (a later call waits what is left of that, so none waits again once it passed); True once none
+    runs."""
+    global _WAIT_UNTIL
+    if _IDLE.is_set():
+        return True
+    now = time.monotonic()
+    until = _WAIT_UNTIL
+    if until is None:
+        until = _WAIT_UNTIL = now + seconds
+    return _IDLE.wait(max(0.0, until - now))
 
 
-def warm_up_profiler() -> float:
-    """Start and stop a profiler once on this thread; returns seconds taken (0 when a profiler runs already).
+def warm_up_profiler(make_profiler: ProfilerFactory | None = None) -> float:
+    """Start and stop a profiler once on this thread (``make_profiler``'s, torch's by default); returns seconds taken
+    (0 when a profiler runs already).
 
     The first profiler start in a process initialises Kineto (measured 1.1-1.3 s here); doing it
     at Monitor.start(), before traffic, keeps that stall off the first capture's request. On a thread of its own
     beside a busy one it takes far longer (22 s beside a pure-Python loop here: it gives up the GIL often), while
     that thread stands still for 0.35 s in all.
     """
+    global _WAIT_UNTIL
     with _STARTING:
         if profiler_active():
             return 0.0
+        _WAIT_UNTIL = None
         _IDLE.clear()
     try:
         t0 = time.perf_counter()
-        prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
+        prof = (make_profiler or torch_profiler)(CaptureOptions(record_shapes=False), False)  # (no CUDA)
         quiet_kineto(prof.start)
         quiet_kineto(prof.stop)
         return time.perf_counter() - t0
@@ -132,8 +148,9 @@ def exclusive_start() -> Iterator[bool]:
 
 def reset_after_fork() -> None:
     """In a forked child: no warm-up runs here (its thread was the parent's), no start is in progress."""
-    global _STARTING
+    global _STARTING, _WAIT_UNTIL
     _STARTING = threading.Lock()
+    _WAIT_UNTIL = None
     _IDLE.set()
 
 
