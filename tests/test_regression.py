@@ -397,3 +397,53 @@ def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees
     mon.policy.tick(time.perf_counter_ns())
     assert mon.captures.current is not None and mon.captures.current.trigger == "regression"
     assert mon.captures.current.id != manual["id"] and not mon.policy.deferred
+
+
+def test_a_deferred_regression_capture_outlives_a_manual_one_that_takes_the_slot_first() -> None:
+    """The slot frees and, before the deferred regression capture is armed, a manual capture (the HTTP thread) takes
+    it: the arm is refused as busy. The regression capture used to be dropped then, and the detector fires once per
+    regression, so a regression that outlasted the manual captures was never captured (a thread-per-request server's
+    test, loaded host). It is kept for when the slot frees again."""
+    from perfmon.captures.policy import CapturePolicy
+    from perfmon.faults import InternalErrors
+
+    class Model:
+        capturable = True
+
+    class Slot:  # the capture controller, as the policy sees it
+        def __init__(self) -> None:
+            self.state, self.armed, self.lose_race = "recording", [], True
+
+        def auto(self, st: object, options: object, details: dict) -> object | None:
+            if self.state != "idle" or self.lose_race:
+                self.state, self.lose_race = "armed", False  # a manual capture armed first
+                return None
+            self.state = "armed"
+            self.armed.append(details)
+            return object()
+
+    class Log:
+        def warning(self, event: str, **kw: object) -> None:
+            pass
+
+    slot = Slot()
+    policy = CapturePolicy(RegressionPolicy(window_seconds=1, min_samples=5, baseline_windows=2, consecutive=1,
+                                            baseline_capture=False),
+                           models={"m": Model()}, captures=slot, internal=InternalErrors(), log=Log())  # type: ignore[arg-type]
+    det, t0 = policy.detector, time.perf_counter_ns()
+    assert det is not None
+    fired: list = []
+    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):
+        for i in range(10):
+            fired += det.add("m", latency, t0 + w * S + i * 1_000_000)
+    fired += det.tick(t0 + 4 * S)
+    assert len(fired) == 1
+    slot.lose_race = False
+    policy.fire(fired)  # the slot is busy (a recording): kept
+    assert "m" in policy.deferred and not slot.armed
+    slot.state, slot.lose_race = "idle", True
+    policy.tick(t0 + 4 * S + 1)  # free, but a manual capture takes it before the regression's arm
+    assert "m" in policy.deferred and not slot.armed
+    slot.state = "idle"
+    policy.tick(t0 + 4 * S + 2)
+    assert not policy.deferred and len(slot.armed) == 1

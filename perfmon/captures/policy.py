@@ -160,7 +160,10 @@ class CapturePolicy:
         for key, (st, options, details, expires_ns) in list(self.deferred.items()):
             del self.deferred[key]
             if key in active and now_ns < expires_ns:
-                self._captures.auto(st, options, details)
+                if self._captures.auto(st, options, details) is None and self._captures.state != "idle":
+                    # Another capture (a manual one, on the HTTP thread) took the slot since the check above: the
+                    # detector will not fire again for this regression, so keep it for when that one ends.
+                    self.deferred[key] = (st, options, details, expires_ns)
                 return  # one capture at a time
 
     def _baseline_captures(self, now_ns: int) -> None:
