@@ -371,6 +371,17 @@ def test_a_baseline_capture_older_than_its_max_age_is_taken_again(make_monitor) 
     assert first < second
 
 
+def _three_healthy_windows_then_a_slow_one(det: Detector, t0: int) -> list:
+    """Ten 1 ms calls in each of three 1 s windows (the baseline), then ten 4 ms ones: the one regression fired."""
+    fired: list = []
+    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):
+        for i in range(10):
+            fired += det.add("m", latency, t0 + w * S + i * 1_000_000)
+    fired += det.tick(t0 + 4 * S)
+    assert len(fired) == 1
+    return fired
+
+
 def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees(make_monitor) -> None:
     """The detector fires once per regression: if another capture (a baseline, a manual one) holds the
     profiler then, the regression capture is kept and armed as soon as the slot is free."""
@@ -384,12 +395,7 @@ def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees
     model = mon.wrap(torch.nn.Linear(4, 4), name="m")
     manual = mon.capture("m", steps=1)  # holds the slot until the model's next call
     det, t0 = mon.detector, time.perf_counter_ns()
-    fired: list = []
-    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):
-        for i in range(10):
-            fired += det.add("m", latency, t0 + w * S + i * 1_000_000)
-    fired += det.tick(t0 + 4 * S)
-    assert len(fired) == 1
+    fired = _three_healthy_windows_then_a_slow_one(det, t0)
     mon.policy.fire(fired)
     assert mon.captures.counts.suppressed["busy"] == 1 and "m" in mon.policy.deferred
     model(torch.randn(1, 4))  # the manual capture records its step and exports
@@ -432,12 +438,7 @@ def test_a_deferred_regression_capture_outlives_a_manual_one_that_takes_the_slot
                            models={"m": Model()}, captures=slot, internal=InternalErrors(), log=Log())  # type: ignore[arg-type]
     det, t0 = policy.detector, time.perf_counter_ns()
     assert det is not None
-    fired: list = []
-    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):
-        for i in range(10):
-            fired += det.add("m", latency, t0 + w * S + i * 1_000_000)
-    fired += det.tick(t0 + 4 * S)
-    assert len(fired) == 1
+    fired = _three_healthy_windows_then_a_slow_one(det, t0)
     slot.lose_race = False
     policy.fire(fired)  # the slot is busy (a recording): kept
     assert "m" in policy.deferred and not slot.armed
