@@ -625,6 +625,30 @@ def test_assisted_generation_chunks_verify_stage_and_itl(make_monitor) -> None:
     check(mon, truth)
 
 
+def test_an_assistant_wrapped_alone_makes_no_requests_of_its_drafts(make_monitor) -> None:
+    """Assisted generation with the main model bare and only the assistant wrapped: the drafts transformers asks of the
+    assistant's ``generate()`` reach no caller, so they are no requests (the caller's own is not tracked: its model is
+    not wrapped); the assistant's forwards are counted, each once, and the tokens are the all-bare run's."""
+    bare = _gpt2()
+    assistant = make_assistant(bare)
+    drafts = Forwards(assistant)
+    ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(3))
+    fw = Forwards(bare)
+    assisted(bare, fw, assistant, ids, 24)
+    expected = drafts.take()
+    mon = make_monitor(sample_rate=1.0).start()
+    mon.wrap(assistant, name="draft")
+    for _ in range(3):
+        assisted(bare, fw, assistant, ids, 24)
+        assert drafts.take() == expected
+    assert mon.flush()
+    assert "draft" not in mon.stats().get("generation", {})
+    assert value(mon, "perfmon_generation_requests_total", model="draft", outcome="ok") in (None, 0.0)
+    counted = sum(value(mon, "perfmon_forward_calls_total", model="draft", stage=stage) or 0.0
+                  for stage in ("prefill", "decode", "verify", ""))
+    assert counted == 3 * len(expected)
+
+
 def test_encoder_decoder_counts_the_encoder_forward_as_encode(make_monitor) -> None:
     """T5, 2 prompts (5 and 7 real tokens of 7), 8 new tokens: per call 1 encode + 1 prefill + 7 decode forwards,
     2 requests of 8 tokens (the returned sequence's decoder start token is not generated), 12 prompt tokens,

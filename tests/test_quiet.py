@@ -8,6 +8,7 @@ raise where a test needs a step to fail, and the sequences generate() returns ar
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from typing import Any
@@ -31,13 +32,29 @@ def _gpt2(eos: int = 100) -> Any:
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
+def _running(model: Any) -> Any:
+    """From inside a forward of one of ``model``'s submodules: the object the model's own forward runs on (the model,
+    or a quiet call's view of it), read off the innermost frame up the stack whose ``self`` is a GPT-2."""
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            break
+        me = frame.f_locals.get("self")
+        if isinstance(me, transformers.GPT2LMHeadModel):
+            return me
+        frame = frame.f_back
+    raise AssertionError("no frame of the model's forward above this one")
+
+
 class Truth:
-    """Every forward that ran, by the object it ran on (the model, or a quiet call's view of it)."""
+    """Every forward that ran, by the object it ran on (the model, or a quiet call's view of it). Counted on the model's
+    first submodule (a hook on the model itself keeps its calls off views: test_a_hook_on_the_model_is_given_the_model),
+    which runs once a forward, and read off the stack."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.ran: list[bool] = []  # True: on a view
-        model.register_forward_pre_hook(lambda module, args: self.ran.append(module is not model))
+        model.transformer.register_forward_pre_hook(lambda module, args: self.ran.append(_running(model) is not model))
 
     @property
     def forwards(self) -> int:
@@ -368,8 +385,9 @@ def test_a_call_in_a_request_span_is_not_quiet_and_a_capture_waits_for_the_next_
     truth = Truth(model)
     ends: list[int] = []
     starts: list[int] = []
-    model.register_forward_hook(lambda module, args, out: ends.append(time.perf_counter_ns()))
-    model.register_forward_pre_hook(lambda module, args: starts.append(time.perf_counter_ns()))
+    # Inside the model's forward (a hook on the model itself would keep its calls off views).
+    model.transformer.register_forward_hook(lambda module, args, out: ends.append(time.perf_counter_ns()))
+    model.transformer.register_forward_pre_hook(lambda module, args: starts.append(time.perf_counter_ns()))
     armed: list[dict[str, Any]] = []
     arm = [False]
 
@@ -411,8 +429,12 @@ def test_a_view_sees_the_models_attributes_as_they_are_at_each_call(make_monitor
     mon = _monitor(make_monitor)
     model = mon.wrap(_gpt2(), name="gpt2")
     seen: list[tuple[bool, Any]] = []
-    model.register_forward_pre_hook(lambda module, args: seen.append((module is not model,
-                                                                      getattr(module, "marker", None))))
+
+    def see(_module: Any, _args: Any) -> None:
+        top = _running(model)
+        seen.append((top is not model, getattr(top, "marker", None)))
+
+    model.transformer.register_forward_pre_hook(see)
     for _ in range(3):
         _generate(model, new=4)
     for marker in (1, 2, None, 3, "swap"):
@@ -558,3 +580,39 @@ def test_calls_of_one_token_run_quiet_and_teach_no_longer_calls(make_monitor) ->
     assert mon.flush()
     gen = mon.stats()["generation"]["gpt2"]
     assert gen["requests"]["ok"] == 2 * 9 and gen["generated_tokens"] == 2 * (7 * 1 + 2 * 5)
+
+
+@pytest.mark.parametrize("hook", ["the model's own", "torch's global"])
+def test_a_hook_on_the_model_is_given_the_model(make_monitor, hook: str) -> None:
+    """A forward hook on the model (its own, or torch's process-wide one) is given the module called: with a hook in
+    place every call runs on the model itself, so a hook that keys on the module finds the model each forward, and the
+    forwards are counted as they ran; with it removed, calls run quiet again."""
+    mon = _monitor(make_monitor)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = Truth(model)
+    last: dict[Any, torch.Tensor] = {}
+    seen: list[bool] = []
+
+    def keep(module: Any, args: Any, out: Any) -> None:
+        if isinstance(module, transformers.GPT2LMHeadModel):
+            seen.append(module is model)
+            last[module] = out.logits
+
+    if hook == "torch's global":
+        handle = torch.nn.modules.module.register_module_forward_hook(keep)
+    else:
+        handle = model.register_forward_hook(keep)
+    new = 6
+    try:
+        for _ in range(5):
+            last.clear()
+            _generate(model, new=new)
+            assert model in last
+    finally:
+        handle.remove()
+    assert len(seen) == 5 * new and all(seen)
+    assert truth.on_views == 0 and _forwards(mon) == truth.forwards == 5 * new
+    _generate(model, new=new)  # no hook: this call teaches its shape, the next runs quiet
+    _generate(model, new=new)
+    assert truth.on_views == new
+    assert _forwards(mon) == truth.forwards == 7 * new

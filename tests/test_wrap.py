@@ -480,3 +480,78 @@ def test_an_unwrapped_module_collected_later_leaves_its_successor_wrapped(make_m
     with pytest.raises(perfmon.ConfigError, match="already monitored"):
         mon.wrap(_mlp(), name="enc")
     assert new(torch.randn(1, 16)).shape == (1, 4)
+
+
+def test_a_model_built_from_a_wrapped_ones_class_is_bare(make_monitor) -> None:
+    """What code builds from a wrapped model's class (``type(self)(...)``: a slice of an ``nn.Sequential``, a model
+    class's own constructor) is a new, bare object of the model's class: the user wrapped one object, and the new one's
+    calls are not counted under its name. The wrapped model and its own calls are as before."""
+    mon = make_monitor(sample_rate=1.0).start()
+    seq = mon.wrap(_mlp(), name="mlp")
+    x = torch.randn(3, 16)
+    seq(x)
+    head = seq[0:2]
+    assert type(head) is torch.nn.Sequential and not isinstance(head, perfmon.MonitoredModule)
+    assert torch.equal(head(x), torch.relu(seq[0](x)))
+    other = type(seq)(torch.nn.Linear(16, 2))
+    assert type(other) is torch.nn.Sequential and other(x).shape == (3, 2)
+    for _ in range(4):
+        head(x)
+    assert mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="mlp") == 1
+    seq(x)
+    assert mon.flush()
+    assert value(mon, "perfmon_forward_calls_total", model="mlp") == 2
+    assert isinstance(seq, perfmon.MonitoredModule) and seq.perfmon_name == "mlp"
+
+
+def test_from_pretrained_on_a_wrapped_model_loads_a_bare_one(make_monitor, tmp_path) -> None:
+    """transformers' ``from_pretrained`` reached through a wrapped model or its class loads a new, bare model with the
+    saved weights; generating with it counts nothing under the wrapped model's name."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=101, n_positions=64,
+                                  bos_token_id=100, eos_token_id=100, pad_token_id=100)
+    mon = make_monitor().start()
+    model = mon.wrap(transformers.GPT2LMHeadModel(cfg).eval(), name="gpt2")
+    model.save_pretrained(tmp_path)
+    ids = torch.tensor([[1, 2, 3]])
+    for loaded in (model.from_pretrained(tmp_path), type(model).from_pretrained(tmp_path), type(model)(cfg)):
+        assert type(loaded) is transformers.GPT2LMHeadModel, type(loaded)
+        loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert torch.equal(model.from_pretrained(tmp_path).transformer.wte.weight, model.transformer.wte.weight)
+    assert mon.flush()
+    stats = mon.stats()
+    assert stats["models"].get("gpt2", {}).get("calls", 0) == 0
+    assert "gpt2" not in stats.get("generation", {}) or not stats["generation"]["gpt2"]["requests"].get("ok")
+
+
+def test_activation_checkpointing_of_a_wrapped_module_counts_its_calls_and_no_error(make_monitor) -> None:
+    """``torch.utils.checkpoint`` with ``use_reentrant=False`` re-runs a wrapped block's forward in backward and stops
+    it with torch's own exception once the activations are recomputed: that is no error of the user's. Gradients are
+    the bare model's."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    net, bare = Net(), Net()
+    bare.load_state_dict(net.state_dict())
+    mon = make_monitor(sample_rate=1.0).start()
+    mon.wrap(net.block, name="block")
+    for _ in range(5):
+        x = torch.randn(4, 8)
+        for m in (net, bare):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+        assert torch.equal(net.block[0].weight.grad, bare.block[0].weight.grad)
+    assert mon.flush()
+    assert mon.stats()["models"]["block"]["errors"] == {}
+    assert value(mon, "perfmon_forward_calls_total", model="block") == 10  # each forward, and its recomputation

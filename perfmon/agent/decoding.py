@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from sys import _getframe
 from time import perf_counter_ns
 from typing import Any, Protocol
 
@@ -332,6 +333,11 @@ class GenerateCall:
         return n
 
 
+#: The module whose candidate generators call an assistant model's ``generate()`` for a draft (transformers'
+#: assisted decoding: ``assistant_model=``).
+_DRAFTS = "transformers.generation.candidate_generator"
+
+
 def tracked_generate(generate: Callable[..., Any],
                      start: Callable[[Any, tuple[Any, ...], dict[str, Any], bool], Call | None],
                      internal: InternalErrors) -> Callable[..., Any]:
@@ -350,6 +356,10 @@ def tracked_generate(generate: Callable[..., Any],
     @functools.wraps(generate)
     def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
         if generating.get() is not None:  # nested (an assistant's own): the outer call tracks
+            return generate(self, *args, **kwargs)
+        if _getframe(1).f_globals.get("__name__") == _DRAFTS:
+            # An assistant's drafts for a model perfmon does not track (assisted decoding with the assistant alone
+            # wrapped): no caller receives them, so they are no requests; their forwards are still counted.
             return generate(self, *args, **kwargs)
         try:
             # kwargs is this call's own dict (packed above): GenerateCall copies it before it adds its tap.

@@ -16,6 +16,11 @@ __all__ = ["ErrorCounts"]
 
 _OTHER = "other"
 
+#: Exceptions torch raises through a module's forward as control flow, never to the user: non-reentrant activation
+#: checkpointing (``torch.utils.checkpoint``, ``use_reentrant=False``) re-runs a forward in backward and stops it with
+#: this once the activations it needs are recomputed. Matched by module and name (perfmon imports no checkpointing).
+_CONTROL_FLOW = frozenset({("torch.utils.checkpoint", "_StopRecomputationError")})
+
 
 class ErrorCounts:
     """One model's exceptions by class name (the ``exception`` label of ``perfmon_forward_errors_total``)."""
@@ -31,8 +36,12 @@ class ErrorCounts:
         self._max = max_labels
 
     def counter(self, cls: type) -> itertools.count[int]:
-        """The counter for a class ``by_class`` does not hold yet (the first exception of its class)."""
+        """The counter for a class ``by_class`` does not hold yet (the first exception of its class); one counted
+        nowhere for torch's control-flow exceptions (``_CONTROL_FLOW``): the call is counted, it is not an error."""
         with self._lock:
+            if (getattr(cls, "__module__", None), cls.__name__) in _CONTROL_FLOW:
+                discard = self.by_class[cls] = itertools.count()
+                return discard
             names = self._names
             name = cls.__name__
             counter = names.get(name)

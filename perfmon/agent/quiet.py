@@ -63,6 +63,11 @@ _set = object.__setattr__
 #: Whether this torch can hold MPS tensors at all: where it cannot (every Linux and Windows build), a prompt's place is
 #: not read a call (a tensor's getter costs ~1 µs in situ, between two model calls).
 _MPS = bool(torch.backends.mps.is_built())
+#: torch's process-wide forward hooks (``register_module_forward_hook`` and its pre-hook twin): dicts torch fills in
+#: place, so read at each call (an empty one where a torch has none).
+_GLOBAL_HOOKS: tuple[dict[Any, Any], ...] = tuple(
+    _hooks if (_hooks := getattr(torch.nn.modules.module, _name, None)) is not None else {}
+    for _name in ("_global_forward_hooks", "_global_forward_pre_hooks"))
 #: Keyed shapes of calls kept per model (rows, positional count, keyword names, the prompt's length); cleared when
 #: full.
 MEMO_SIZE = 256
@@ -222,10 +227,16 @@ class QuietDecode:
         keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
         ``num_return_sequences`` and ``cache_implementation`` (``options.untimed_options``)."""
         beams, k, implementation = options
+        theirs = model.__dict__
+        # A forward hook on the model (its own or torch's global ones) is given the module called: on a view, a second
+        # object, and a hook that keys on the module or compares it with the model would miss. So such calls run on
+        # the model itself, untimed all the same.
         if (len(args) > 1 or implementation is not None or (beams or 1) > 1  # beam search calls self() a step
                 or kwargs.get("past_key_values") is not None
                 or kwargs.get("cache") is not None or kwargs.get("synced_gpus")
-                or model.__dict__.get("_compiled_call_impl") is not None):
+                or theirs.get("_compiled_call_impl") is not None
+                or theirs.get("_forward_hooks") or theirs.get("_forward_pre_hooks")
+                or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]):
             return Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)
         ids = kwargs.get("input_ids")
         if ids is None:
@@ -265,7 +276,6 @@ class QuietDecode:
             return active
         if not tracked:
             pentry = None
-        theirs = model.__dict__
         try:
             view, active = self.views.pop()  # a view a call before left: the model's dict, unless it has another now
             if view.__dict__ is not theirs:

@@ -132,6 +132,7 @@ class MonitoredModule:
         if plain:
             ns["compile"] = _compile_then_call_fully(base, state, staged)
         sub = type(base.__name__, (base, cls), ns)
+        sub.__new__ = staticmethod(_construct_as(sub, base))  # type: ignore[method-assign,assignment]
         sub.__reduce_ex__ = _reduce_as(sub, base)  # type: ignore[method-assign]
         sub._apply = _apply_then_relabel(base, state)  # type: ignore[attr-defined]
         state.target = weakref.ref(module)  # FLOPs are counted on a fake copy of it (flopcount.py), never on it
@@ -218,6 +219,26 @@ def _compilable_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 #: The file name of a builtin forward's copy starts with this (then torch's own path): not torch's, for Dynamo.
 _COPY_PREFIX = "perfmon-copy:"
+
+
+def _construct_as(sub: type, base: type) -> Callable[..., Any]:
+    """``__new__`` that builds a new object of a monitored class as its bare class.
+
+    Code that builds a model from one it has reaches for ``type(self)``: a slice of an ``nn.Sequential``
+    (``self.__class__(...)``), transformers' ``from_pretrained`` called on a model or its class (``cls(config)``),
+    ``type(model)(config)``. Built as ``sub`` they would share the wrapped model's state and count under its name; the
+    user wrapped one object, so they are bare (wrap them to monitor them). Python runs no ``__init__`` on what
+    ``__new__`` returns when it is not a ``sub``: ``base(...)`` runs its own. perfmon's own subclasses of ``sub``
+    (the quiet path's views, made with ``cls.__new__(cls)``) are built as asked.
+    """
+
+    def __new__(kind: type, *args: Any, **kwargs: Any) -> Any:
+        if kind is sub:
+            return base(*args, **kwargs)
+        nxt = super(sub, kind).__new__  # type: ignore[arg-type]
+        return nxt(kind) if nxt is object.__new__ else nxt(kind, *args, **kwargs)
+
+    return __new__
 
 
 def _reduce_as(sub: type, base: type) -> Callable[..., Any]:
