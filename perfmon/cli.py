@@ -13,7 +13,6 @@ usage error (the arguments, a malformed capture id, ``--url`` or token).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -24,6 +23,11 @@ from typing import Any, TextIO
 
 from . import client
 from ._version import __version__
+from .cli_report import check_ops as _check_ops
+from .cli_report import malformed as _malformed
+from .cli_report import or_default as _or
+from .cli_report import report as _report
+from .cli_report import short_comparison as _short_comparison
 from .client import ANSWER_MAX_BYTES, TRACE_MAX_BYTES, ControlError, Transport, http_request
 from .client import clean as _clean  # the name every line here, and the tests, use
 from .exceptions import ConfigError
@@ -62,11 +66,6 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be 0..65535 (0 = any free port), got {text}")
     return value
 
-
-
-def _or(value: Any, default: str) -> Any:
-    """``default`` for a missing or empty value (as ``value or default`` would), the value otherwise."""
-    return value if value not in (None, "") else default
 
 
 _EXIT_STATUS = ("exit status: 0 done; 1 the agent refused, failed, was unreachable, ran out the --timeout or "
@@ -130,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --store: captures since a time (2025-05-01T12:00:00Z) or for a span (30m, 6h, 2d)")
     profiles.add_argument("--limit", type=int, default=100, help="with --store: at most this many, newest first")
     profiles.add_argument("--download", metavar="ID", default=None,
-                          help="with --store: fetch this capture's trace and metadata (into --out)")
+                          help="fetch this capture (into --out): from the agent (--url), its trace, and its top ops "
+                               "printed; from the store (--store), its trace and metadata")
     profiles.add_argument("--out", default=".",
                           help="with --download: the directory to write to (default: here); a file of the same "
                                "name there is replaced, a symbolic link or directory of that name is refused")
@@ -171,6 +171,16 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
             print("perfmon: profiles needs --url (one agent) or --store (the fleet's object storage)",
                   file=sys.stderr)
             return 2
+        if args.command == "profiles":
+            store_only = [f"--{k}" for k in ("model", "host", "trigger", "since") if getattr(args, k) is not None]
+            if store_only:  # refused, not ignored: a filter that silently does nothing lists what was not asked for
+                print(f"perfmon: profiles: {', '.join(store_only)} filter the fleet's listing (--store); one agent's "
+                      "(--url) lists all it holds", file=sys.stderr)
+                return 2
+            if args.download is not None and not valid_id(args.download):
+                print(f"perfmon: profiles: --download: not a capture id: {_clean(repr(args.download), 80)} "
+                      "(expected 22 lowercase hex digits, as `perfmon profiles` lists them)", file=sys.stderr)
+                return 2
         if args.command == "diff":
             bad = [i for i in (args.before, args.after) if not valid_id(i)]
             if bad:  # a usage error, before any request: "<id>/trace" must not reach another route
@@ -185,6 +195,9 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
             print("perfmon: the token ($PERFMON_TOKEN or --token) holds characters an HTTP header cannot carry "
                   "(control characters, non-ASCII, spaces at an end); expected printable ASCII only", file=sys.stderr)
             return 2
+        if args.command == "profiles" and args.download is not None:
+            return fetch_profile(args.url, args.download, token=token, out=args.out, timeout=args.timeout,
+                                 transport=transport)
         if args.command == "profiles":
             return list_profiles(args.url, token=token, timeout=args.timeout, transport=transport)
         if args.command == "diff":
@@ -200,31 +213,6 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
 
 
 # -- the subcommands that drive an agent: what `perfmon profile`, `profiles` and `diff` do -------------
-
-def _malformed(what: str, field: str, value: Any) -> ControlError:
-    return ControlError(f"{what}: {field} is malformed ({_clean(value, 60)}); the agent's answer is broken")
-
-
-def _number(value: Any, what: str, field: str, *, low: float = -math.inf, high: float = math.inf) -> float:
-    """``value`` as a finite float within [low, high], or ``ControlError`` naming the field: JSON allows NaN,
-    Infinity, strings, null, and 400-digit integers (whose float() overflows)."""
-    try:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError
-        number = float(value)
-    except (ValueError, OverflowError):
-        raise _malformed(what, field, value) from None
-    if not (math.isfinite(number) and low <= number <= high):
-        raise _malformed(what, field, value)
-    return number
-
-
-def _optional_number(value: Any, what: str, field: str, *, low: float = -math.inf,
-                     high: float = math.inf) -> float | None:
-    """``_number``, or None for a missing (null) value."""
-    return None if value is None else _number(value, what, field, low=low, high=high)
-
-
 
 def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
                 max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
@@ -258,13 +246,46 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
         time.sleep(min(0.2, client.remaining(deadline)))
     else:
         raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
+    return _save_trace(base, cap_id, meta, Path(out) if out else None, token=token, deadline=deadline,
+                       transport=transport, stdout=stdout)
+
+
+def fetch_profile(url: str, capture_id: str, *, token: str | None, out: str = ".", timeout: float = 120.0,
+                  stdout: TextIO | None = None, transport: Transport = http_request) -> int:
+    """Download a capture the agent holds (``perfmon profiles --url ... --download ID``: one a regression took, say)
+    into the directory ``out`` under its trace's name, and print its top ops, as ``perfmon profile`` does for the
+    capture it takes. ``ControlError`` for a capture still recording or one that failed."""
+    stdout = stdout if stdout is not None else sys.stdout
+    deadline = time.monotonic() + timeout
+    base = url.rstrip("/")
+    what = f"capture {capture_id}"
+    _, _, body = transport(f"{base}/profiles/{capture_id}", token=token, timeout=client.remaining(deadline))
+    meta = client.json_object(body, what)
+    if not isinstance(meta.get("outcome"), (str, type(None))):
+        raise _malformed(what, "outcome", meta.get("outcome"))
+    if not meta.get("outcome"):
+        raise ControlError(f"{what} has not finished yet (status {_clean(meta.get('status'), 40)}): try again "
+                           "when `perfmon profiles` lists an outcome")
+    directory = Path(out)
+    if not directory.is_dir():
+        raise ControlError(f"--out {_clean(out, 200)}: not a directory (with --download, the directory to write to)")
+    return _save_trace(base, capture_id, meta, None, token=token, deadline=deadline, transport=transport,
+                       stdout=stdout, directory=directory)
+
+
+def _save_trace(base: str, cap_id: str, meta: dict[str, Any], target: Path | None, *, token: str | None,
+                deadline: float, transport: Transport, stdout: TextIO, directory: Path | None = None) -> int:
+    """A finished capture's trace written to ``target`` (default: its name, in ``directory`` or here), then its top
+    ops, comparison and compute printed; ``ControlError`` for a failed capture or a malformed answer."""
+    what = f"capture {cap_id}"
     if meta["outcome"] == "failed":
         raise ControlError(f"{what} failed: {_clean(meta.get('error'), 500)}")
     report = _report(meta, what)  # checked before anything is written: a malformed answer leaves no file
     name = meta.get("trace_file")
     if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
         name = f"{cap_id}.pt.trace.json.gz"
-    target = Path(out) if out else Path(name)
+    if target is None:
+        target = (directory or Path()) / name
     size = client.download(transport, f"{base}/profiles/{cap_id}/trace", target, token=token,
                            timeout=client.remaining(deadline))
     print(f"trace: {target} ({size} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)
@@ -272,53 +293,6 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
         print(line, file=stdout)
     return 0
 
-
-
-def _report(meta: dict[str, Any], what: str) -> list[str]:
-    """The lines `perfmon profile` prints after the trace: top ops, comparison, compute. ``ControlError`` naming
-    the field when one has the wrong type (a number that is text, null or a list; a list that is an object)."""
-    lines = _op_lines(meta.get("summary"), what)
-    comparison = meta.get("comparison")
-    if isinstance(comparison, dict):
-        lines.append(f"\nvs baseline {_clean(comparison.get('baseline'), 40)}: "
-                     f"{_clean(comparison.get('summary'), 500)}")
-    compute = meta.get("compute")
-    if compute is not None and not isinstance(compute, dict):
-        raise _malformed(what, "compute", compute)
-    achieved = _optional_number((compute or {}).get("achieved_flops_per_second"), what,
-                                "compute.achieved_flops_per_second")
-    if achieved:
-        assert compute is not None
-        mfu = _optional_number(compute.get("mfu_ratio"), what, "compute.mfu_ratio")
-        lines.append(f"\nwindow: {achieved / 1e9:.2f} GFLOP/s achieved{'' if mfu is None else f', MFU {mfu:.1%}'} "
-                     f"(peak: {_clean(compute.get('peak_source'), 60)})")
-    return lines
-
-
-def _op_lines(ops: Any, what: str) -> list[str]:
-    """The top-ops table (the first 15 of the capture's summary)."""
-    if ops is None or ops == []:
-        return []
-    if not isinstance(ops, list):
-        raise _malformed(what, "summary", ops)
-    ops = ops[:15]
-    for i, op in enumerate(ops):
-        if not isinstance(op, dict):
-            raise _malformed(what, f"summary[{i}]", op)
-    device = any(op.get("self_device_time_total_seconds") for op in ops)
-    key = "self_device_time_total_seconds" if device else "self_cpu_time_total_seconds"
-    lines = [f"\n{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
-             f"{'GFLOP':>8} {'GFLOP/s':>8}  bound"]
-    for i, op in enumerate(ops):
-        at = f"summary[{i}]"
-        calls, self_s = _number(op.get("calls"), what, f"{at}.calls"), _number(op.get(key), what, f"{at}.{key}")
-        cpu_s = _number(op.get("cpu_time_total_seconds"), what, f"{at}.cpu_time_total_seconds")
-        flops = _optional_number(op.get("flops"), what, f"{at}.flops")
-        rate = _optional_number(op.get("achieved_flops_per_second"), what, f"{at}.achieved_flops_per_second")
-        lines.append(f"{_clean(op.get('name'), 34):<34} {calls:>6g} {self_s * 1e3:>13.3f} {cpu_s * 1e3:>12.3f} "
-                     f"{(flops or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
-                     f"{_clean(op.get('bound') or '-', 20)}")
-    return lines
 
 
 def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout: TextIO | None = None,
@@ -390,45 +364,6 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
               f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
               f"{_clean(_or(p.get('ended_at'), ''), 64):<29}  {_short_comparison(p)}", file=stdout)
     return 0
-
-
-def _short_comparison(meta: dict[str, Any], width: int = 60) -> str:
-    """The comparison sentence of a listed capture, cut to ``width`` characters; "-" without one."""
-    comparison = meta.get("comparison")
-    if not isinstance(comparison, dict):
-        return "-"
-    text = _clean(comparison.get("error") or comparison.get("summary") or "-", width * 4)
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-#: The per-step op table's numeric fields ``captures.compare`` reads (``captures.trace_summary.step_table``).
-_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step", "share_of_steps")
-#: The largest per-step figure (seconds, calls) taken from an agent, and the largest step count: far past any real
-#: capture (a model call of 30 years), far below where the comparison's arithmetic overflows (it squares a standard
-#: deviation: 1e308 raised OverflowError) or a float() of a 400-digit JSON integer does.
-_PER_STEP_MAX = 1e9
-
-
-def _check_ops(meta: dict[str, Any], capture_id: str) -> None:
-    """``ControlError`` unless every entry of the capture's op table is an object whose numeric fields are
-    numbers in [0, _PER_STEP_MAX] (or absent), its step count too, and its device text: ``compare`` would
-    otherwise fail with a ``ValueError`` from ``float("abc")``, an ``OverflowError``, or print nonsense from
-    NaN. Only a broken or hostile agent sends such a table."""
-    what = f"capture {capture_id}"
-    if not isinstance(meta.get("device"), (str, type(None))):
-        raise _malformed(what, "device", meta.get("device"))
-    if meta.get("steps") is not None and not isinstance(meta.get("steps"), int):
-        raise _malformed(what, "steps", meta.get("steps"))
-    _optional_number(meta.get("steps"), what, "steps", low=0, high=_PER_STEP_MAX)
-    ops = meta.get("ops")
-    if not isinstance(ops, dict):
-        return  # no table: compare says the captures are not comparable
-    for name, entry in ops.items():
-        if not isinstance(entry, dict):
-            raise ControlError(f"{what}: op {_clean(name, 60)!r} is not an object in its op table")
-        for field in _OP_FIELDS:
-            _optional_number(entry.get(field), what, f"op {_clean(name, 60)!r}: {field}", low=0,
-                             high=_PER_STEP_MAX)
 
 
 def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float,

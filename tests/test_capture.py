@@ -492,9 +492,27 @@ def test_cli_profile_and_profiles_against_a_live_agent(agent, tmp_path: Path, ca
     assert rc == 0 and "aten::linear" in printed and "trace:" in printed
     assert "traceEvents" in json.loads(gzip.decompress(out.read_bytes()))
     assert cli_main(["profiles", "--url", mon.url, "--token", TOKEN]) == 0
-    assert "manual" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "manual" in listed
     assert cli_main(["profiles", "--url", mon.url, "--token", "bad-token-xyz"]) == 1
     assert "401" in capsys.readouterr().err
+    # A capture the agent holds (one a regression took, say) comes down by its id, under its own name.
+    cap_id = mon.profiles()[0]["id"]
+    assert cap_id in listed
+    where = tmp_path / "fetched"
+    where.mkdir()
+    assert cli_main(["profiles", "--url", mon.url, "--token", TOKEN, "--download", cap_id, "--out", str(where)]) == 0
+    printed = capsys.readouterr().out
+    [fetched] = list(where.iterdir())
+    assert fetched.name.endswith(".pt.trace.json.gz") and f"trace: {fetched}" in printed
+    assert "aten::linear" in printed and fetched.read_bytes() == out.read_bytes()
+    # Refused, not ignored: a store's filters with one agent, an id that is none, --out that is no directory.
+    assert cli_main(["profiles", "--url", mon.url, "--token", TOKEN, "--model", "a"]) == 2
+    assert "--model filter the fleet's listing" in capsys.readouterr().err
+    assert cli_main(["profiles", "--url", mon.url, "--token", TOKEN, "--download", "../etc"]) == 2
+    assert "not a capture id" in capsys.readouterr().err
+    assert cli_main(["profiles", "--url", mon.url, "--token", TOKEN, "--download", cap_id, "--out", str(out)]) == 1
+    assert "not a directory" in capsys.readouterr().err
 
 
 class _GrowingMemory:

@@ -1,0 +1,131 @@
+"""What the CLI prints of a capture's metadata, every field checked first: an agent's answer is not trusted.
+
+A number that is text, null, NaN or a 400-digit integer, a list that is an object: ``ControlError`` naming the field,
+before anything is printed or written (``perfmon profile``, ``profiles``, ``diff``). Text is cleaned and cut for the
+terminal (``client.clean``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .client import ControlError
+from .client import clean as _clean
+
+__all__ = ["check_ops", "malformed", "number", "optional_number", "or_default", "report", "short_comparison"]
+
+
+def or_default(value: Any, default: str) -> Any:
+    """``default`` for a missing or empty value (as ``value or default`` would), the value otherwise."""
+    return value if value not in (None, "") else default
+
+
+def malformed(what: str, field: str, value: Any) -> ControlError:
+    return ControlError(f"{what}: {field} is malformed ({_clean(value, 60)}); the agent's answer is broken")
+
+
+def number(value: Any, what: str, field: str, *, low: float = -math.inf, high: float = math.inf) -> float:
+    """``value`` as a finite float within [low, high], or ``ControlError`` naming the field: JSON allows NaN,
+    Infinity, strings, null, and 400-digit integers (whose float() overflows)."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+        number = float(value)
+    except (ValueError, OverflowError):
+        raise malformed(what, field, value) from None
+    if not (math.isfinite(number) and low <= number <= high):
+        raise malformed(what, field, value)
+    return number
+
+
+def optional_number(value: Any, what: str, field: str, *, low: float = -math.inf,
+                     high: float = math.inf) -> float | None:
+    """``number``, or None for a missing (null) value."""
+    return None if value is None else number(value, what, field, low=low, high=high)
+
+
+def report(meta: dict[str, Any], what: str) -> list[str]:
+    """The lines `perfmon profile` prints after the trace: top ops, comparison, compute. ``ControlError`` naming
+    the field when one has the wrong type (a number that is text, null or a list; a list that is an object)."""
+    lines = _op_lines(meta.get("summary"), what)
+    comparison = meta.get("comparison")
+    if isinstance(comparison, dict):
+        lines.append(f"\nvs baseline {_clean(comparison.get('baseline'), 40)}: "
+                     f"{_clean(comparison.get('summary'), 500)}")
+    compute = meta.get("compute")
+    if compute is not None and not isinstance(compute, dict):
+        raise malformed(what, "compute", compute)
+    achieved = optional_number((compute or {}).get("achieved_flops_per_second"), what,
+                                "compute.achieved_flops_per_second")
+    if achieved:
+        assert compute is not None
+        mfu = optional_number(compute.get("mfu_ratio"), what, "compute.mfu_ratio")
+        lines.append(f"\nwindow: {achieved / 1e9:.2f} GFLOP/s achieved{'' if mfu is None else f', MFU {mfu:.1%}'} "
+                     f"(peak: {_clean(compute.get('peak_source'), 60)})")
+    return lines
+
+
+def _op_lines(ops: Any, what: str) -> list[str]:
+    """The top-ops table (the first 15 of the capture's summary)."""
+    if ops is None or ops == []:
+        return []
+    if not isinstance(ops, list):
+        raise malformed(what, "summary", ops)
+    ops = ops[:15]
+    for i, op in enumerate(ops):
+        if not isinstance(op, dict):
+            raise malformed(what, f"summary[{i}]", op)
+    device = any(op.get("self_device_time_total_seconds") for op in ops)
+    key = "self_device_time_total_seconds" if device else "self_cpu_time_total_seconds"
+    lines = [f"\n{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
+             f"{'GFLOP':>8} {'GFLOP/s':>8}  bound"]
+    for i, op in enumerate(ops):
+        at = f"summary[{i}]"
+        calls, self_s = number(op.get("calls"), what, f"{at}.calls"), number(op.get(key), what, f"{at}.{key}")
+        cpu_s = number(op.get("cpu_time_total_seconds"), what, f"{at}.cpu_time_total_seconds")
+        flops = optional_number(op.get("flops"), what, f"{at}.flops")
+        rate = optional_number(op.get("achieved_flops_per_second"), what, f"{at}.achieved_flops_per_second")
+        lines.append(f"{_clean(op.get('name'), 34):<34} {calls:>6g} {self_s * 1e3:>13.3f} {cpu_s * 1e3:>12.3f} "
+                     f"{(flops or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
+                     f"{_clean(op.get('bound') or '-', 20)}")
+    return lines
+
+
+def short_comparison(meta: dict[str, Any], width: int = 60) -> str:
+    """The comparison sentence of a listed capture, cut to ``width`` characters; "-" without one."""
+    comparison = meta.get("comparison")
+    if not isinstance(comparison, dict):
+        return "-"
+    text = _clean(comparison.get("error") or comparison.get("summary") or "-", width * 4)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+#: The per-step op table's numeric fields ``captures.compare`` reads (``captures.trace_summary.step_table``).
+_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step", "share_of_steps")
+#: The largest per-step figure (seconds, calls) taken from an agent, and the largest step count: far past any real
+#: capture (a model call of 30 years), far below where the comparison's arithmetic overflows (it squares a standard
+#: deviation: 1e308 raised OverflowError) or a float() of a 400-digit JSON integer does.
+_PER_STEP_MAX = 1e9
+
+
+def check_ops(meta: dict[str, Any], capture_id: str) -> None:
+    """``ControlError`` unless every entry of the capture's op table is an object whose numeric fields are
+    numbers in [0, _PER_STEP_MAX] (or absent), its step count too, and its device text: ``compare`` would
+    otherwise fail with a ``ValueError`` from ``float("abc")``, an ``OverflowError``, or print nonsense from
+    NaN. Only a broken or hostile agent sends such a table."""
+    what = f"capture {capture_id}"
+    if not isinstance(meta.get("device"), (str, type(None))):
+        raise malformed(what, "device", meta.get("device"))
+    if meta.get("steps") is not None and not isinstance(meta.get("steps"), int):
+        raise malformed(what, "steps", meta.get("steps"))
+    optional_number(meta.get("steps"), what, "steps", low=0, high=_PER_STEP_MAX)
+    ops = meta.get("ops")
+    if not isinstance(ops, dict):
+        return  # no table: compare says the captures are not comparable
+    for name, entry in ops.items():
+        if not isinstance(entry, dict):
+            raise ControlError(f"{what}: op {_clean(name, 60)!r} is not an object in its op table")
+        for field in _OP_FIELDS:
+            optional_number(entry.get(field), what, f"op {_clean(name, 60)!r}: {field}", low=0,
+                             high=_PER_STEP_MAX)
