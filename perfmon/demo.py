@@ -105,8 +105,12 @@ def run_demo(*, host: str | None = None, port: int | None = None, duration: floa
         # ~100 forwards/s on a CPU: time 1 in 10 so prefill and decode percentiles fill within seconds.
         kw.setdefault("sample_rate", 0.1)
     if slow_after is not None and "regression" not in kw:
-        # Short windows so the demo shows a detection within a minute (production default: 30 s windows).
-        kw["regression"] = RegressionPolicy(window_seconds=5, baseline_windows=2, min_samples=20, consecutive=2)
+        # Short windows so the demo shows a detection within a minute (production default: 30 s windows). At 1% of
+        # ~50 calls a second the floor's one sample a second would stretch each window past 20 s and spread it over
+        # the encoder's ~9 size classes: the baseline would still be learning when the slow-down came.
+        kw["regression"] = RegressionPolicy(window_seconds=5, baseline_windows=2, min_samples=20, consecutive=3,
+                                            cooldown_seconds=1)  # the encoder and the pipeline that calls it: both
+        kw.setdefault("sample_rate", 0.2)
     stop = stop if stop is not None else threading.Event()
     if install_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

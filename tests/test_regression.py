@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -405,37 +406,55 @@ def test_a_regression_that_finds_the_capture_slot_busy_is_captured_when_it_frees
     assert mon.captures.current.id != manual["id"] and not mon.policy.deferred
 
 
-def test_a_deferred_regression_capture_outlives_a_manual_one_that_takes_the_slot_first() -> None:
-    """The slot frees and, before the deferred regression capture is armed, a manual capture (the HTTP thread) takes
-    it: the arm is refused as busy. The regression capture used to be dropped then, and the detector fires once per
-    regression, so a regression that outlasted the manual captures was never captured (a thread-per-request server's
-    test, loaded host). It is kept for when the slot frees again."""
-    from perfmon.captures.policy import CapturePolicy
-    from perfmon.faults import InternalErrors
+class _Model:
+    capturable = True
 
-    class Model:
-        capturable = True
 
-    class Slot:  # the capture controller, as the policy sees it
-        def __init__(self) -> None:
-            self.state, self.armed, self.lose_race = "recording", [], True
+class _Slot:
+    """The capture controller as the policy sees it: a state, ``auto`` (which can lose the race for a freed slot to a
+    manual capture), and the automatic cooldown's seconds left (``limits.cooldown_left``, on ``clock``)."""
 
-        def auto(self, st: object, options: object, details: dict) -> object | None:
+    def __init__(self) -> None:
+        self.state, self.armed, self.lose_race, self.left = "recording", [], True, 0.0
+        self.limits = self
+
+    def clock(self) -> float:
+        return 0.0
+
+    def cooldown_left(self, now: float) -> float:
+        return self.left
+
+    def auto(self, st: object, options: object, details: dict) -> object | None:
+        if self.state != "idle" or self.lose_race or self.left:
             if self.state != "idle" or self.lose_race:
                 self.state, self.lose_race = "armed", False  # a manual capture armed first
-                return None
-            self.state = "armed"
-            self.armed.append(details)
-            return object()
+            return None
+        self.state = "armed"
+        self.armed.append(details)
+        return object()
+
+
+def _policy_on(slot: _Slot, models: tuple[str, ...] = ("m",)) -> Any:
+    from perfmon.captures.policy import CapturePolicy
+    from perfmon.faults import InternalErrors
 
     class Log:
         def warning(self, event: str, **kw: object) -> None:
             pass
 
-    slot = Slot()
-    policy = CapturePolicy(RegressionPolicy(window_seconds=1, min_samples=5, baseline_windows=2, consecutive=1,
-                                            baseline_capture=False),
-                           models={"m": Model()}, captures=slot, internal=InternalErrors(), log=Log())  # type: ignore[arg-type]
+    return CapturePolicy(RegressionPolicy(window_seconds=1, min_samples=5, baseline_windows=2, consecutive=1,
+                                          baseline_capture=False),
+                         models={m: _Model() for m in models}, captures=slot,  # type: ignore[arg-type]
+                         internal=InternalErrors(), log=Log())
+
+
+def test_a_deferred_regression_capture_outlives_a_manual_one_that_takes_the_slot_first() -> None:
+    """The slot frees and, before the deferred regression capture is armed, a manual capture (the HTTP thread) takes
+    it: the arm is refused as busy. The regression capture used to be dropped then, and the detector fires once per
+    regression, so a regression that outlasted the manual captures was never captured (a thread-per-request server's
+    test, loaded host). It is kept for when the slot frees again."""
+    slot = _Slot()
+    policy = _policy_on(slot)
     det, t0 = policy.detector, time.perf_counter_ns()
     assert det is not None
     fired = _three_healthy_windows_then_a_slow_one(det, t0)
@@ -448,3 +467,61 @@ def test_a_deferred_regression_capture_outlives_a_manual_one_that_takes_the_slot
     slot.state = "idle"
     policy.tick(t0 + 4 * S + 2)
     assert not policy.deferred and len(slot.armed) == 1
+
+
+def _two_models_regressing(det: Detector, t0: int) -> list:
+    """``_three_healthy_windows_then_a_slow_one`` for two models, ``m`` and ``n``, at once: both regressions fired."""
+    fired: list = []
+    for w, latency in enumerate((0.001, 0.001, 0.001, 0.004)):
+        for i in range(10):
+            for name in ("m", "n"):
+                fired += det.add(name, latency, t0 + w * S + i * 1_000_000)
+    fired += det.tick(t0 + 4 * S)
+    assert sorted(r.model for r in fired) == ["m", "n"]
+    return fired
+
+
+def test_two_models_regressing_at_once_are_both_captured_once_the_cooldown_lets_the_second_arm() -> None:
+    """Two models regress in one pass (a pipeline and the model it calls): the first's capture takes the slot, the
+    second's waits. The slot frees before the automatic cooldown ends: the second used to be refused (cooldown) and
+    dropped. It waits out the cooldown when that ends before the deferral would; past the deferral it is dropped."""
+    slot = _Slot()
+    policy = _policy_on(slot, ("m", "n"))
+    det, t0 = policy.detector, time.perf_counter_ns()
+    assert det is not None
+    fired = _two_models_regressing(det, t0)
+    slot.state, slot.lose_race = "idle", False
+    policy.fire(fired)  # the first arms; the second finds the slot armed: kept
+    assert len(slot.armed) == 1 and len(policy.deferred) == 1
+    slot.state, slot.left = "idle", 5.0  # its capture done; the cooldown it started has 5 s to run
+    policy.tick(t0 + 4 * S + 1)
+    assert len(policy.deferred) == 1 and len(slot.armed) == 1
+    slot.left = 0.0
+    policy.tick(t0 + 4 * S + 2)
+    assert not policy.deferred and len(slot.armed) == 2
+    assert {d["model"] for d in slot.armed} == {"m", "n"}
+    # A cooldown longer than the deferral's 120 s: dropped (counted by the controller's refusal).
+    slot2 = _Slot()
+    policy2 = _policy_on(slot2, ("m", "n"))
+    assert policy2.detector is not None
+    fired = _two_models_regressing(policy2.detector, t0)
+    slot2.state, slot2.lose_race = "idle", False
+    policy2.fire(fired)
+    slot2.state, slot2.left = "idle", 600.0
+    policy2.tick(t0 + 4 * S + 1)
+    assert not policy2.deferred and len(slot2.armed) == 1
+    # Both fire with the slot free but inside a cooldown that ends soon (another model's capture armed a moment ago):
+    # both kept, then armed one at a time.
+    slot3 = _Slot()
+    policy3 = _policy_on(slot3, ("m", "n"))
+    assert policy3.detector is not None
+    fired = _two_models_regressing(policy3.detector, t0)
+    slot3.state, slot3.lose_race, slot3.left = "idle", False, 0.5
+    policy3.fire(fired)
+    assert len(policy3.deferred) == 2 and not slot3.armed
+    slot3.left = 0.0
+    policy3.tick(t0 + 4 * S + 1)
+    assert len(policy3.deferred) == 1 and len(slot3.armed) == 1
+    slot3.state = "idle"
+    policy3.tick(t0 + 4 * S + 2)
+    assert not policy3.deferred and {d["model"] for d in slot3.armed} == {"m", "n"}

@@ -101,7 +101,7 @@ class CaptureController:
                                  timeout_seconds=export_timeout_seconds, max_memory_bytes=export_max_memory_bytes)
         self.arm_timeout = arm_timeout_seconds
         self._make_profiler = profiler_factory
-        self._clock = clock
+        self.clock = clock  #: monotonic seconds: what the limits count in
         #: Why ``arm`` refuses every capture (the monitor stopped), or None. Set and read under ``_lock``: a
         #: ``capture()`` racing ``stop()``/``close()`` is refused or cancelled, never left armed in a stopped monitor.
         self._refusal: str | None = None
@@ -140,7 +140,7 @@ class CaptureController:
         """
         if trigger not in TRIGGERS:
             raise ValueError(f"trigger={trigger!r}: expected one of {', '.join(TRIGGERS)}")
-        now = self._clock()
+        now = self.clock()
         problem = self.store.problem()
         if problem is not None:  # a trace could not be stored: do not slow the model for nothing
             exc = UnsafeTraceDir(problem)
@@ -228,7 +228,7 @@ class CaptureController:
             cap = self.current
             assert cap is not None
             rec = Recording.try_start(self._make_profiler, cap.options, getattr(st, "cuda_index", -1) >= 0,
-                                      memory=self._memory, clock=self._clock)
+                                      memory=self._memory, clock=self.clock)
             if rec is None:  # perfmon's warm-up runs (a forked worker's, on its own thread): the next call tries
                 return
             if not isinstance(rec, Recording):
@@ -248,7 +248,7 @@ class CaptureController:
     def _step(self, st: Any, work: int | None = None) -> None:
         cap, rec = self.current, self._recording
         if cap is not None and rec is not None:
-            elapsed = rec.step(cap, self._clock(), abort=self._abort, max_bytes=self.max_bytes, work=work)
+            elapsed = rec.step(cap, self.clock(), abort=self._abort, max_bytes=self.max_bytes, work=work)
             if elapsed is not None:
                 self._end_recording(st, cap, rec, elapsed)
 
@@ -260,7 +260,7 @@ class CaptureController:
             if self.state != RECORDING or cap is None or rec is None or sys.is_finalizing():
                 return
             cap.ended_by = "thread_ended"
-            self._end_recording(st, cap, rec, self._clock() - rec.started)
+            self._end_recording(st, cap, rec, self.clock() - rec.started)
         except BaseException as exc:  # a finaliser must not raise: Python would only print it
             self._internal.report("capture", exc)
 
@@ -343,7 +343,7 @@ class CaptureController:
     def tick(self) -> None:
         """Expire a capture armed for too long with no call of its model."""
         with self._lock:
-            if self.state == ARMED and self._clock() - self._armed_t > self.arm_timeout:
+            if self.state == ARMED and self.clock() - self._armed_t > self.arm_timeout:
                 self._finish_locked(self._state_ref, "aborted",
                                     f"no call of the model within {self.arm_timeout:g} s of arming", "cancel")
 
@@ -361,14 +361,14 @@ class CaptureController:
     def stop(self, timeout_seconds: float) -> None:
         """Refuse new captures until ``accept``; cancel an armed one; ask a recording one to end at its thread's next
         call; wait for export."""
-        deadline = self._clock() + timeout_seconds
+        deadline = self.clock() + timeout_seconds
         with self._lock:
             self._refusal = STOPPED
             if self.state == ARMED:
                 self._finish_locked(self._state_ref, "aborted", "monitor stopped", "cancel")
             elif self.state == RECORDING:
                 self._abort = True
-        while self.state == RECORDING and self._clock() < deadline:
+        while self.state == RECORDING and self.clock() < deadline:
             time.sleep(0.01)  # the recording thread's next call ends it (bounded by the deadline)
         if self.state == RECORDING and self._log is not None:
             self._log.warning("capture_still_recording", id=self.current.id if self.current else None,
@@ -376,7 +376,7 @@ class CaptureController:
         with self._lock:
             exporter = self._export_thread
         if exporter is not None:
-            exporter.join(max(0.0, deadline - self._clock()))
+            exporter.join(max(0.0, deadline - self.clock()))
 
 
 #: How long the calls that would start an armed capture wait for perfmon's warm-up to end (seconds, counted from the

@@ -39,6 +39,12 @@ class CaptureLimits:
         if len(times) >= limit:
             raise CaptureRateLimited(f"at most {limit} captures per hour", times[0] + 3600.0 - now, "rate_limit")
 
+    def cooldown_left(self, now: float) -> float:
+        """Seconds until the automatic cooldown lets a ``regression`` capture arm (0 when it would now)."""
+        if self.last_auto is None:
+            return 0.0
+        return max(0.0, self.last_auto + self.cooldown - now)
+
     def take(self, trigger: str, now: float) -> None:
         """Count a capture of ``trigger`` armed at ``now`` (after ``check`` let it through)."""
         self._bucket(trigger)[0].append(now)

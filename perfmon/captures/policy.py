@@ -28,6 +28,7 @@ BASELINE_CHECK_SECONDS = 30.0
 _NEVER = 2**63 - 1  # perf_counter_ns far ahead: no look falls due
 #: How long (seconds) a regression capture that found the capture slot busy waits for it to free.
 DEFERRED_SECONDS = 120.0
+_DEFER_NS = int(DEFERRED_SECONDS * 1e9)
 
 
 #: ``Monitor(regression=...)``'s default: a default ``RegressionPolicy``, unless ``PERFMON_REGRESSION`` is off.
@@ -147,10 +148,15 @@ class CapturePolicy:
                                      with_stack=policy.capture_with_stack,
                                      profile_memory=policy.capture_profile_memory)
             busy = self._captures.state != "idle"
-            if self._captures.auto(st, options, details) is None and busy:
-                # Another capture (a baseline, a manual one) holds the profiler: the detector fires once per
-                # regression, so keep this one and arm it when the slot frees, while the regression lasts.
-                self.deferred[r.model] = (st, options, details, perf_counter_ns() + int(DEFERRED_SECONDS * 1e9))
+            if self._captures.auto(st, options, details) is None and (busy or 0 < self._cooldown_ns() < _DEFER_NS):
+                # Another capture (a baseline, a manual one) holds the profiler, or the cooldown another model's
+                # capture started ends soon: the detector fires once per regression, so keep this one and arm it
+                # when the slot frees and the cooldown lets it, while the regression lasts.
+                self.deferred[r.model] = (st, options, details, perf_counter_ns() + _DEFER_NS)
+
+    def _cooldown_ns(self) -> int:
+        """Nanoseconds until the automatic cooldown lets a regression capture arm (0: it would now)."""
+        return int(self._captures.limits.cooldown_left(self._captures.clock()) * 1e9)
 
     def _retry_deferred(self, now_ns: int) -> None:
         """Arm a regression capture that found the slot busy, once it is free."""
@@ -160,6 +166,12 @@ class CapturePolicy:
         for key, (st, options, details, expires_ns) in list(self.deferred.items()):
             del self.deferred[key]
             if key in active and now_ns < expires_ns:
+                wait_ns = self._cooldown_ns()
+                if wait_ns and now_ns + wait_ns < expires_ns:
+                    # The capture that held the slot started the cooldown (two models regressing at once, the slot
+                    # freed before the cooldown ends): keep this one until the cooldown lets it arm.
+                    self.deferred[key] = (st, options, details, expires_ns)
+                    return
                 if self._captures.auto(st, options, details) is None and self._captures.state != "idle":
                     # Another capture (a manual one, on the HTTP thread) took the slot since the check above: the
                     # detector will not fire again for this regression, so keep it for when that one ends.
