@@ -255,6 +255,8 @@ def fetch_profile(url: str, capture_id: str, *, token: str | None, out: str = ".
     """Download a capture the agent holds (``perfmon profiles --url ... --download ID``: one a regression took, say)
     into the directory ``out`` under its trace's name, and print its top ops, as ``perfmon profile`` does for the
     capture it takes. ``ControlError`` for a capture still recording or one that failed."""
+    if not valid_id(capture_id):  # it becomes a URL path and a local file name
+        raise ControlError(f"not a capture id: {_clean(repr(capture_id), 80)}")
     stdout = stdout if stdout is not None else sys.stdout
     deadline = time.monotonic() + timeout
     base = url.rstrip("/")

@@ -326,6 +326,40 @@ def test_profile_with_a_wrong_typed_field_is_one_clean_error_line(field: str, va
     assert_clean(out)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("summary", [{"name": "aten::mm", "calls": [5], "self_cpu_time_total_seconds": 0.002,
+                  "cpu_time_total_seconds": 0.003}]),
+    ("compute", ["not", "an", "object"]),
+    ("outcome", ["ok"]),
+    ("outcome", None),
+    ("outcome", "failed"),
+], ids=["list-calls", "compute-not-object", "outcome-list", "still-recording", "failed"])
+def test_profiles_download_of_a_broken_or_unfinished_capture_writes_nothing(field: str, value: Any, tmp_path: Path,
+                                                                              capsys: Any) -> None:
+    """`perfmon profiles --url --download ID` of a capture with a wrong-typed field, one still recording or one that
+    failed: exit 1, one clean line, no file written."""
+    with Agent(profile_routes(meta(**{field: value}))) as agent:
+        rc, out, err = run(capsys, "profiles", "--url", agent.url, "--download", A, "--out", str(tmp_path),
+                           "--timeout", "20")
+    assert_one_error_line(rc, err)
+    assert_clean(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profiles_download_keeps_the_trace_inside_out_whatever_name_the_agent_gives(tmp_path: Path,
+                                                                                    capsys: Any) -> None:
+    """The agent names the trace file; a name that is a path ("../x") is not used: the file lands in --out under the
+    capture id's name."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with Agent(profile_routes(meta(trace_file="../../escaped.pt.trace.json.gz"))) as agent:
+        rc, out, err = run(capsys, "profiles", "--url", agent.url, "--download", A, "--out", str(out_dir))
+    assert rc == 0, err
+    assert [p.name for p in out_dir.iterdir()] == [f"{A}.pt.trace.json.gz"]
+    assert (out_dir / f"{A}.pt.trace.json.gz").read_bytes() == TRACE
+    assert not list(tmp_path.glob("escaped*")) and "aten::mm" in out
+
+
 @pytest.mark.parametrize("entry", [
     {"seconds_per_step": 0.002, "seconds_per_step_stdev": 1e308, "calls_per_step": 1},
     {"seconds_per_step": 1e308, "seconds_per_step_stdev": 1e308, "calls_per_step": 1},
