@@ -585,7 +585,9 @@ def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
     def start() -> None:
         os.write(2, b"app line before\n")
         prof.start()
-        os.write(2, b"USDT: profiler_start (as Kineto logs it)\n")
+        os.write(2, USDT_START)  # as Kineto writes it: the text, then its newline
+        os.write(2, b"\n")
+        os.write(2, b"USDT: an event of another form\n")
         os.write(2, b"app line after\n")
 
     prof = torch_profiler(CaptureOptions(record_shapes=False), cuda=False)
@@ -593,6 +595,29 @@ def test_kineto_usdt_lines_are_filtered_and_other_stderr_is_kept(capfd) -> None:
     quiet_kineto(prof.stop)
     err = capfd.readouterr().err
     assert "USDT:" not in err and "app line before\napp line after\n" in err
+
+
+USDT_START = b"USDT:2026-12-02 18:21:49 2419:2421 SyncActivityProfilerHandler.cpp:52] profiler_start"
+
+
+def test_a_line_another_thread_writes_between_kinetos_text_and_its_newline_is_kept(capfd) -> None:
+    """Kineto writes a ``USDT:`` line's text and its newline in two writes: another thread's line can land between
+    them, glued to the text. It used to go with it (the whole line started with "USDT:"): a gunicorn worker's
+    ``port_unavailable`` error went missing from its log once. Only Kineto's text is dropped."""
+    import os
+
+    from perfmon.captures.profiler import quiet_kineto
+
+    def stop() -> None:
+        os.write(2, USDT_START.replace(b"52] profiler_start", b"59] profiler_stop"))
+        os.write(2, b'{"event": "port_unavailable", "level": "error"}\n')  # the other thread's, in between
+        os.write(2, b"\n")
+        os.write(2, b"ERROR: External init callback must run in same thread as registerClient (1 != 2)\n")
+
+    quiet_kineto(stop)
+    err = capfd.readouterr().err
+    assert '{"event": "port_unavailable", "level": "error"}\n' in err
+    assert "USDT" not in err and "profiler_stop" not in err and "registerClient" not in err
 
 
 def test_export_child_over_its_memory_cap_fails_the_capture(tmp_path: Path) -> None:
