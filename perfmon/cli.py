@@ -276,9 +276,9 @@ def fetch_profile(url: str, capture_id: str, *, token: str | None, out: str = ".
 
 
 def _save_trace(base: str, cap_id: str, meta: dict[str, Any], target: Path | None, *, token: str | None,
-                deadline: float, transport: Transport, stdout: TextIO, directory: Path | None = None) -> int:
-    """A finished capture's trace written to ``target`` (default: its name, in ``directory`` or here), then its top
-    ops, comparison and compute printed; ``ControlError`` for a failed capture or a malformed answer."""
+                deadline: float, transport: Transport, stdout: TextIO, directory: Path = Path()) -> int:
+    """A finished capture's trace written to ``target`` (None: its own name, in ``directory``), then its top ops,
+    comparison and compute printed; ``ControlError`` for a failed capture or a malformed answer."""
     what = f"capture {cap_id}"
     if meta["outcome"] == "failed":
         raise ControlError(f"{what} failed: {_clean(meta.get('error'), 500)}")
@@ -287,7 +287,7 @@ def _save_trace(base: str, cap_id: str, meta: dict[str, Any], target: Path | Non
     if not isinstance(name, str) or not TRACE_NAME.fullmatch(name):  # the agent's word is no path: "../x"
         name = f"{cap_id}.pt.trace.json.gz"
     if target is None:
-        target = (directory or Path()) / name
+        target = directory / name
     size = client.download(transport, f"{base}/profiles/{cap_id}/trace", target, token=token,
                            timeout=client.remaining(deadline))
     print(f"trace: {target} ({size} bytes; open in https://ui.perfetto.dev or TensorBoard)", file=stdout)

@@ -170,23 +170,22 @@ def _no_cycle_warning() -> Iterator[None]:
         yield
 
 
-#: Lines of Kineto's that a start or stop writes to fd 2 and ``quiet_kineto`` drops: its ``USDT:`` trace points, and the
-#: complaint its first start in a process prints when it runs on another thread than the one that imported torch
-#: (torch registers its Kineto client there; a capture starts on a serving thread). On that line Kineto skips the
+#: The complaint Kineto's first start in a process prints when it runs on another thread than the one that imported
+#: torch (torch registers its Kineto client there; a capture starts on a serving thread). On that line Kineto skips the
 #: client's ``init()``, which torch leaves empty: the profiler starts and records all the same (tests/test_capture.py).
-_KINETO_NOISE = (b"USDT:", b"ERROR: External init callback must run in same thread as registerClient")
-#: The same, matched as Kineto writes them. A ``USDT:`` line comes in two writes, its text and then its newline, so
-#: another thread's line written in between lands glued to it ("USDT:... profiler_stop{...}\n\n"): dropping whole
-#: lines that start with the prefix dropped that line too (a worker's ``port_unavailable`` once, in a full suite run).
-#: Only the text goes, with its newline when it follows at once; what another thread wrote stays (one blank line
-#: after it in that race). A ``USDT:`` line of another form is dropped whole, as before.
-_KINETO_TEXT = re.compile(rb"USDT:[^\n\]]*\] profiler_(?:start|stop)\n?"
-                          rb"|ERROR: External init callback must run in same thread as registerClient[^\n]*\n?")
+_WRONG_THREAD = b"ERROR: External init callback must run in same thread as registerClient"
+#: What ``quiet_kineto`` drops of a start's or stop's fd-2 output: that complaint and Kineto's ``USDT:`` trace points,
+#: matched as Kineto writes them. A ``USDT:`` line comes in two writes, its text and then its newline, so another
+#: thread's line written in between lands glued to it ("USDT:... profiler_stop{...}\n\n"): dropping whole lines that
+#: start with the prefix dropped that line too (a worker's ``port_unavailable`` once, in a full suite run). Only the
+#: text goes, with its newline when it follows at once; what another thread wrote stays (one blank line after it in
+#: that race). A ``USDT:`` line of another form is dropped whole, as before.
+_KINETO_TEXT = re.compile(rb"USDT:[^\n\]]*\] profiler_(?:start|stop)\n?|" + re.escape(_WRONG_THREAD) + rb"[^\n]*\n?")
 
 
 def quiet_kineto(fn: Callable[[], None]) -> None:
     """Run ``fn`` (a profiler start or stop) with Kineto's ``USDT:`` stderr lines filtered out, and its
-    wrong-thread complaint (``_KINETO_NOISE``), and torch's one-cycle warning ignored (``_no_cycle_warning``).
+    wrong-thread complaint (``_WRONG_THREAD``), and torch's one-cycle warning ignored (``_no_cycle_warning``).
 
     Kineto logs ``USDT: ... profiler_start`` / ``profiler_stop`` at its USDT severity (5), above
     ERROR (4), so no ``KINETO_LOG_LEVEL`` hides them without also hiding Kineto's errors (6 hides
@@ -225,7 +224,7 @@ def quiet_kineto(fn: Callable[[], None]) -> None:
     finally:
         os.close(saved)
         kept = b"".join(line for line in _KINETO_TEXT.sub(b"", data).splitlines(keepends=True)
-                        if not line.startswith(_KINETO_NOISE))
+                        if not line.startswith(b"USDT:"))
         while kept:
             try:
                 kept = kept[os.write(2, kept):]
