@@ -102,7 +102,8 @@ def short_comparison(meta: dict[str, Any], width: int = 60) -> str:
 
 
 #: The per-step op table's numeric fields ``captures.compare`` reads (``captures.trace_summary.step_table``).
-_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "calls_per_step", "share_of_steps")
+_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "seconds_per_step_median", "calls_per_step",
+              "share_of_steps")
 #: The largest per-step figure (seconds, calls) taken from an agent, and the largest step count: far past any real
 #: capture (a model call of 30 years), far below where the comparison's arithmetic overflows (it squares a standard
 #: deviation: 1e308 raised OverflowError) or a float() of a 400-digit JSON integer does.
@@ -123,9 +124,22 @@ def check_ops(meta: dict[str, Any], capture_id: str) -> None:
     ops = meta.get("ops")
     if not isinstance(ops, dict):
         return  # no table: compare says the captures are not comparable
-    for name, entry in ops.items():
+    _check_table(ops, what, "op table")
+    top = meta.get("top_ops")
+    if isinstance(top, dict):  # compare reads it (and each entry's breakdown) when it is a non-empty object
+        _check_table(top, what, "top-level op table")
+        for name, entry in top.items():
+            inner = entry.get("breakdown")
+            if inner is not None:
+                if not isinstance(inner, dict):
+                    raise ControlError(f"{what}: op {_clean(name, 60)!r}'s breakdown is not an object")
+                _check_table(inner, what, f"breakdown of {_clean(name, 60)!r}")
+
+
+def _check_table(table: dict[str, Any], what: str, which: str) -> None:
+    for name, entry in table.items():
         if not isinstance(entry, dict):
-            raise ControlError(f"{what}: op {_clean(name, 60)!r} is not an object in its op table")
+            raise ControlError(f"{what}: op {_clean(name, 60)!r} is not an object in its {which}")
         for field in _OP_FIELDS:
-            optional_number(entry.get(field), what, f"op {_clean(name, 60)!r}: {field}", low=0,
-                             high=_PER_STEP_MAX)
+            optional_number(entry.get(field), what, f"op {_clean(name, 60)!r} ({which}): {field}", low=0,
+                            high=_PER_STEP_MAX)

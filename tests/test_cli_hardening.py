@@ -265,9 +265,9 @@ def test_diff_refuses_a_malformed_id_before_any_request(bad: str, capsys: Any) -
     assert calls == []
 
 
-def _agent(before_ops: Any, after_ops: Any, *, raw: bytes | None = None) -> cli.Transport:
+def _agent(before_ops: Any, after_ops: Any, *, raw: bytes | None = None, top: Any = None) -> cli.Transport:
     """A fake agent's transport: GET /profiles/{id} answers the first id's metadata with ``before_ops``, others
-    ``after_ops`` (or ``raw`` bytes)."""
+    ``after_ops`` (or ``raw`` bytes); with ``top``, both carry it as their top-level op table."""
     first: list[str] = []
 
     def request(url: str, **_: Any) -> tuple[int, dict[str, str], bytes]:
@@ -277,8 +277,10 @@ def _agent(before_ops: Any, after_ops: Any, *, raw: bytes | None = None) -> cli.
         ops = before_ops if cid == first[0] else after_ops
         if raw is not None and cid != first[0]:
             return 200, {}, raw
-        return 200, {}, json.dumps({"id": cid, "model": "m", "device": "cpu", "steps": 5, "trigger": "manual",
-                                    "ops": ops}).encode()
+        meta = {"id": cid, "model": "m", "device": "cpu", "steps": 5, "trigger": "manual", "ops": ops}
+        if top is not None:
+            meta["top_ops"] = top
+        return 200, {}, json.dumps(meta).encode()
 
     return request
 
@@ -305,6 +307,25 @@ def test_diff_against_a_hostile_agent_is_a_clear_error(ops: Any, raw: bytes | No
     assert captured.err.startswith("perfmon: ") and "Traceback" not in captured.err
     _no_controls(captured.err)
     _no_controls(captured.out)
+
+
+@pytest.mark.parametrize("top", [
+    {"op": {"seconds_per_step": "abc", "share_of_steps": 1}},
+    {"op": {"seconds_per_step": 0.1, "seconds_per_step_median": "abc", "share_of_steps": 1}},
+    {"op": {"seconds_per_step": 0.1, "seconds_per_step_median": 10 ** 400, "share_of_steps": 1}},
+    {"op": {"seconds_per_step": 0.1, "seconds_per_step_median": float("nan"), "share_of_steps": 1}},
+    {"op": [1]},
+    {"op": {"seconds_per_step": 0.1, "breakdown": [1]}},
+    {"op": {"seconds_per_step": 0.1, "breakdown": {"mm": {"seconds_per_step": "abc"}}}},
+    {"op": {"seconds_per_step": 0.1, "breakdown": {"mm": {"seconds_per_step_stdev": 1e300}}}},
+])
+def test_diff_against_a_hostile_top_level_table_is_a_clear_error(top: Any, capsys: Any) -> None:
+    """compare reads the top-level table and its breakdowns too: a malformed one is one clean error line."""
+    transport = _agent(GOOD_OPS, GOOD_OPS, top=top)
+    assert main(["diff", "--url", "http://agent", new_id(), new_id()], transport=transport) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("perfmon: ") and "Traceback" not in captured.err, captured.err
+    _no_controls(captured.err)
 
 
 def test_diff_prints_op_names_without_terminal_escapes(capsys: Any) -> None:

@@ -177,6 +177,38 @@ def test_trace_summary_attributes_ops_and_kernels_to_their_step() -> None:
     assert {r["name"] for r in got["rows"]} == {"aten::mm", "aten::sort", "aten::cumsum"}
 
 
+def _robust(name: str, mean: float, sd: float, median: float, share: float = 1.0) -> dict[str, Any]:
+    """One table entry with a median, as step_table writes it."""
+    return {name: {"seconds_per_step": mean, "seconds_per_step_stdev": sd, "seconds_per_step_median": median,
+                   "calls_per_step": 1, "share_of_steps": share}}
+
+
+def test_a_preempted_step_neither_reorders_new_ops_nor_raises_the_floor() -> None:
+    """Found under load (the like-for-like end-to-end check): a planted cdist (0.6 ms a call) and the min over
+    its result (35 µs), five steps; a 10 ms preemption inside min in one step made min's mean 2 ms, so min
+    ranked first; a baseline whose linear was preempted (mean 19.7 ms, median 0.5 ms) raised 2 % of the call
+    over the cdist: same. Ops in every step are compared by their medians; a burst keeps its mean."""
+    linear = _robust("aten::linear", 0.52e-3, 0.05e-3, 0.52e-3)
+    base = {"id": "b", "device": "cpu", "steps": 5, "ops": dict(linear), "top_ops": dict(linear)}
+    planted = {**linear, **_robust("aten::cdist", 0.62e-3, 0.05e-3, 0.6e-3),
+               **_robust("aten::min", 2.03e-3, 4.4e-3, 35e-6)}
+    after = {"id": "a", "device": "cpu", "steps": 5, "ops": planted, "top_ops": planted}
+    got = compare(base, after)
+    assert [(r["op"], r["status"]) for r in got["ops"][:2]] == [("aten::cdist", "new"), ("aten::min", "new")]
+    assert _row(got, "aten::min")["seconds_per_call_after"] == pytest.approx(35e-6)
+    assert got["summary"].startswith("new aten::cdist adds 0.6 ms a call")
+    stretched = _robust("aten::linear", 19.7e-3, 42e-3, 0.5e-3)
+    base = {"id": "b", "device": "cpu", "steps": 5, "ops": dict(stretched), "top_ops": dict(stretched)}
+    got = compare(base, after)
+    assert (got["ops"][0]["op"], got["ops"][0]["status"]) == ("aten::cdist", "new")
+    assert _row(got, "aten::cdist")["noise_seconds_per_call"] == pytest.approx(0.02 * 0.5e-3)
+    # An op in two steps of five: its median is 0, its mean what it adds; it is judged by the mean.
+    burst = {**linear, **_robust("aten::copy_", 0.8e-3, 1e-3, 0.0, share=0.4)}
+    got = compare({"id": "b", "device": "cpu", "steps": 5, "ops": dict(linear)},
+                  {"id": "a", "device": "cpu", "steps": 5, "ops": burst})
+    assert _row(got, "aten::copy_")["seconds_per_call_after"] == pytest.approx(0.8e-3)
+
+
 def test_step_table_keeps_the_top_names_and_sums_the_rest() -> None:
     """Past the cap, the names with the least time are summed step by step into [other]; one step: no spread."""
     import array
@@ -189,7 +221,14 @@ def test_step_table_keeps_the_top_names_and_sums_the_rest() -> None:
     assert table["[other]"]["calls_per_step"] == 3
     one, n = step_table({"a": array.array("d", [2.0])}, {"a": array.array("q", [1])}, 1)
     assert n == 1 and one["a"] == {"calls_per_step": 1.0, "seconds_per_step": 2.0, "seconds_per_step_stdev": 0.0,
-                                   "share_of_steps": 1.0}
+                                   "seconds_per_step_median": 2.0, "share_of_steps": 1.0}
+    # The median of the steps used: one preempted step of five moves the mean, not the median.
+    pre, n = step_table({"p": array.array("d", [9.0, 1.0, 1.2, 30.0, 0.9, 1.1])},
+                        {"p": array.array("q", [1] * 6)}, 6)
+    assert n == 5 and pre["p"]["seconds_per_step_median"] == pytest.approx(1.1)
+    assert pre["p"]["seconds_per_step"] == pytest.approx(34.2 / 5)
+    even, _ = step_table({"e": array.array("d", [0.0, 1.0, 2.0, 4.0, 8.0])}, {"e": array.array("q", [1] * 5)}, 5)
+    assert even["e"]["seconds_per_step_median"] == pytest.approx(3.0)
     # share_of_steps: in how many of the steps used an op was called (the warm-up step left out)
     burst, n = step_table({"b": array.array("d", [1.0, 0.0, 3.0, 0.0, 0.0])},
                           {"b": array.array("q", [1, 0, 4, 0, 0])}, 5)

@@ -15,7 +15,8 @@ counts only when it is larger than the *noise bound*::
                 ABS_FLOOR)                                  # 2 µs a call
 
 ``sd`` are the per-step standard deviations (seconds), ``n`` the steps each capture used and
-``call_before`` the sum of every op's self seconds per call in the baseline. The first term is the
+``call_before`` the sum of every op's self seconds per call in the baseline (each op's as below: a
+median or a mean). The first term is the
 spread the captures themselves measured (a Welch-style test at about 3 sigma). It is not enough on its
 own: the steps of one capture are consecutive calls a few milliseconds apart, while the two captures
 are minutes or hours apart, and what drifts in between (another tenant, clocks, a warmer cache, the
@@ -36,6 +37,16 @@ not reported. All four are keyword arguments of ``compare``. Statuses:
   3 ms op added to every call, one of four steps preempted, had a spread that hid it as ``same``. An op
   called in some steps only (a burst in one step: allocator, lazy init) still has to clear its spread;
 * ``same``: everything else, tiny ops that appear or disappear included.
+
+An op's seconds per call on a side is its *median* over the steps when it was called in every step
+there (``share_of_steps`` 1, the table recording ``seconds_per_step_median``), else its mean. On a loaded
+host the scheduler preempts the serving thread for 5-30 ms inside whichever op is running; averaged over
+five steps, one such preemption added milliseconds to one op. Found under load: a planted 0.6 ms cdist
+ranked below the 35 µs ``min`` that took the preemption (``min`` named as the regression), and a
+baseline whose linear read 19.7 ms instead of 0.5 ms raised the 2 %-of-the-call floor over the cdist
+(``same``). The median of an op in every step ignores up to half of them; an op called in some steps
+only keeps its mean (its median may be 0). The spread term still uses the standard deviation, so an
+outlier step makes a change harder to report, never easier.
 
 Rows are ranked by added seconds per call, largest first (the ops that cost the most extra time lead;
 ``faster``/``gone`` rows, which save time, come after the ``slower``/``new`` ones), with ``same`` rows
@@ -102,8 +113,9 @@ def compare(before_meta: Mapping[str, Any], after_meta: Mapping[str, Any], *, si
     existed) are ranked by self time (``ops`` = ``leaf_ops``). ``basis`` says how (``compare_basis``):
     like for like when both captures ran the same size class, else normalised per unit of work.
 
-    Each row: ``op``; ``seconds_per_call_before`` / ``_after`` (the op's seconds per model call; the
-    baseline's scaled by ``basis["scale"]``); ``calls_per_call_before`` / ``_after``;
+    Each row: ``op``; ``seconds_per_call_before`` / ``_after`` (the op's seconds per model call, its median
+    or mean as the module docstring says; the baseline's scaled by ``basis["scale"]``);
+    ``calls_per_call_before`` / ``_after``;
     ``added_seconds_per_call`` (after - before); ``ratio`` (after / before, None when before is 0);
     ``noise_seconds_per_call`` (the bound the change was judged against); ``status``. ``uniform_ratio``
     is the factor by which all large ops moved together (``uniform_ratio()``), or None; when set, the
@@ -324,10 +336,18 @@ def _systematic(name: str, present: Any, other_table: Mapping[str, Any]) -> bool
 
 
 def _stats(entry: Any) -> tuple[float, float, float]:
-    """(mean seconds, stdev seconds, mean calls) per step of one table entry; zeros when absent."""
+    """(typical seconds, stdev seconds, mean calls) per step of one table entry; zeros when absent.
+
+    Typical: the median over the steps for an op called in every step (``share_of_steps`` 1) when the table
+    has it, else the mean (an op called in some steps only is judged by what it adds on average; the median
+    of a burst in one step of five is 0)."""
     if not isinstance(entry, Mapping):
         return 0.0, 0.0, 0.0
-    return (float(entry.get("seconds_per_step") or 0.0), float(entry.get("seconds_per_step_stdev") or 0.0),
+    seconds = entry.get("seconds_per_step")
+    median = entry.get("seconds_per_step_median")
+    if entry.get("share_of_steps") == 1.0 and isinstance(median, (int, float)) and not isinstance(median, bool):
+        seconds = median
+    return (float(seconds or 0.0), float(entry.get("seconds_per_step_stdev") or 0.0),
             float(entry.get("calls_per_step") or 0.0))
 
 
