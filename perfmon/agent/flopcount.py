@@ -1,12 +1,13 @@
 """A signature's FLOPs and bytes, counted once, off the request thread, on a fake copy of the model.
 
-How: the wrapped module is deep-copied under torch's ``FakeCopyMode`` (parameters and buffers become fake
-tensors: shapes, dtypes and devices, no storage), the signature's inputs are rebuilt from their abstract
-description (abstract.py) under the same ``FakeTensorMode``, and the copy's forward runs under a dispatch mode
-of perfmon's that counts every aten op: FLOPs from torch's own formulas (``torch.utils.flop_counter``'s
-registry: matmuls, convolutions, attention; elementwise ops count 0, as in ``FlopCounterMode``) and bytes.
-No kernel runs and no memory is allocated. The copy is kept per model (re-made when its parameters change
-shape, dtype or device) so the next signature of the same model costs only the fake forward.
+How: the wrapped module is deep-copied under torch's ``FakeCopyMode`` (parameters and buffers become fake tensors:
+shapes, dtypes and devices, no storage), the signature's inputs are rebuilt from their abstract description
+(abstract.py) under the same ``FakeTensorMode``, and the copy's forward runs under a dispatch mode of perfmon's
+that counts every aten op: FLOPs from torch's own formulas (``torch.utils.flop_counter``'s registry: matmuls,
+convolutions, attention, CPU's fused attention too: opcount.py; elementwise ops count 0, as in
+``FlopCounterMode``) and bytes. No kernel runs and no memory is allocated. The copy is kept per model (re-made
+when its parameters change shape, dtype or device) so the next signature of the same model costs only the fake
+forward.
 
 Bytes, an estimate: for every aten op that is not a view, the sizes of its tensor inputs and outputs (an op
 reads its inputs from memory and writes its outputs); a lookup (embedding, index_select, gather) counts the

@@ -1,10 +1,11 @@
 """One fake forward's cost, op by op: FLOPs by torch's own formulas, bytes moved (an estimate), and whether its
 FLOPs run in 16 bits or fewer. flopcount.py runs a fake copy's forward under ``OpCounting`` on its counting thread.
 
-FLOPs: ``torch.utils.flop_counter``'s registry (matmuls, convolutions, attention); an op it has no formula for is
-decomposed, as ``FlopCounterMode`` does, and elementwise ops count 0. Bytes: for every aten op that is not a view,
-its tensor inputs and outputs; a lookup (embedding, index_select, gather) counts the rows it returns, read and
-written, and its indices, not the whole table (flopcount.py's docstring says what that leaves out).
+FLOPs: ``torch.utils.flop_counter``'s registry (matmuls, convolutions, attention, CPU's fused attention too); an
+op it has no formula for is decomposed, as ``FlopCounterMode`` does, and elementwise ops count 0. Bytes: for every
+aten op that is not a view, its tensor inputs and outputs; a lookup (embedding, index_select, gather) counts the
+rows it returns, read and written, and its indices, not the whole table (flopcount.py's docstring says what that
+leaves out).
 """
 
 from __future__ import annotations
@@ -32,13 +33,27 @@ _GATHERS = frozenset({_aten.embedding.default, _aten.index_select.default, _aten
                       _aten.index.Tensor})
 
 
+#: Fused attention kernels torch's registry has no formula for, though they compute what its flash-attention
+#: formula counts (same query, key, value arguments first, (batch, heads, sequence, head dim) each): on CPU,
+#: ``scaled_dot_product_attention`` runs the first (transformers' default attention), so without it a tiny
+#: BertModel's count lacked its 262,144 attention FLOPs, not reported as unknown (session 36).
+_SDPA_LIKE = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable")
+
+
 def flop_registry() -> dict[Any, Any]:
-    """torch's FLOP formulas by op packet (empty on a torch without them: every count then fails, none is guessed)."""
+    """torch's FLOP formulas by op packet, with its flash-attention formula for the fused kernels in ``_SDPA_LIKE``
+    (empty on a torch without them: every count then fails, none is guessed)."""
     try:
         from torch.utils.flop_counter import flop_registry as registry
     except ImportError:  # an older or newer torch without it
         return {}
-    return registry
+    out = dict(registry)
+    flash = registry.get(getattr(_aten, "_scaled_dot_product_flash_attention", None))
+    for name in _SDPA_LIKE if flash is not None else ():
+        packet = getattr(_aten, name, None)
+        if packet is not None:
+            out.setdefault(packet, flash)
+    return out
 
 
 class OpCounting(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
