@@ -65,6 +65,8 @@ PauseSink = Callable[[list[Pause]], None]
 
 # The hook's state: module globals, the cheapest reads from the callback.
 _start_ns = 0
+#: The generation of the collection ``_start_ns`` stamped (read with it: a collection still open).
+_start_gen = -1
 _rings: tuple[collections.deque[Pause], ...] = ()
 #: Threads whose full (generation-2) collections are summed (``ThreadGc``): thread ident -> [nanoseconds].
 _threads: dict[int, list[int]] = {}
@@ -75,9 +77,10 @@ _lock = threading.Lock()  # install/uninstall only; never taken by the hook
 
 def _on_gc(phase: str, info: dict[str, int]) -> None:
     """The ``gc.callbacks`` hook: stamp, append, nothing else (runs in every collection, on any thread)."""
-    global _start_ns, _last_error
+    global _start_ns, _start_gen, _last_error
     try:
         if phase == "start":
+            _start_gen = info["generation"]
             _start_ns = perf_counter_ns()
             return
         start, _start_ns = _start_ns, 0
@@ -96,6 +99,16 @@ def _on_gc(phase: str, info: dict[str, int]) -> None:
         _last_error = exc
 
 
+def _open() -> tuple[int, int]:
+    """(start_ns, generation) of a collection under way on another thread, or (0, -1).
+
+    Read on the resolver's pass: it runs while a collection is still open only when a ``gc.callbacks`` entry
+    ahead of this hook handed the GIL over at stop (Python work, a wait), and the call that waited for the
+    collection may have returned and been queued meanwhile (a helper's run: 16-20 of 20 such calls marked)."""
+    start, gen = _start_ns, _start_gen
+    return (start, gen) if start and gen >= 0 else (0, -1)
+
+
 def _after_fork_in_child() -> None:
     global _lock, _start_ns
     _lock = threading.Lock()  # a thread of the parent may have held it at fork()
@@ -109,11 +122,13 @@ if hasattr(os, "register_at_fork"):
 
 def _hook_needed() -> None:
     """Put the hook in ``gc.callbacks`` while a ring or a thread is fed, take it out after (under ``_lock``)."""
+    global _start_ns
     wanted = bool(_rings or _threads)
     if wanted and _on_gc not in gc.callbacks:
         gc.callbacks.append(_on_gc)
     elif not wanted and _on_gc in gc.callbacks:
         gc.callbacks.remove(_on_gc)
+        _start_ns = 0  # taken out mid-collection (a callback's stop handed the GIL over): no stop will clear it
 
 
 class ThreadGc:
@@ -279,12 +294,13 @@ class GcPauses:
         """
         self.drain()
         ends = self._ends
-        if not samples or not ends:
+        opened, _ = _open()
+        if not samples or not (ends or opened):
             return samples
-        newest = ends[-1]
+        newest = ends[-1] if ends else 0
         for i, s in enumerate(samples):
             start = s.end_ns - round(s.host_seconds * 1e9)
-            if start >= newest:  # no pause ended after this call began
+            if start >= newest and not 0 < opened < s.end_ns:  # no pause ended after this call began, none open
                 continue
             seconds, gen = self.overlap(start, s.end_ns)
             if gen >= 0:
@@ -294,7 +310,10 @@ class GcPauses:
     # -- queries ------------------------------------------------------------------------------
 
     def overlap(self, start_ns: int, end_ns: int) -> tuple[float, int]:
-        """(seconds of pauses inside ``[start_ns, end_ns]``, the highest generation among them or -1)."""
+        """(seconds of pauses inside ``[start_ns, end_ns]``, the highest generation among them or -1).
+
+        A collection still open (``_open``) that began before ``end_ns`` counts from its start: it ran through the
+        rest of the interval."""
         with self._kept_lock:
             starts, ends, gens = self._starts, self._ends, self._gens
             i = bisect_right(ends, start_ns)  # the first pause that ended after the interval began
@@ -303,6 +322,10 @@ class GcPauses:
                 seconds += min(ends[i], end_ns) - max(starts[i], start_ns)
                 gen = max(gen, gens[i])
                 i += 1
+        opened, open_gen = _open()
+        if 0 < opened < end_ns:  # not in the table yet: the hook clears the start before it appends the pause
+            seconds += end_ns - max(opened, start_ns)
+            gen = max(gen, open_gen)
         return seconds / 1e9, gen
 
     def summary(self, since_ns: int, until_ns: int) -> dict[str, Any]:
