@@ -1,10 +1,11 @@
 """What the running agent costs the serving thread: three variants interleaved in one process.
 
 perfmon's per-call figures (``overhead.py``) are taken with the monitor constructed but not started. A user
-runs it started: resolver, HTTP server and uploader threads running, scraped (every 5 s here, charged at 15 s),
-a trace store configured, regression detection and the profiler's preparation on (the defaults). On a GIL-bound serving
-loop every background wake is a GIL hand-off the serving thread pays for, which no CPU-seconds figure of
-the agent's own threads shows. So this times the serving thread itself:
+runs it started: resolver, HTTP server, health port and uploader threads running, scraped (every 5 s here, charged
+at 15 s; the kubelet's probes, one every 10 s in deploy/, are not sent), a trace store configured, regression
+detection and the profiler's preparation on (the defaults). On a GIL-bound serving loop every background wake is a
+GIL hand-off the serving thread pays for, which no CPU-seconds figure of the agent's own threads shows. So this
+times the serving thread itself:
 
 - ``stopped``: the monitor stopped, the bare model;
 - ``running, unwrapped``: the monitor running (threads, scraper), the bare model: the background alone;
@@ -237,8 +238,10 @@ def main() -> None:
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="perfmon-agent-cost-")
     port = free_port()  # fixed: the scraper (another process, as Prometheus is) finds it after every restart
+    # The health port as deploy/ sets it (its thread is one of the agent's: charged below like the others).
     mon = perfmon.Monitor(port=port, host="127.0.0.1", log_level="error", registry=CollectorRegistry(),
-                          trace_dir=f"{tmp}/traces", trace_store=f"file://{tmp}/store")  # the rest: the defaults
+                          health_port=free_port(), trace_dir=f"{tmp}/traces",
+                          trace_store=f"file://{tmp}/store")  # the rest: the defaults
     # One module, wrapped and unwrapped between variants (Monitor.unwrap restores its class): a twin copy
     # would put its weights elsewhere in memory, a difference of its own (an A/A of two copies: ±0.5%).
     model = gil_bound_model()

@@ -19,7 +19,7 @@ __all__ = ["THREADS", "WAKING", "AgentCpu", "CpuBudget", "HttpShedding"]
 #: The ``thread`` label values.
 THREADS = ("resolver", "nvml", "http", "capture_export", "upload", "flop_count")
 #: The threads that wake on their own (timeouts, polls): ``perfmon_agent_wakeups_total{thread}``.
-WAKING = ("resolver", "nvml", "http", "upload")
+WAKING = ("resolver", "nvml", "http", "upload", "health")
 
 
 class AgentCpu:

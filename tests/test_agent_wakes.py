@@ -310,3 +310,93 @@ def test_the_request_that_ends_a_doze_has_its_later_records_resolved_at_once(mak
         calls += 1
         wait_until(lambda c=calls: timed(mon) == 2 + c, timeout=30, what="a record resolved while lingering")
     assert doze.linger == 0 and calls <= LINGER_WAKES
+
+
+def test_calls_since_the_last_pass_keep_it_from_counting_as_quiet(make_monitor) -> None:
+    """Traffic, however light, is no quiet spell: a pass after calls that timed nothing (1 in a million, no floor)
+    is not quiet, so the resolver keeps its cadence rather than dozing and having the next timed call wake it at
+    once (a helper read ~2 wakes a second at 10-60 calls a second, not the documented ~1); the pass after a spell
+    with no call is quiet again."""
+    import gc
+
+    mon = make_monitor(sample_rate=1e-6, warmup_calls=0, sample_floor_seconds=3600)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    doze = mon.resolver.doze
+    gc.collect()
+    gc.disable()  # a pass that drains a GC pause is not quiet either: none here
+    try:
+        model(torch.ones(1, 4))  # the shape's cold call: timed
+        mon.flush()
+        mon.resolver.step()
+        assert doze.quiet  # nothing since
+        for _ in range(3):
+            model(torch.ones(1, 4))  # untimed
+        mon.resolver.step()
+        assert not doze.quiet
+        assert timed(mon) == 1  # no record: the calls alone made the pass busy
+        mon.resolver.step()
+        assert doze.quiet
+    finally:
+        gc.enable()
+
+
+def test_a_floor_due_before_the_next_tick_is_armed_at_this_pass(make_monitor) -> None:
+    """A sampling floor that falls due within a quarter of a floor (at most the idle tick) is armed by the pass that
+    sees it, not by a wake of its own a moment later: with the floor and the tick both a second, every tick used to
+    be followed by that extra wake. One due later than that waits for its own time."""
+    mon = make_monitor(sample_rate=1e-6, warmup_calls=1, sample_floor_seconds=4.0)
+    model = mon.wrap(torch.nn.Linear(4, 4), name="m")
+    model(torch.ones(1, 4))  # the warm-up call: timed
+    mon.flush()
+    (st,) = mon.models.states()
+    last = st.last_sample_ns
+    mon.resolver.step(now_ns=last + int(2.5e9))  # 1.5 s before the floor: more than its quarter (1 s, the tick)
+    model(torch.ones(1, 4))
+    mon.flush()
+    assert hist_count(mon, "m", "steady") == 0
+    mon.resolver.step(now_ns=last + int(3.2e9))  # 0.8 s before it: armed now
+    model(torch.ones(1, 4))
+    mon.flush()
+    assert hist_count(mon, "m", "steady") == 1
+
+
+def _voluntary_switches(thread) -> int:
+    """The OS's count of the times ``thread`` blocked (each wake of a sleeping thread is one): ground truth taken
+    apart from perfmon's own counter."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="reads Linux's /proc")
+def test_an_idle_health_port_sleeps_until_a_probe_comes(make_monitor) -> None:
+    """The health port's thread (``health_port``, set by the shipped Kubernetes deployment) sleeps until a socket
+    wants it: it used to wake 4 times a second (a 0.25 s select timeout) and count none of it. A probe wakes it, and
+    perfmon_agent_wakeups_total{thread="health"} counts that; stop() still ends the thread at once."""
+    import threading
+
+    mon = make_monitor(port=0, health_port=0).start()
+    (thread,) = [t for t in threading.enumerate() if t.name == "perfmon-health"]
+    url = mon.health_url
+    assert url is not None
+
+    def wakes() -> float:
+        return value(mon, "perfmon_agent_wakeups_total", thread="health") or 0
+
+    seen = {"n": _voluntary_switches(thread), "since": time.monotonic()}
+
+    def quiet() -> bool:  # 1.5 s in which the OS saw the thread block no more
+        n = _voluntary_switches(thread)
+        if n != seen["n"]:
+            seen.update(n=n, since=time.monotonic())
+        return time.monotonic() - seen["since"] >= 1.5
+
+    wait_until(quiet, timeout=20, what="1.5 s without a wake of the idle health thread (the old loop: 6)")
+    first = wakes()
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+    wait_until(lambda: wakes() > first, timeout=10, what="the probe's wake, counted")
+    mon.stop()
+    assert not thread.is_alive()  # stop() woke it: the loop has no timeout to notice it by

@@ -184,21 +184,33 @@ class Resolver:
         return len(samples)
 
     def _housekeeping(self, now_ns: int) -> bool:
-        """The models' floors and items, the device re-read, then ``on_tick``; True if items were folded (calls ran)."""
+        """The models' floors and items, the device re-read, then ``on_tick``; True if calls ran since the last pass."""
         refresh = now_ns - self._last_refresh_ns >= self._refresh_ns
         if refresh:
             self._last_refresh_ns = now_ns
         soonest = None
         busy = False
+        idle_ns = int(self.idle_seconds * 1e9)
         for st in self._states():
             try:
-                # The sampling floor: a model with no timed call for floor_seconds gets its next call timed.
-                if st.sampler.floor_due(st.last_sample_ns, now_ns):
+                # The sampling floor: a model with no timed call for floor_seconds gets its next call timed. One due
+                # within a quarter of a floor (at most a tick) is armed now, a little early: with the floor and the
+                # tick both a second, the floor's timed call came a few ms after a pass and put the next floor a few
+                # ms past the next tick, so every tick was followed by a wake of its own to arm it (2 a second).
+                early = min(st.sampler.floor_ns >> 2, idle_ns)
+                if st.sampler.floor_due(st.last_sample_ns, now_ns + early):
                     st.next_index = 0
                 elif st.next_index:  # not armed yet: its floor falls due then (the thread wakes for it)
                     due = st.last_sample_ns + st.sampler.floor_ns
                     soonest = due if soonest is None or due < soonest else soonest
                 busy = st.item_counts.drain() or busy
+                # Calls since the last pass, timed or not: traffic, however light, is no quiet spell. Without this a
+                # model timing about one call a second (its floor) had every other pass read quiet, and each doze
+                # that followed had the next timed call wake the thread at once: ~2 wakes a second, not ~1.
+                calls = count_value(st.calls)
+                if calls != st.calls_seen:
+                    st.calls_seen = calls
+                    busy = True
                 if refresh:
                     st.refresh_device()
                     self._note_drops(st)

@@ -123,9 +123,9 @@ class ModelState:
     """
 
     __slots__ = (
-        "_resolve_device", "attached", "calls", "capturable", "capture", "cuda_index", "device", "drops", "errors",
-        "gap", "gaps", "hub", "item_counts", "items_fn", "items_on", "last_sample_ns", "name", "next_index", "sampled",
-        "sampler", "sigs", "stage", "stages", "table", "target", "warm", "warmup",
+        "_resolve_device", "attached", "calls", "calls_seen", "capturable", "capture", "cuda_index", "device", "drops",
+        "errors", "gap", "gaps", "hub", "item_counts", "items_fn", "items_on", "last_sample_ns", "name", "next_index",
+        "sampled", "sampler", "sigs", "stage", "stages", "table", "target", "warm", "warmup",
     )
 
     def __init__(self, name: str, hub: Hub, resolve_device: Callable[[], str], *, capturable: bool = True,
@@ -147,6 +147,9 @@ class ModelState:
         self.attached = True
         self.hub = hub
         self.calls = itertools.count()
+        #: ``calls`` as the resolver's last pass read it (that thread alone writes it): calls since then keep the
+        #: pass from counting as quiet (agent/doze.py), timed or not.
+        self.calls_seen = 0
         self.sampled = itertools.count()  # timed attempts, drops included
         self.drops = {reason: itertools.count() for reason in DROP_REASONS}
         self.errors = ErrorCounts(cfg.max_exception_labels)
@@ -178,6 +181,7 @@ class ModelState:
         a child that inherited them would count them again in every worker."""
         cfg = self.hub.config
         self.calls = itertools.count()
+        self.calls_seen = 0
         self.sampled = itertools.count()
         self.drops = {reason: itertools.count() for reason in DROP_REASONS}
         self.errors = ErrorCounts(cfg.max_exception_labels)

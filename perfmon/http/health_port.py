@@ -7,7 +7,9 @@ max 4.7 s measured). A listener of its own has a queue of its own, which only th
 daemon thread multiplexes it with a selector: a client that sends slowly (or never) holds a file
 descriptor for at most ``CLIENT_TIMEOUT_SECONDS``, never the thread, so it cannot delay a probe behind
 it; at most ``MAX_CLIENTS`` at once (the oldest is closed for a newcomer). The answer is the same
-``/healthz`` document as on the main port; anything else is 404.
+``/healthz`` document as on the main port; anything else is 404. With no client held the thread sleeps until a
+socket wants it (``stop()`` writes to a socket pair): on a GIL-bound server each wake is a GIL hand-off, counted as
+``perfmon_agent_wakeups_total{thread="health"}``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ __all__ = ["HealthServer"]
 CLIENT_TIMEOUT_SECONDS = 1.0
 #: Clients held at once; a probe is one short request, so a handful is plenty.
 MAX_CLIENTS = 32
-#: The loop wakes at least this often to cut slow clients and see stop().
-_WAKE_SECONDS = 0.25
+#: The selector's key data of the socket ``stop()`` writes to (clients' keys hold their socket, the listener's None).
+_WAKER = "waker"
 _NOT_FOUND = Response.json(404, {"error": "not found", "detail": "this port serves /healthz only"})
 
 
@@ -43,6 +45,11 @@ class HealthServer:
         self.port = int(self._listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        # stop() wakes the loop through this pair: with no client held it sleeps until a socket wants it (it used to
+        # wake 4 times a second to look at deadlines no client had and at stop(): each a GIL hand-off).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKER)
         #: client socket -> (what it sent so far, when it must be done)
         self._clients: dict[socket.socket, tuple[bytes, float]] = {}
         self._stop = threading.Event()
@@ -53,6 +60,10 @@ class HealthServer:
 
     def stop(self, timeout_seconds: float) -> None:
         self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # closed already (abandoned in a child, stopped twice)
+            pass
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
         self._close_all()
@@ -62,27 +73,34 @@ class HealthServer:
         self._close_all()
 
     def _close_all(self) -> None:
-        for sock in [*self._clients, self._listener]:
+        for sock in [*self._clients, self._listener, self._wake_r, self._wake_w]:
             close_quietly(sock)
         self._clients.clear()
         close_quietly(self._selector)
 
     def _serve(self) -> None:
+        timeout: float | None = None  # no client held: until a socket wants the thread
         while not self._stop.is_set():
             try:
-                events = self._selector.select(_WAKE_SECONDS)
+                events = self._selector.select(timeout)
             except (OSError, ValueError):  # closed by stop()
                 return
+            if self._stop.is_set():
+                return
+            self._cpu.woke("health")
             c0 = time.thread_time()
             now = time.monotonic()
             for key, _ in events:
                 if key.data is None:
                     self._accept(now)
-                else:
+                elif key.data is not _WAKER:
                     self._read(key.fileobj, now)  # type: ignore[arg-type]
             for sock, (_, deadline) in list(self._clients.items()):
                 if now > deadline:
                     self._drop(sock)
+            # The next deadline of a client held (a slow one is cut then), else none.
+            soonest = min((deadline for _, deadline in self._clients.values()), default=None)
+            timeout = None if soonest is None else max(0.0, soonest - time.monotonic()) + 0.001
             self._cpu.add("http", time.thread_time() - c0)
 
     def _accept(self, now: float) -> None:

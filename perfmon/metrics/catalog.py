@@ -252,7 +252,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "counter", "seconds", ("thread",), "CPU time spent by perfmon's own threads, by kind."),
     "perfmon_agent_wakeups_total": (
         "counter", "wakeups", ("thread",),
-        "Times each of perfmon's background threads woke up (resolver, http, nvml, upload). On a GIL-bound "
+        "Times each of perfmon's background threads woke up (resolver, http, nvml, upload, health). On a GIL-bound "
         "server each wake takes the GIL from the serving thread at least once: rate() is what to watch."),
     "perfmon_agent_http_refused_total": (
         "counter", "connections", ("reason",),
