@@ -193,10 +193,9 @@ class Resolver:
         idle_ns = int(self.idle_seconds * 1e9)
         for st in self._states():
             try:
-                # The sampling floor: a model with no timed call for floor_seconds gets its next call timed. One due
-                # within a quarter of a floor (at most a tick) is armed now, a little early: with the floor and the
-                # tick both a second, the floor's timed call came a few ms after a pass and put the next floor a few
-                # ms past the next tick, so every tick was followed by a wake of its own to arm it (2 a second).
+                # The sampling floor: a model with no timed call for floor_seconds gets its next call timed; one due
+                # within a quarter of a floor (at most a tick) now, a little early, not by a wake of its own just
+                # after this pass (the floor and the tick both a second: 2 wakes a second; docs/design.md).
                 early = min(st.sampler.floor_ns >> 2, idle_ns)
                 if st.sampler.floor_due(st.last_sample_ns, now_ns + early):
                     st.next_index = 0
@@ -204,9 +203,8 @@ class Resolver:
                     due = st.last_sample_ns + st.sampler.floor_ns
                     soonest = due if soonest is None or due < soonest else soonest
                 busy = st.item_counts.drain() or busy
-                # Calls since the last pass, timed or not: traffic, however light, is no quiet spell. Without this a
-                # model timing about one call a second (its floor) had every other pass read quiet, and each doze
-                # that followed had the next timed call wake the thread at once: ~2 wakes a second, not ~1.
+                # Calls since the last pass, timed or not: traffic, however light, is no quiet spell (else a pass
+                # that timed nothing dozed, and the next timed call woke the thread at once).
                 calls = count_value(st.calls)
                 if calls != st.calls_seen:
                     st.calls_seen = calls
