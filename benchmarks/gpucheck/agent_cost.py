@@ -263,8 +263,10 @@ def check_agent_cost(rig: Rig, *, quick: bool = False) -> Check:
     rounds_p, probe_s = (2, 0.5) if quick else (10, 1.5)
     with tempfile.TemporaryDirectory(prefix="perfmon-gpucheck-") as tmp:
         port = free_port()  # fixed: the scraper (another process, as Prometheus is) finds it after every restart
+        # The health port as deploy/ sets it: its thread is charged like the agent's others.
         mon = Monitor(registry=CollectorRegistry(), cuda=rig.backend, port=port, host="127.0.0.1", log_level="error",
-                      log_format="json", trace_dir=f"{tmp}/traces", trace_store=f"file://{tmp}/store")
+                      log_format="json", health_port=free_port(), trace_dir=f"{tmp}/traces",
+                      trace_store=f"file://{tmp}/store")
         set_wrapped = Wrapping(mon, model, "encoder", device=rig.device,
                                settle=lambda: _per_call(rig, model, x, SETTLE_EXECUTIONS)).set
 
