@@ -245,9 +245,14 @@ def test_mix_shift_then_a_planted_op_captures_once_and_names_the_op_against_a_sa
     mon.flush()
     assert [p for p in mon.profiles() if p["trigger"] == "regression"] == []
     net.extra = True
-    cap = wait_until(lambda: next((p for p in mon.profiles() if p["trigger"] == "regression"
-                                   and p.get("status") == "done"), None),
-                     timeout=90, what="a regression capture", between=drive(large))
+    try:
+        cap = wait_until(lambda: next((p for p in mon.profiles() if p["trigger"] == "regression"
+                                       and p.get("status") == "done"), None),
+                         timeout=90, what="a regression capture", between=drive(large))
+    except AssertionError as exc:  # once on a fresh clone's run (session 37): say where it stood
+        seen = [(p["trigger"], p.get("status"), p.get("outcome"), p.get("error")) for p in mon.profiles()]
+        regression = mon.stats()["models"].get("m", {}).get("regression")
+        raise AssertionError(f"{exc}; captures {seen}; the model's regression state {regression}") from exc
     meta = mon.profile(cap["id"])
     assert meta is not None and meta["outcome"] == "ok"
     comparison = meta["comparison"]
