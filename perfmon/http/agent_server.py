@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import functools
 import selectors
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from .connections import WAKE, Conn, ConnectionTable
 from .exchange import Exchange, Ready
 from .routes import Router
 from .security import AuthThrottle
-from .wire import Response, SharedRenders, bind_listener, close_quietly, encode_response, send_and_close
+from .wire import Response, SharedRenders, Waker, bind_listener, close_quietly, encode_response, send_and_close
 
 __all__ = ["MAX_CONNECTIONS", "AgentServer"]
 
@@ -111,12 +110,11 @@ class AgentServer:
         self._listener = bind_listener(host, port, port_range)
         self.port = int(self._listener.getsockname()[1])
         router.bound = str(self._listener.getsockname()[0])  # the address the peer check compares against
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
+        self._waker = Waker()
         #: The connections and the two selectors: the loop's, and the health lane's (the listener, the wake
         #: socket, the connections accepted in the last _SILENT_GRACE_SECONDS that have sent nothing yet (a
         #: probe's request is a few ms behind its connection) and keep-alive scrapers between scrapes).
-        self._conns = ConnectionTable(self._listener, self._wake_r, self.shedding)
+        self._conns = ConnectionTable(self._listener, self._waker.sock, self.shedding)
         #: Requests read and waiting for the work budget: scrapes first, then the rest (ready queue by class).
         self._scrapes: Ready = collections.deque()
         self._others: Ready = collections.deque()
@@ -143,10 +141,7 @@ class AgentServer:
     def stop(self, timeout_seconds: float) -> None:
         """Stop the loop, close every socket; bounded by ``timeout_seconds``."""
         self._stop.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        self._waker.wake()
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
         if not self._thread.is_alive():  # finished, or never started
@@ -157,8 +152,8 @@ class AgentServer:
     def abandon(self) -> None:
         """In a forked child: close the inherited sockets (the parent keeps serving on them)."""
         self._conns.close_sockets()
-        for sock in (self._listener, self._wake_r, self._wake_w):
-            close_quietly(sock)
+        close_quietly(self._listener)
+        self._waker.close()
         self._conns.close_selectors()
 
     # -- the loop --------------------------------------------------------------------------------
@@ -345,6 +340,5 @@ class AgentServer:
     def _close_all(self) -> None:
         self._conns.drop_all()
         close_quietly(self._listener)
-        close_quietly(self._wake_r)
-        close_quietly(self._wake_w)
+        self._waker.close()
         self._conns.close_selectors()

@@ -8,7 +8,7 @@ daemon thread multiplexes it with a selector: a client that sends slowly (or nev
 descriptor for at most ``CLIENT_TIMEOUT_SECONDS``, never the thread, so it cannot delay a probe behind
 it; at most ``MAX_CLIENTS`` at once (the oldest is closed for a newcomer). The answer is the same
 ``/healthz`` document as on the main port; anything else is 404. With no client held the thread sleeps until a
-socket wants it (``stop()`` writes to a socket pair): on a GIL-bound server each wake is a GIL hand-off, counted as
+socket wants it (``stop()`` wakes it: ``wire.Waker``): on a GIL-bound server each wake is a GIL hand-off, counted as
 ``perfmon_agent_wakeups_total{thread="health"}``.
 """
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from ..selfcost import AgentCpu
-from .wire import Response, bind_listener, close_quietly, encode_response
+from .wire import Response, Waker, bind_listener, close_quietly, encode_response
 
 __all__ = ["HealthServer"]
 
@@ -45,11 +45,10 @@ class HealthServer:
         self.port = int(self._listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
-        # stop() wakes the loop through this pair: with no client held it sleeps until a socket wants it (it used to
+        # stop() wakes the loop through it: with no client held it sleeps until a socket wants it (it used to
         # wake 4 times a second to look at deadlines no client had and at stop(): each a GIL hand-off).
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKER)
+        self._waker = Waker()
+        self._selector.register(self._waker.sock, selectors.EVENT_READ, _WAKER)
         #: client socket -> (what it sent so far, when it must be done)
         self._clients: dict[socket.socket, tuple[bytes, float]] = {}
         self._stop = threading.Event()
@@ -60,10 +59,7 @@ class HealthServer:
 
     def stop(self, timeout_seconds: float) -> None:
         self._stop.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:  # closed already (abandoned in a child, stopped twice)
-            pass
+        self._waker.wake()
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
         self._close_all()
@@ -73,8 +69,9 @@ class HealthServer:
         self._close_all()
 
     def _close_all(self) -> None:
-        for sock in [*self._clients, self._listener, self._wake_r, self._wake_w]:
+        for sock in [*self._clients, self._listener]:
             close_quietly(sock)
+        self._waker.close()
         self._clients.clear()
         close_quietly(self._selector)
 

@@ -24,7 +24,7 @@ from ..metrics import promproto
 from ..metrics.exposition import generate_openmetrics, generate_text
 
 __all__ = ["JSON_CONTENT_TYPE", "MAX_BODY_BYTES", "MAX_HEADER_BYTES", "OPENMETRICS_CONTENT_TYPE", "REASONS",
-           "TEXT_CONTENT_TYPE", "Refusal", "Request", "Response", "SharedRenders", "accepts_gzip",
+           "TEXT_CONTENT_TYPE", "Refusal", "Request", "Response", "SharedRenders", "Waker", "accepts_gzip",
            "bind_listener", "close_quietly", "encode_response", "metrics_format", "parse_request",
            "send_and_close", "wants_protobuf"]
 
@@ -226,6 +226,25 @@ def close_quietly(sock: Any) -> None:
         sock.close()
     except OSError:
         pass
+
+
+class Waker:
+    """Ends a selector's wait from another thread (``stop()``): register ``sock`` for reading, then ``wake()``. A
+    loop that sleeps until a socket wants it (no timeout to notice a stop by) needs one."""
+
+    def __init__(self) -> None:
+        self.sock, self._send = socket.socketpair()
+        self.sock.setblocking(False)
+
+    def wake(self) -> None:
+        try:
+            self._send.send(b"x")
+        except OSError:  # closed already (abandoned in a child, stopped twice)
+            pass
+
+    def close(self) -> None:
+        close_quietly(self.sock)
+        close_quietly(self._send)
 
 
 # -- content negotiation -------------------------------------------------------------------------
