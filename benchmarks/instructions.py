@@ -22,7 +22,11 @@ added instructions at the bare request's own instructions per µs. Python code t
 retires fewer instructions per µs than torch's kernels, so its wall time is higher than that (1-3x on the hosts
 measured: BENCHMARKS.md §3b, "instructions").
 
-    python benchmarks/instructions.py [--rounds 4] [--tokens 32] [--json out.json]
+    python benchmarks/instructions.py [--rounds 4] [--tokens 32] [--mode greedy] [--json out.json]
+
+``--mode`` picks the requests' decoding (``MODES``): greedy, ``sample`` (top-k, top-p, temperature, one seed),
+``beams`` (``num_beams=4``), ``streamer`` (a caller's streamer that keeps nothing) or ``no-cache``
+(``use_cache=False``); every mode returns one sequence of ``--tokens`` tokens.
 
 Needs ``valgrind`` on PATH (Debian: ``apt install valgrind``); without it, says so and exits 0. Takes ~4-6 minutes
 (importing torch under valgrind is most of it).
@@ -68,7 +72,40 @@ def _tiny_gpt2() -> Any:
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-def child(rounds: int, tokens: int, order_path: str) -> None:
+#: Decoding modes ``--mode`` measures (``generate()``'s keywords beyond greedy's): each one returns one sequence of
+#: ``--tokens`` tokens, so "a token" is a token the caller receives in every mode.
+MODES = ("greedy", "sample", "beams", "streamer", "no-cache")
+
+
+def _generate_kwargs(mode: str, tokens: int) -> dict[str, Any]:
+    """``generate()``'s keywords for ``mode`` (``MODES``): greedy's, plus the mode's own."""
+    kw: dict[str, Any] = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
+    if mode == "sample":
+        kw.update(do_sample=True, top_k=50, top_p=0.9, temperature=0.8)
+    elif mode == "beams":
+        kw.update(num_beams=4)
+    elif mode == "streamer":
+        from transformers.generation.streamers import BaseStreamer
+
+        class _Drop(BaseStreamer):  # type: ignore[misc]
+            """A caller's streamer that keeps nothing but a count of its puts (the prompt's, then one a step): its own
+            cost is the same in every variant."""
+
+            puts = 0
+
+            def put(self, value: Any) -> None:
+                self.puts += 1
+
+            def end(self) -> None:
+                pass
+
+        kw.update(streamer=_Drop())
+    elif mode == "no-cache":
+        kw.update(use_cache=False)
+    return kw
+
+
+def child(rounds: int, tokens: int, order_path: str, mode: str = "greedy") -> None:
     """Run under callgrind: each measurement inside ``sys.call_tracing`` (one dump each), its name in ``order_path``."""
     import gc
 
@@ -85,7 +122,7 @@ def child(rounds: int, tokens: int, order_path: str) -> None:
     random.seed(0)
     model = _tiny_gpt2()
     ids = torch.randint(2, 1000, (1, 8))
-    kw = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
+    kw = _generate_kwargs(mode, tokens)
     linear = torch.nn.Linear(64, 64)
     row = torch.ones(1, 64)
     mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", count_flops=False,
@@ -93,6 +130,8 @@ def child(rounds: int, tokens: int, order_path: str) -> None:
     variants = {"gpt2": Variants(mon, model, "gpt2", floor=True), "linear": Variants(mon, linear, "linear")}
 
     def generate() -> None:
+        if mode == "sample":  # the same draws in every variant's request
+            torch.manual_seed(0)
         with torch.inference_mode():
             model.generate(ids, **kw)
 
@@ -178,18 +217,20 @@ def _costs(path: str) -> dict[str, int]:
     return costs
 
 
-def _native_us(tokens: int, n: int = 15) -> tuple[float, float]:
+def _native_us(tokens: int, mode: str = "greedy", n: int = 15) -> tuple[float, float]:
     """The bare request's and the bare Linear(64,64) call's median wall times here, natively (µs)."""
     import torch
 
     torch.set_num_threads(1)
     model = _tiny_gpt2()
     ids = torch.randint(2, 1000, (1, 8))
-    kw = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
+    kw = _generate_kwargs(mode, tokens)
     linear, row = torch.nn.Linear(64, 64), torch.ones(1, 64)
     requests, calls = [], []
     with torch.inference_mode():
         for i in range(n + 3):
+            if mode == "sample":
+                torch.manual_seed(0)
             t0 = time.perf_counter_ns()
             model.generate(ids, **kw)
             t1 = time.perf_counter_ns()
@@ -207,6 +248,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--mode", choices=MODES, default="greedy",
+                    help="the decoding mode of the generate() requests (default: greedy)")
     ap.add_argument("--cache", action="store_true",
                     help="simulate the caches too (callgrind --cache-sim=yes; ~2x slower): misses and estimated cycles")
     ap.add_argument("--branch", action="store_true",
@@ -217,7 +260,7 @@ def main() -> None:
     if args.rounds < 1 or args.tokens < 3:
         ap.error("--rounds must be at least 1 and --tokens at least 3")
     if args.child:
-        child(args.rounds, args.tokens, args.child)
+        child(args.rounds, args.tokens, args.child, args.mode)
         return
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         print("instructions.py: valgrind (callgrind) not found on PATH; skipped")
@@ -232,7 +275,7 @@ def main() -> None:
                "--toggle-collect=sys_call_tracing", "--dump-after=sys_call_tracing",
                *(["--cache-sim=yes"] if args.cache else []), *(["--branch-sim=yes"] if args.branch else []),
                sys.executable, os.path.abspath(__file__), "--child", order_path,
-               "--rounds", str(args.rounds), "--tokens", str(args.tokens)]
+               "--rounds", str(args.rounds), "--tokens", str(args.tokens), "--mode", args.mode]
         # One hash seed: str hashes (and so dict probe sequences) alike in every run.
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
@@ -243,7 +286,7 @@ def main() -> None:
         measured: dict[str, list[dict[str, int]]] = {}
         for i, name in enumerate(names, 1):
             measured.setdefault(name, []).append(_costs(f"{tmp}/out.{i}"))
-    native_us, native_call_us = _native_us(args.tokens)
+    native_us, native_call_us = _native_us(args.tokens, args.mode)
 
     def values(name: str, part: str) -> list[int]:
         """Per round: ``work`` (total less hand-offs), ``core`` (work less the allocators) or ``handoff``."""
@@ -261,7 +304,7 @@ def main() -> None:
         ordered = sorted(values(name, part))
         return f"{ordered[0] - ordered[len(ordered) // 2]:+,}..{ordered[-1] - ordered[len(ordered) // 2]:+,}"
 
-    result: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "tokens": args.tokens,
+    result: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "tokens": args.tokens, "mode": args.mode,
                               "bare_request_native_us": native_us, "bare_call_native_us": native_call_us,
                               "generate": {}, "linear": {}}
     bare, bare_core = med("generate/bare"), med("generate/bare", "core")
@@ -281,8 +324,9 @@ def main() -> None:
                      f"{added / args.tokens:+,.0f}", f"{added_core / args.tokens:+,.0f}",
                      f"{added_eval / args.tokens:+,.0f}", f"{100 * added / bare:+.3f}%",
                      f"{added / rate / args.tokens:+.2f}"])
-    print(f"\ngenerate() of a tiny GPT-2, {args.tokens} new tokens, {args.rounds} rounds under callgrind, monitor "
-          f"running, 1% sampling (bare request natively: {native_us:,.0f} µs, {rate:,.0f} instructions/µs)\n")
+    print(f"\ngenerate() of a tiny GPT-2 ({args.mode}), {args.tokens} new tokens, {args.rounds} rounds under "
+          f"callgrind, monitor running, 1% sampling (bare request natively: {native_us:,.0f} µs, "
+          f"{rate:,.0f} instructions/µs)\n")
     print(table(["variant", "instructions a request (work)", "rounds, from the median", "hand-offs", "added",
                  "added a token", "a token, allocators apart", "a token, eval loop", "of bare",
                  "µs a token at the model's rate"], rows))

@@ -47,8 +47,9 @@ def _free_range(n: int) -> int:
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PERFMON_")}
+    # PYTHONFAULTHANDLER: a server that hangs is sent SIGABRT by _server and writes every thread's stack to its log.
     env.update(PYTHONPATH=str(ROOT), PERFMON_TRACE_DIR=str(tmp_path / "traces"), PERFMON_LOG_LEVEL="info",
-               PERFMON_REGRESSION="off", PYTHONWARNINGS="ignore")
+               PERFMON_REGRESSION="off", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     env.update(extra)
     return env
 
@@ -69,15 +70,21 @@ def _calls(port: int) -> float:
 
 @contextlib.contextmanager
 def _server(cmd: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess with its stderr in ``log``; killed, and its log printed, if the block fails."""
+    """A server subprocess with its stderr in ``log``; if the block fails, sent SIGABRT (with the environment's
+    PYTHONFAULTHANDLER, every thread's stack goes to the log: where a hung start stood), killed, and its log
+    printed."""
     with log.open("wb") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         yield proc
     except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         proc.kill()
         proc.wait(timeout=10)
-        print(log.read_text(errors="replace")[-4000:])
+        print(log.read_text(errors="replace")[-8000:])
         raise
 
 
