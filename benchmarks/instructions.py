@@ -61,23 +61,12 @@ ALLOC = re.compile(r"obmalloc\.c:|/malloc\.c:")
 EVAL_LOOP = ("ceval.c:_PyEval_EvalFrameDefault", "ceval.c:_PyEval_EvalFrameDefault'2")
 
 
-def _tiny_gpt2() -> Any:
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
-                                  eos_token_id=1)
-    return transformers.GPT2LMHeadModel(cfg).eval()
-
-
 #: Decoding modes ``--mode`` measures (``generate()``'s keywords beyond greedy's): each one returns one sequence of
 #: ``--tokens`` tokens, so "a token" is a token the caller receives in every mode.
 MODES = ("greedy", "sample", "beams", "streamer", "no-cache")
 
 
-def _generate_kwargs(mode: str, tokens: int) -> dict[str, Any]:
+def generate_kwargs(mode: str, tokens: int) -> dict[str, Any]:
     """``generate()``'s keywords for ``mode`` (``MODES``): greedy's, plus the mode's own."""
     kw: dict[str, Any] = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
     if mode == "sample":
@@ -115,14 +104,15 @@ def child(rounds: int, tokens: int, order_path: str, mode: str = "greedy") -> No
     import perfmon
 
     sys.path.insert(0, HERE)
-    from common import settle_calls
+    from common import settle_calls, tiny_gpt2
     from generate_where import Variants
 
     torch.set_num_threads(1)
     random.seed(0)
-    model = _tiny_gpt2()
+    torch.manual_seed(0)  # the same weights in every run
+    model = tiny_gpt2()
     ids = torch.randint(2, 1000, (1, 8))
-    kw = _generate_kwargs(mode, tokens)
+    kw = generate_kwargs(mode, tokens)
     linear = torch.nn.Linear(64, 64)
     row = torch.ones(1, 64)
     mon = perfmon.Monitor(port=None, registry=CollectorRegistry(), log_level="error", count_flops=False,
@@ -220,11 +210,12 @@ def _costs(path: str) -> dict[str, int]:
 def _native_us(tokens: int, mode: str = "greedy", n: int = 15) -> tuple[float, float]:
     """The bare request's and the bare Linear(64,64) call's median wall times here, natively (µs)."""
     import torch
+    from common import tiny_gpt2
 
-    torch.set_num_threads(1)
-    model = _tiny_gpt2()
+    torch.manual_seed(0)
+    model = tiny_gpt2()
     ids = torch.randint(2, 1000, (1, 8))
-    kw = _generate_kwargs(mode, tokens)
+    kw = generate_kwargs(mode, tokens)
     linear, row = torch.nn.Linear(64, 64), torch.ones(1, 64)
     requests, calls = [], []
     with torch.inference_mode():

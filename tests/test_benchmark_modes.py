@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.instructions import MODES, _generate_kwargs, _tiny_gpt2
+from benchmarks.common import tiny_gpt2
+from benchmarks.instructions import MODES, generate_kwargs
 
 from .conftest import value
 
@@ -18,11 +19,16 @@ TOKENS = 5
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_returns_one_sequence_of_the_asked_tokens_and_perfmon_counts_them(make_monitor, mode: str) -> None:
     mon = make_monitor(sample_rate=0.01)
-    model = mon.wrap(_tiny_gpt2(), name="gpt2")
+    threads = torch.get_num_threads()
+    try:
+        net = tiny_gpt2()  # (which sets one torch thread, for the benchmarks)
+    finally:
+        torch.set_num_threads(threads)
+    model = mon.wrap(net, name="gpt2")
     prompt = torch.randint(2, 1000, (1, 8))
     requests = 3
     for _ in range(requests):
-        kw = _generate_kwargs(mode, TOKENS)
+        kw = generate_kwargs(mode, TOKENS)
         with torch.inference_mode():
             out = model.generate(prompt, **kw)
         # Ground truth apart from perfmon: what generate() returned, and what the caller's streamer was handed.
