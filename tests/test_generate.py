@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import os
+import sys
 import time
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 
 import perfmon
 
-from .conftest import cache_key, value, wait_capture
+from .conftest import cache_key, in_forked_child, value, wait_capture
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,6 +80,169 @@ def test_generate_counts_every_forward_split_prefill_decode(make_monitor) -> Non
     _generate(model, use_cache=False)
     assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == before + NEW
     assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == 3 * (NEW - 1)
+
+
+def _signature_runs(fn: Any) -> tuple[Any, itertools.count[int]]:
+    """Run ``fn()`` counting the calls of ``phases.signature`` it makes (a profile hook: call counts, no timing)."""
+    from perfmon.agent import phases
+
+    code, seen = phases.signature.__code__, itertools.count()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            next(seen)
+
+    sys.setprofile(hook)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, seen
+
+
+def test_generate_without_a_cache_is_counted_exactly_and_its_steps_signatures_are_remembered(make_monitor) -> None:
+    """generate(use_cache=False) reruns the whole sequence each step: every forward a prefill, counted exactly (the
+    hook's count), its rows as items, each length a signature of its own. Once a length's signature is warm, a later
+    call's step of that length is not signed again: the model remembers it (reruns.py), across calls."""
+    mon = make_monitor(sample_rate=0.01, sample_floor_seconds=3600.0)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = _counting(model)
+    for _ in range(4):  # each length's cold call and warm-up
+        out = _generate(model, use_cache=False)
+        assert out.shape == (2, PROMPT + NEW)
+    out, signed = _signature_runs(lambda: [_generate(model, use_cache=False) for _ in range(3)])
+    ran = next(truth)
+    assert ran == 7 * NEW
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == ran
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") is None
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == 2 * ran
+    # Only the 3 calls' first forwards (the prompt, before the call is known to run without a cache) are signed.
+    assert next(signed) == 3
+    mon.flush()
+    prefill = mon.stats()["models"]["gpt2"]["stages"]["prefill"]
+    assert prefill["input_signatures"] == NEW  # lengths PROMPT .. PROMPT + NEW - 1
+    assert prefill["errors"] == {} and mon.stats()["internal_errors"] == {}
+    # Another prompt length: its own signatures, counted alike.
+    ids = torch.randint(0, 100, (2, PROMPT + 2))
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                       do_sample=False, use_cache=False)
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == next(truth) - 1 == 8 * NEW
+    assert value(mon, "perfmon_forward_items_total", model="gpt2") == 2 * 8 * NEW
+
+
+def test_no_cache_steps_remembered_are_timed_when_due_and_pass_the_users_exception_through(make_monitor) -> None:
+    """A remembered no-cache step still takes its turn in the sampling (timed, steady: the prefill stage's samples
+    grow past its cold calls), and one whose forward raises passes the user's exception through unchanged, counted
+    under the stage's errors with the call."""
+    mon = make_monitor(sample_rate=0.2, sample_floor_seconds=3600.0)
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = _counting(model)
+    for _ in range(12):
+        _generate(model, use_cache=False)
+    assert mon.flush()
+    prefill = mon.stats()["models"]["gpt2"]["stages"]["prefill"]
+    latency = prefill["latency"]
+    assert latency["steady"]["duration"]["count"] > 0 and prefill["sampled"] > latency["cold"]["duration"]["count"]
+    boom = ValueError("the user's own")
+
+    def fail(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs["input_ids"].shape[-1] == PROMPT + 3:
+            raise boom
+
+    before = next(truth)
+    model.register_forward_pre_hook(fail, with_kwargs=True)
+    with pytest.raises(ValueError) as raised:
+        _generate(model, use_cache=False)
+    assert raised.value is boom
+    assert next(truth) - before - 1 == 4  # the prompt, then lengths +1, +2 and the one that raised
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == before + 4
+    assert value(mon, "perfmon_forward_errors_total", model="gpt2", exception="ValueError") == 1
+    assert mon.stats()["internal_errors"] == {}
+
+
+def test_a_no_cache_step_whose_other_inputs_change_gets_its_own_signature(make_monitor) -> None:
+    """Under cross-attention the encoder's states ride along every no-cache step: a new encoder length is a new
+    signature (its cold call timed) though the input's shape and keywords are those of a step seen. Truth: the
+    distinct shapes of the forwards' tensor keywords but the bookkeeping, taken by a pre-hook."""
+    from perfmon.agent.phases import BOOKKEEPING_KWARGS
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=101, n_positions=64, bos_token_id=100,
+                                  eos_token_id=100, pad_token_id=100, add_cross_attention=True)
+    mon = make_monitor(sample_rate=0.01, sample_floor_seconds=3600.0)
+    model = mon.wrap(transformers.GPT2LMHeadModel(cfg).eval(), name="gpt2")
+    shapes: set[tuple[Any, ...]] = set()
+
+    def seen(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        shapes.add(tuple((k, tuple(v.shape)) for k, v in kwargs.items()
+                         if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KWARGS))
+
+    model.register_forward_pre_hook(seen, with_kwargs=True)
+    ids = torch.randint(0, 100, (1, PROMPT))
+    with torch.inference_mode():
+        for length in (3, 3, 3, 7, 7, 11):
+            model.generate(ids, encoder_hidden_states=torch.randn(1, length, 32), max_new_tokens=4, min_new_tokens=4,
+                           do_sample=False, use_cache=False)
+    assert len(shapes) == 3 * 4  # 3 encoder lengths x 4 sequence lengths
+    assert mon.stats()["models"]["gpt2"]["stages"]["prefill"]["input_signatures"] == len(shapes)
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == 6 * 4
+
+
+def test_a_call_without_a_cache_keyed_like_cached_ones_is_counted_as_prefills(make_monitor) -> None:
+    """A server that passes ``use_cache=`` through gives cached and uncached calls the same keywords: the uncached ones
+    rerun the whole sequence every step, each forward a prefill, never a decode step (nor run quiet, whose count
+    assumes one prefill and then a step a token). Truth: a pre-hook on the inner transformer (so that calls may run
+    quiet) and the no-cache premise, every forward the whole sequence."""
+    mon = make_monitor()
+    model = mon.wrap(_gpt2(), name="gpt2")
+    lengths: list[int] = []
+    model.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs.get("input_ids", args[0] if args else None).shape[-1]),
+        with_kwargs=True)
+    for _ in range(3):  # cached: taught, then quiet
+        _generate(model, use_cache=True)
+    before = {s: value(mon, "perfmon_forward_calls_total", model="gpt2", stage=s) for s in ("prefill", "decode")}
+    del lengths[:]
+    for _ in range(3):
+        _generate(model, use_cache=False)
+    assert lengths == [PROMPT + i for i in range(NEW)] * 3  # every forward the whole sequence
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="prefill") == before["prefill"] + 3 * NEW
+    assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == before["decode"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_worker_forked_after_warm_up_generates_counts_its_own_items(make_monitor) -> None:
+    """A pre-fork server warms its model up in the master: the decode steps' memo (``Stages.last``), quiet
+    decoding's lessons and the no-cache steps' memo (reruns.py) then hold signatures of the master's table. A
+    worker's forwards are counted in its own table, items included (rows x forwards: the hook's count is the truth),
+    not into the master's copies nobody reads."""
+    mon = make_monitor().start()
+    model = mon.wrap(_gpt2(), name="gpt2")
+    truth = _counting(model)
+    for _ in range(4):  # warm: the decode steps' signature found, quiet decoding taught, no-cache steps remembered
+        _generate(model)
+        _generate(model, use_cache=False)
+    before = next(truth)
+
+    def child() -> dict[str, Any]:
+        for _ in range(3):
+            _generate(model)
+            _generate(model, use_cache=False)
+        mon.flush()
+        return {"forwards": next(truth) - before - 1,
+                "calls": sum(value(mon, "perfmon_forward_calls_total", model="gpt2", stage=s) or 0
+                             for s in ("prefill", "decode")),
+                "items": value(mon, "perfmon_forward_items_total", model="gpt2")}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # with an OpenMP pool of the parent's at work, a forked child can hang in an op
+    try:
+        got = in_forked_child(child)
+    finally:
+        torch.set_num_threads(threads)
+    assert got["forwards"] == 2 * 3 * NEW
+    assert got["calls"] == 2 * 3 * NEW and got["items"] == 2 * 2 * 3 * NEW
 
 
 @pytest.mark.parametrize("rate", [1.0, 1e-6])

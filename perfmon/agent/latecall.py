@@ -45,7 +45,7 @@ class LateCall:
         active = None
         if quiet is not None:  # generate() may then run on the view quiet.begin() puts in Active.model
             try:
-                active = quiet.begin(model, args, kwargs, options or [None, None, None])
+                active = quiet.begin(model, args, kwargs, options or [None, None, None, None])
             except Exception as exc:
                 internal.report("generation", exc)
         self.active = active or Active(model, False, False, batch=LEAN_STEPS, kwargs=kwargs)

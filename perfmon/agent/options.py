@@ -49,13 +49,13 @@ def options(kwargs: Mapping[str, Any], cfg: Any, keys: tuple[str, ...]) -> list[
 #: What a call that may time nothing reads before it runs (``untimed_options``): whether it is assisted, then what
 #: quiet decoding keys it by (quiet.py).
 _UNTIMED_OPTIONS = ("prompt_lookup_num_tokens", "assistant_early_exit", "num_beams", "num_return_sequences",
-                    "cache_implementation")
+                    "cache_implementation", "use_cache")
 
 
 def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
     """None for an assisted call (an assistant model, prompt lookup, early exit: its main model's forwards after the
-    first verify drafts); else its ``num_beams``, ``num_return_sequences`` and ``cache_implementation`` as generate()
-    resolves them (None where unset): one read of the call's config for both.
+    first verify drafts); else its ``num_beams``, ``num_return_sequences``, ``cache_implementation`` and ``use_cache``
+    as generate() resolves them (None where unset): one read of the call's config for both.
 
     The common call (its config its own ``generation_config=`` or the model's, every option an attribute of that
     config's own) is read in this one frame, each option a dict lookup, the ones the call sets first: on the request
@@ -87,12 +87,15 @@ def untimed_options(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     implementation = get("cache_implementation")
     if implementation is None:
         implementation = read("cache_implementation", _UNSET)
-    if (lookup is _UNSET or early_exit is _UNSET or beams is _UNSET or k is _UNSET
-            or implementation is _UNSET):  # one the config's class holds, not the config: the loop reads it there
+    use_cache = get("use_cache")
+    if use_cache is None:
+        use_cache = read("use_cache", _UNSET)
+    if (lookup is _UNSET or early_exit is _UNSET or beams is _UNSET or k is _UNSET or implementation is _UNSET
+            or use_cache is _UNSET):  # one the config's class holds, not the config: the loop reads it there
         return _untimed_slow(model, args, kwargs)
     if lookup is not None or early_exit is not None or get("assistant_model") is not None:
         return None
-    return [beams, k, implementation]
+    return [beams, k, implementation, use_cache]
 
 
 #: An option the config's own ``__dict__`` does not hold (``untimed_options``).

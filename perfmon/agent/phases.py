@@ -269,6 +269,15 @@ class SignatureTable:
             for entry in list(self.seen.values()):
                 entry.warm_left = max(entry.warm_left, warm)
 
+    def orphan(self) -> None:
+        """In a forked child, before this table is replaced: mark every signature evicted, so that a memo holding one
+        (the decode steps', ``Stages.last``, quiet decoding's lessons, the no-cache steps' memo: each checks
+        ``evicted_ns``) lets go of it instead of counting the child's calls into the parent's copy, which nothing
+        reads. No lock: a parent thread may have held it at fork()."""
+        now = time.monotonic_ns() or 1
+        for entry in [*self.seen.values(), *self.evicted]:
+            entry.evicted_ns = now
+
     @property
     def churning(self) -> bool:
         """True once the table has turned over completely: shapes vary too much to call new ones cold."""

@@ -16,16 +16,16 @@ attributes, and whatever a call sets on ``self``, exactly as on the model). ``se
 specialised by class, stay warm on the view's class, which most calls run on.
 
 A call is quiet (``QuietDecode.begin``) when: it times nothing and is not assisted (``LateCall``); the model is
-decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default; the
-caller passes no cache, asks for no cache implementation or beam search, runs in no process group (``synced_gpus``
-runs steps that append nothing), on no MPS tensor (transformers runs a step more than it keeps there) and in no request
-span (a span's model part starts at the call's first forward: ``requests.py``); the prefill and decode stages are past
-their warm-up, with no capture armed and no sampling floor due (``next_index`` 0); and an earlier call of the same
-rows, keywords and prompt length, run by ``_sample``, found its prefill's and its decode steps' signatures warm
-(``Stages.remember`` teaches them here), so the quiet forwards are counted under them, items included. With the prefill
-stage's signatures churned (not tracked), its calls are counted with their rows as items, and one call of a shape
-teaches every prompt length of it. A call whose prefill may run in chunks (``prefill_chunk_size``: several forwards)
-teaches nothing. Anything else takes the lean path (stages.py).
+decoder-only, not compiled, with transformers' ``_sample`` and ``_prefill`` (5.x) and a ``DynamicCache`` by default;
+the caller passes no cache, asks for no cache implementation, beam search or ``use_cache=False``, runs in no process
+group (``synced_gpus`` runs steps that append nothing), on no MPS tensor (transformers runs a step more than it keeps
+there) and in no request span (a span's model part starts at the call's first forward: ``requests.py``); the prefill
+and decode stages are past their warm-up, with no capture armed and no sampling floor due (``next_index`` 0); and an
+earlier call of the same rows, keywords and prompt length, run by ``_sample``, found its prefill's and its decode
+steps' signatures warm (``Stages.remember`` teaches them here), so the quiet forwards are counted under them, items
+included. With the prefill stage's signatures churned (not tracked), its calls are counted with their rows as items,
+and one call of a shape teaches every prompt length of it. A call whose prefill may run in chunks
+(``prefill_chunk_size``: several forwards) teaches nothing. Anything else takes the lean path (stages.py).
 
 What a quiet call gives up: its forwards are never timed, and a read while it runs sees none of them (a lean call
 lags by at most ``LEAN_STEPS``; its tokens were always counted at its end). A stage's timed calls are those of the calls
@@ -225,13 +225,16 @@ class QuietDecode:
 
         The key is the call's decode rows (input rows x returned sequences), its positional count and its
         keyword names (which decide the decode steps' keywords); ``options``: its ``num_beams``,
-        ``num_return_sequences`` and ``cache_implementation`` (``options.untimed_options``)."""
-        beams, k, implementation = options
+        ``num_return_sequences``, ``cache_implementation`` and ``use_cache`` (``options.untimed_options``). A call
+        without a cache (``use_cache=False``) reruns the sequence each step, none a decode step: never quiet (a server
+        passing ``use_cache=`` through gives both kinds of call one key)."""
+        beams, k, implementation, use_cache = options
         theirs = model.__dict__
         # A forward hook on the model (its own or torch's global ones) is given the module called: on a view, a second
         # object, and a hook that keys on the module or compares it with the model would miss. So such calls run on
         # the model itself, untimed all the same.
         if (len(args) > 1 or implementation is not None or (beams or 1) > 1  # beam search calls self() a step
+                or use_cache is False
                 or kwargs.get("past_key_values") is not None
                 or kwargs.get("cache") is not None or kwargs.get("synced_gpus")
                 or theirs.get("_compiled_call_impl") is not None

@@ -35,6 +35,7 @@ from .active import generating
 from .hotpath import hot_path, sampled_path
 from .phases import Signature, signature
 from .requests import current as requests_current
+from .reruns import MISS, Reruns
 from .state import ModelState
 
 _Tensor = torch.Tensor
@@ -144,6 +145,8 @@ class Stages:
         self.last: tuple[int, int, type, Signature] | None = None
         #: The model's quiet decoding (quiet.py), when it has one: ``remember`` tells it the signatures it finds.
         self.quiet: Any = None
+        #: The memo of the no-cache steps of its ``generate()`` calls (reruns.py), made with the prefill stage.
+        self.reruns: Reruns | None = None
         self.hub = first.hub
         self._lock = threading.Lock()
         for st in list((first.stages or {}).values()):  # wrapped again after unwrap(): same counters
@@ -171,6 +174,8 @@ class Stages:
         self.steps[st.stage] = hot_path(st, self._fn, signature_of=step_signature)
         if st.stage == DECODE:
             self.decode = (self._fn, sampled_path(st, self._fn))
+        elif st.stage == PREFILL:
+            self.reruns = Reruns(st, self._fn, sampled_path(st, self._fn), decode_due, internal=self.internal)
         call = self.calls[st.stage] = hot_path(st, self._fn)
         return call
 
@@ -337,7 +342,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         if active.armed:  # lean steps before a step unlike them: counted under the signature they took
             active.flush()
         label = None
-        short = learn = False
+        short = learn = rerun = False
         try:
             if generative and active.prefilled and kv_cache(kwargs) is not None:
                 # A step after the first, against the cache this generate() made: that cache holds the prompt, so
@@ -351,13 +356,21 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                 # The first forward of a transformers generate() given no cache: a prefill (its fresh cache is empty).
                 first = active.first if generative and not active.prefilled else None
                 label = first if first is not None else pick(args, kwargs)
+                # A forward given no cache reruns the whole sequence (use_cache=False: every step, the prompt's first):
+                # a prefill whose signature the model's memo keeps for the later steps of this length (reruns.py). Only
+                # in transformers' own loop (Active.batch, as for lean steps): its steps' keywords follow their input.
+                rerun = (generative and label == PREFILL and active.batch > 0 and not active.verify
+                         and not active.timed and (active.prefilled or kwargs.get("use_cache") is False))
                 active.prefilled = True
                 call = calls.get(label) or add(label)
-                if type(active.prefill) is int and label == PREFILL:
-                    # A call that may teach quiet decoding its shape (quiet.py): its prefill's signature is kept on its
-                    # Active (step_signature), to be looked up once it returns.
-                    call = steps.get(label, call)
-                    learn = True
+                if rerun and not active.rerun:
+                    active.rerun = True
+                    active.span = requests_current.get() if stages.hub.requests else None  # stamped at the call's end
+                # A call that may teach quiet decoding its shape (quiet.py): its prefill's signature is kept on its
+                # Active (step_signature), to be looked up once it returns.
+                learn = type(active.prefill) is int and label == PREFILL
+                if rerun or learn:
+                    call = steps.get(label, call)  # step_signature: this forward's signature kept on active.step_key
         except Exception as exc:  # the stage function failed: count it, time the call under the fallback
             internal.report("stage", exc)
             call = stages.fallback
@@ -376,6 +389,13 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
             stamps.append(perf_counter_ns())  # a custom generate loop: each forward is a token of each row
         if learn:
             stages.prefilled(active, kwargs)
+        if rerun:
+            reruns = stages.reruns
+            if reruns is not None:
+                try:
+                    reruns.keep(active.step_key, args, kwargs)
+                except Exception as exc:
+                    internal.report("stage", exc)
         return out
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -428,6 +448,12 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                     if stamps is not None:  # a custom generate loop: each forward is a token of each row
                         stamps.append(perf_counter_ns())
                     return out
+            elif active.rerun:  # a no-cache step: a prefill of a length the memo may hold (reruns.py)
+                reruns = stages.reruns
+                if reruns is not None:
+                    out = reruns.step(self, args, kwargs, active.stamps)
+                    if out is not MISS:
+                        return out
             return in_generate(active, self, args, kwargs)
         try:
             label = pick(args, kwargs)

@@ -186,6 +186,7 @@ class ModelState:
         self.drops = {reason: itertools.count() for reason in DROP_REASONS}
         self.errors = ErrorCounts(cfg.max_exception_labels)
         tracking = self.sigs is not None or self.table.churning
+        self.table.orphan()
         self.table = _table(self)
         self.sigs = self.table.seen if (tracking and cfg.track_signatures) else None
         self.item_counts.reset_after_fork(self.sigs is not None)
