@@ -219,6 +219,50 @@ def test_gunicorn_preload_workers_boot_before_their_profiler_is_ready_and_exit_o
         assert bad not in "\n".join(lines), "\n".join(lines[-40:])
 
 
+def _samples(port: int, model: str) -> dict[str, float]:
+    """A model's forward calls (summed over its stages) and items, from an agent's /metrics."""
+    text = http(f"http://127.0.0.1:{port}/metrics", timeout=5)[2].decode()
+    out = {"calls": 0.0, "items": 0.0}
+    for line in text.splitlines():
+        if line.startswith(f'perfmon_forward_calls_total{{model="{model}",'):
+            out["calls"] += float(line.split()[-1])
+        elif line.startswith(f'perfmon_forward_items_total{{model="{model}"}}'):
+            out["items"] = float(line.split()[-1])
+    return out
+
+
+def test_gunicorn_workers_forked_after_a_generate_warm_up_count_their_own_forwards_and_items(tmp_path: Path) -> None:
+    """gunicorn --preload with a tiny GPT-2 warmed up in the master (cached and ``use_cache=False`` generate() calls):
+    each worker's agent counts the forwards that worker ran and their rows, as its own forward hook counted them
+    (before the fix a worker counted its items into the master's copies of the signatures: 6 for 36 rows)."""
+    pytest.importorskip("gunicorn")  # the dev extras install it; a bare Python (the GPU machines) may not
+    pytest.importorskip("transformers")
+    app_port = _free_range(1)
+    base = _free_range(3)
+    cmd = [sys.executable, "-m", "gunicorn", "--preload", "--no-control-socket", "-w", "2", "-k", "sync",
+           "-b", f"127.0.0.1:{app_port}", "--graceful-timeout", "15", "--timeout", "60",
+           "tests.apps.generate_model:app"]
+    env = _env(tmp_path, PERFMON_PORT=str(base), PERFMON_PORT_RANGE="3", PERFMON_COUNT_FLOPS="false",
+               PERFMON_PREPARE_PROFILER="false")
+    log = tmp_path / "gunicorn.log"
+    with _server(cmd, env, log) as proc:
+        wait_until(lambda: _try(f"http://127.0.0.1:{app_port}/perfmon/healthz"), timeout=90, what="gunicorn to serve")
+        last: dict[int, dict[str, Any]] = {}
+        for i in range(8):  # each worker's latest answer holds its totals (a sync worker serves one at a time)
+            got = _get_json(f"http://127.0.0.1:{app_port}/generate" + ("?nocache" if i % 2 else ""))
+            assert got["tokens"] == 5 + 6
+            last[got["pid"]] = got
+        assert proc.pid not in last and last
+        for pid, got in last.items():
+            port = int(got["url"].rsplit(":", 1)[1])
+            assert got["forwards"] >= 6 and got["rows"] == 2 * got["forwards"]
+            assert _samples(port, "gpt2") == {"calls": got["forwards"], "items": got["rows"]}, (pid, got)
+    _stop(proc)
+    stderr = log.read_text(errors="replace")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_gunicorn_worker_without_a_free_port_serves_times_and_says_so(tmp_path: Path) -> None:
     """A port range one short (the master took a port too): the last worker logs an error naming the range,
     serves and times its calls, and its mounted /healthz says the port is unbound."""
