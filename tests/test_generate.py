@@ -82,6 +82,34 @@ def test_generate_counts_every_forward_split_prefill_decode(make_monitor) -> Non
     assert value(mon, "perfmon_forward_calls_total", model="gpt2", stage="decode") == 3 * (NEW - 1)
 
 
+def test_another_models_generate_inside_a_generate_is_a_request_of_its_own(make_monitor) -> None:
+    """A guard model's generate() run from the first model's stopping criterion: its sequences are requests the
+    criterion receives (their tokens as it sees them), and the outer call's are counted as before. (An assistant's
+    drafts, nested the same way, are no requests: tests/test_generation_modes.py.)"""
+    mon = make_monitor()
+    outer = mon.wrap(_gpt2(), name="outer")
+    torch.manual_seed(1)
+    guard = mon.wrap(_gpt2(), name="guard")
+    received = {"requests": 0, "tokens": 0}
+
+    class Guard(transformers.StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
+            out = guard.generate(input_ids[:, -3:], attention_mask=torch.ones_like(input_ids[:, -3:]),
+                                 max_new_tokens=2, min_new_tokens=2, do_sample=False)
+            received["requests"] += out.shape[0]
+            received["tokens"] += out.shape[0] * (out.shape[1] - 3)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    for _ in range(3):
+        _generate(outer, stopping_criteria=transformers.StoppingCriteriaList([Guard()]))
+    assert received["requests"] == 3 * NEW * 2  # a check a step, two rows each
+    assert value(mon, "perfmon_generation_requests_total", model="guard", outcome="ok") == received["requests"]
+    assert value(mon, "perfmon_generated_tokens_total", model="guard") == received["tokens"]
+    assert value(mon, "perfmon_generation_requests_total", model="outer", outcome="ok") == 3 * 2
+    assert value(mon, "perfmon_generated_tokens_total", model="outer") == 3 * 2 * NEW
+    assert mon.stats()["internal_errors"] == {}
+
+
 def _signature_runs(fn: Any) -> tuple[Any, itertools.count[int]]:
     """Run ``fn()`` counting the calls of ``phases.signature`` it makes (a profile hook: call counts, no timing)."""
     from perfmon.agent import phases
@@ -92,11 +120,12 @@ def _signature_runs(fn: Any) -> tuple[Any, itertools.count[int]]:
         if event == "call" and frame.f_code is code:
             next(seen)
 
+    before = sys.getprofile()
     sys.setprofile(hook)
     try:
         out = fn()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
     return out, seen
 
 

@@ -628,7 +628,8 @@ def test_assisted_generation_chunks_verify_stage_and_itl(make_monitor) -> None:
 def test_an_assistant_wrapped_alone_makes_no_requests_of_its_drafts(make_monitor) -> None:
     """Assisted generation with the main model bare and only the assistant wrapped: the drafts transformers asks of the
     assistant's ``generate()`` reach no caller, so they are no requests (the caller's own is not tracked: its model is
-    not wrapped); the assistant's forwards are counted, each once, and the tokens are the all-bare run's."""
+    not wrapped); the assistant's forwards are counted, each once, and the tokens are the all-bare run's. Then with
+    the main model wrapped too: the drafts still make no requests, each call one."""
     bare = _gpt2()
     assistant = make_assistant(bare)
     drafts = Forwards(assistant)
@@ -647,6 +648,14 @@ def test_an_assistant_wrapped_alone_makes_no_requests_of_its_drafts(make_monitor
     counted = sum(value(mon, "perfmon_forward_calls_total", model="draft", stage=stage) or 0.0
                   for stage in ("prefill", "decode", "verify", ""))
     assert counted == 3 * len(expected)
+    # Both wrapped: the drafts, nested in the main model's assisted call, are still no requests; the call is one.
+    main = mon.wrap(bare, name="main")
+    for _ in range(2):
+        assisted(main, fw, assistant, ids, 24)
+        assert drafts.take() == expected
+    assert mon.flush()
+    assert value(mon, "perfmon_generation_requests_total", model="draft", outcome="ok") in (None, 0.0)
+    assert value(mon, "perfmon_generation_requests_total", model="main", outcome="ok") == 2
 
 
 def test_encoder_decoder_counts_the_encoder_forward_as_encode(make_monitor) -> None:

@@ -355,11 +355,14 @@ def tracked_generate(generate: Callable[..., Any],
 
     @functools.wraps(generate)
     def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if generating.get() is not None:  # nested (an assistant's own): the outer call tracks
+        outer = generating.get()
+        if outer is not None and (outer.verify or outer.model is self):
+            # Nested in an assisted call (its assistant's drafts) or in this model's own call: the outer call tracks. A
+            # call of another model inside one (a guard model run from a stopping criterion) is a request of its own.
             return generate(self, *args, **kwargs)
         if _getframe(1).f_globals.get("__name__") == _DRAFTS:
-            # An assistant's drafts for a model perfmon does not track (assisted decoding with the assistant alone
-            # wrapped): no caller receives them, so they are no requests; their forwards are still counted.
+            # An assistant's drafts (assisted decoding, the assistant wrapped, its main model maybe not): no caller
+            # receives them, so they are no requests; their forwards are still counted.
             return generate(self, *args, **kwargs)
         try:
             # kwargs is this call's own dict (packed above): GenerateCall copies it before it adds its tap.
