@@ -110,6 +110,34 @@ def test_another_models_generate_inside_a_generate_is_a_request_of_its_own(make_
     assert mon.stats()["internal_errors"] == {}
 
 
+def test_a_composites_generate_calling_its_wrapped_language_models_counts_each_sequence_once(make_monitor) -> None:
+    """A model of the user's whose generate() delegates to its language model's, both wrapped: the language model's
+    call is the composite's implementation, left to it. Each sequence the caller receives is one request (the
+    composite's), not one under each name; the language model's forwards are counted under its own."""
+
+    class Composite(torch.nn.Module):
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids: torch.Tensor, past_key_values: Any = None, **kw: Any) -> Any:
+            return self.lm(input_ids, past_key_values=past_key_values, **kw)
+
+        def generate(self, input_ids: torch.Tensor, **kw: Any) -> torch.Tensor:
+            return self.lm.generate(input_ids, **kw)
+
+    mon = make_monitor()
+    lm = mon.wrap(_gpt2(), name="lm")
+    truth = _counting(lm)
+    outer = mon.wrap(Composite(lm), name="composite")
+    for _ in range(3):
+        assert _generate(outer).shape == (2, PROMPT + NEW)
+    assert value(mon, "perfmon_generation_requests_total", model="lm", outcome="ok") in (None, 0.0)
+    assert value(mon, "perfmon_generation_requests_total", model="composite", outcome="ok") == 3 * 2
+    assert sum(value(mon, "perfmon_forward_calls_total", model="lm", stage=s) or 0 for s in ("prefill", "decode")) \
+        == next(truth) == 3 * NEW
+
+
 def _signature_runs(fn: Any) -> tuple[Any, itertools.count[int]]:
     """Run ``fn()`` counting the calls of ``phases.signature`` it makes (a profile hook: call counts, no timing)."""
     from perfmon.agent import phases

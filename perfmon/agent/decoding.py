@@ -356,9 +356,10 @@ def tracked_generate(generate: Callable[..., Any],
     @functools.wraps(generate)
     def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
         outer = generating.get()
-        if outer is not None and (outer.verify or outer.model is self):
-            # Nested in an assisted call (its assistant's drafts) or in this model's own call: the outer call tracks. A
-            # call of another model inside one (a guard model run from a stopping criterion) is a request of its own.
+        if outer is not None and (outer.verify or _part_of(self, outer.model)):
+            # Nested in an assisted call (its assistant's drafts) or in the call of a model this one is part of (a
+            # composite's generate() calling its language model's): the outer call tracks. A call of another model
+            # inside one (a guard model run from a stopping criterion) is a request of its own.
             return generate(self, *args, **kwargs)
         if _getframe(1).f_globals.get("__name__") == _DRAFTS:
             # An assistant's drafts (assisted decoding, the assistant wrapped, its main model maybe not): no caller
@@ -412,6 +413,20 @@ def _end(call: Call, outcome: str, out: Any, internal: InternalErrors) -> None:
         call.end(outcome, out)
     except Exception as exc:
         internal.report("generation", exc)
+
+
+def _part_of(model: Any, outer: Any) -> bool:
+    """Whether ``model`` is ``outer`` or one of its submodules. Asked only of a ``generate()`` nested in a tracked one
+    (rare: a walk of the outer model's modules, ~0.1 µs a module)."""
+    if model is outer:
+        return True
+    modules = getattr(outer, "modules", None)
+    if not callable(modules):
+        return False
+    try:
+        return any(m is model for m in modules())
+    except Exception:  # an odd module tree: the call is tracked on its own
+        return False
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
