@@ -19,9 +19,9 @@ __all__ = ["LEAN_STEPS", "Active", "generating"]
 class Active:
     """What ``staged_path`` needs while a monitored model's ``generate()`` runs in this context."""
 
-    __slots__ = ("armed", "batch", "cache_key", "entry", "first", "fn", "key", "keywords", "left", "model", "numel",
-                 "prefill", "prefilled", "quiet", "rerun", "sampled", "span", "stamps", "state", "step_key", "timed",
-                 "verify")
+    __slots__ = ("armed", "batch", "cache_key", "entry", "first", "fn", "key", "keywords", "left", "model", "nested",
+                 "numel", "prefill", "prefilled", "quiet", "rerun", "sampled", "span", "stamps", "state", "step_key",
+                 "timed", "verify")
 
     def __init__(self, model: Any, timed: bool, verify: bool, *, batch: int = 0,
                  kwargs: Mapping[str, Any] | None = None) -> None:
@@ -59,6 +59,9 @@ class Active:
         #: This call's steps rerun the whole sequence (no cache, ``use_cache=False``): ``staged_path`` looks each up in
         #: the model's memo of such steps (reruns.py) before the full path.
         self.rerun = False
+        #: ``id(model)`` -> whether a model whose ``generate()`` ran nested in this call is part of this one
+        #: (``decoding._part_of``); None until one does.
+        self.nested: dict[int, bool] | None = None
         #: Counting the short path's steps in batches (stages.staged_path): up to ``batch`` steps after a checked one
         #: take the lean step (the call, counted here), ``left`` of the ``armed`` still to go; ``flush`` adds the ones
         #: taken to the decode stage's and the signature's counters. 0: every step is checked and counted (a

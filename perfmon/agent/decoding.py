@@ -356,7 +356,7 @@ def tracked_generate(generate: Callable[..., Any],
     @functools.wraps(generate)
     def generate_(self: Any, *args: Any, **kwargs: Any) -> Any:
         outer = generating.get()
-        if outer is not None and (outer.verify or _part_of(self, outer.model)):
+        if outer is not None and (outer.verify or _part_of(self, outer)):
             # Nested in an assisted call (its assistant's drafts) or in the call of a model this one is part of (a
             # composite's generate() calling its language model's): the outer call tracks. A call of another model
             # inside one (a guard model run from a stopping criterion) is a request of its own.
@@ -415,18 +415,25 @@ def _end(call: Call, outcome: str, out: Any, internal: InternalErrors) -> None:
         internal.report("generation", exc)
 
 
-def _part_of(model: Any, outer: Any) -> bool:
-    """Whether ``model`` is ``outer`` or one of its submodules. Asked only of a ``generate()`` nested in a tracked one
-    (rare: a walk of the outer model's modules, ~0.1 µs a module)."""
-    if model is outer:
+def _part_of(model: Any, outer: Active) -> bool:
+    """Whether ``model`` is the model of the tracked call ``outer`` or one of its submodules. Asked only of a
+    ``generate()`` nested in a tracked one: a walk of the outer model's modules, once a call and nested model (a guard
+    model run from a stopping criterion is asked every step; ``Active.nested`` keeps the answer)."""
+    outer_model = outer.model
+    if model is outer_model:
         return True
-    modules = getattr(outer, "modules", None)
-    if not callable(modules):
-        return False
-    try:
-        return any(m is model for m in modules())
-    except Exception:  # an odd module tree: the call is tracked on its own
-        return False
+    known = outer.nested
+    if known is None:
+        known = outer.nested = {}
+    part = known.get(id(model))  # (both live while the outer call runs: an id is not reused meanwhile)
+    if part is None:
+        modules = getattr(outer_model, "modules", None)
+        try:
+            part = callable(modules) and any(m is model for m in modules())
+        except Exception:  # an odd module tree: the call is tracked on its own
+            part = False
+        known[id(model)] = part
+    return part
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
