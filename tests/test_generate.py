@@ -470,7 +470,9 @@ def test_a_timed_request_gets_device_time_for_every_step_from_events(make_monito
                 out = self(out, past_key_values=cache)
             return out
 
-    mon = make_monitor(cuda=FakeCuda(gpu), sample_rate=0.001, warmup_calls=1)
+    # No low-traffic floor: flush() waits for the signatures' FLOP counts (its first, ~1-2 s of torch imports on a
+    # loaded host), and a floor of 1 s would then time a call of the second request.
+    mon = make_monitor(cuda=FakeCuda(gpu), sample_rate=0.001, warmup_calls=1, sample_floor_seconds=3600.0)
     model = mon.wrap(Decoder(), name="dec", device="cuda:0")
     model.generate(torch.ones(1, 7, dtype=torch.long), steps=NEW)
     assert mon.resolver.step() == 0  # the host returned before the device finished: nothing resolved yet
