@@ -20,8 +20,9 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .hotpath import hot_path, sampled_path
-from .stages import decode_due, staged_path
+from .hotpath import due_step, hot_path, sampled_path
+from .reruns import Reruns
+from .stages import staged_path
 
 __all__ = ["mark_for_dynamo"]
 
@@ -162,8 +163,9 @@ def _inner_code(fn: Any, name: str = "__call__") -> types.CodeType:
 #: Frames torch.compile skips but whose callees it compiles: the user's model runs inside them (a call the fast
 #: path does not take inside ``general``, one in a request span inside ``in_request``, a timed or captured one
 #: inside ``sampled``, one tensor's due call when the monitor is not timing inside ``due_one``, a forward of the
-#: model's own generate() inside ``in_generate`` or ``decode_due``).
+#: model's own generate() inside ``in_generate``, ``due_step`` or ``Reruns.step``).
 _HOT_CODES = (_inner_code(hot_path), _inner_code(hot_path, "general"), _inner_code(hot_path, "in_request"),
               _inner_code(hot_path, "due_one"),
               _inner_code(sampled_path, "sampled"),
-              _inner_code(staged_path), _inner_code(staged_path, "in_generate"), decode_due.__code__)
+              _inner_code(staged_path), _inner_code(staged_path, "in_generate"), due_step.__code__,
+              Reruns.step.__code__)

@@ -22,7 +22,7 @@ from .phases import Signature, batch_of, nested_key, signature, work_of
 from .requests import current
 from .state import ModelState, Token
 
-__all__ = ["hot_path", "sampled_path"]
+__all__ = ["due_step", "hot_path", "sampled_path"]
 
 _Tensor = torch.Tensor
 #: The hot path's first positional parameter when a call has none.
@@ -255,3 +255,22 @@ def sampled_path(st: ModelState, fn: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return sampled
+
+
+def due_step(st: ModelState, fn: Callable[..., Any], sampled: Callable[..., Any], n: int, entry: Signature, self: Any,
+             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call on a short path that reached the sampling index (a decode step of ``stages.staged_path``'s, a no-cache
+    step of ``reruns.Reruns``'): time it (or hand it to a pending capture) through ``sampled``, its stage's
+    ``sampled_path``, as the hot path would."""
+    try:
+        token = st.due(n)
+    except Exception as exc:
+        st.hub.internal.report("instrument", exc)
+        token = None
+    if token is not None:
+        return sampled(self, args, kwargs, n, token, entry, None, None)
+    try:
+        return fn(self, *args, **kwargs)
+    except BaseException as exc:
+        st.error(exc)
+        raise

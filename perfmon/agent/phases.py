@@ -27,12 +27,12 @@ import torch
 from ..faults import count_value
 from .abstract import describe, with_dtype
 
-__all__ = ["BOOKKEEPING_KWARGS", "Signature", "SignatureTable", "batch_of", "nested_key", "signature"]
+__all__ = ["BOOKKEEPING_KWARGS", "LOOKED_INTO", "Signature", "SignatureTable", "batch_of", "nested_key", "signature"]
 
 _Tensor = torch.Tensor
 #: Values whose type alone is not their signature part (``_part`` reads a tensor subclass, looks one level
 #: into a list or tuple); any other value is its type's name.
-_LOOKED_INTO = (list, tuple, torch.Tensor)
+LOOKED_INTO = (list, tuple, torch.Tensor)
 
 
 def nested_key(t: torch.Tensor) -> Hashable:
@@ -113,7 +113,7 @@ _LOOK_INTO_MAX = 256
 
 
 def _look_into(t: type) -> bool:
-    look = issubclass(t, _LOOKED_INTO)
+    look = issubclass(t, LOOKED_INTO)
     if len(_LOOK_INTO) < _LOOK_INTO_MAX:
         _LOOK_INTO[t] = look
     return look

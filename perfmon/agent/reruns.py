@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .phases import BOOKKEEPING_KWARGS, Signature
+from .hotpath import due_step
+from .phases import BOOKKEEPING_KWARGS, LOOKED_INTO, Signature
 
 __all__ = ["MAX_RERUNS", "MISS", "Reruns"]
 
@@ -36,10 +37,6 @@ _Tensor = torch.Tensor
 #: tokens it generates stay well under it; a churning mix turns signature tracking off first anyway.
 MAX_RERUNS = 4096
 
-#: Values whose shapes or items a signature reads (``phases.signature``): a step with one under a keyword other than the
-#: input and the bookkeeping is not memoed.
-_SIGNED = (list, tuple, torch.Tensor)
-
 #: What ``Reruns.step`` returns for a step the memo does not hold (a model's forward never returns this object).
 MISS: Any = object()
 
@@ -47,18 +44,16 @@ MISS: Any = object()
 class Reruns:
     """One model's memo of the no-cache steps of its ``generate()`` calls (``staged_path`` reads it)."""
 
-    __slots__ = ("_due", "fn", "internal", "memo", "sampled", "state")
+    __slots__ = ("fn", "internal", "memo", "sampled", "state")
 
-    def __init__(self, state: Any, fn: Callable[..., Any], sampled: Callable[..., Any], due: Callable[..., Any], *,
-                 internal: Any) -> None:
+    def __init__(self, state: Any, fn: Callable[..., Any], sampled: Callable[..., Any], *, internal: Any) -> None:
         """``state``: the prefill stage's ``ModelState``; ``fn`` its call target and ``sampled`` its timed path
-        (``hotpath.sampled_path``); ``due``: ``stages.decode_due``, which times a step that reached the sampling
-        index; ``internal``: the ``InternalErrors`` a fault of the memo's is counted in (``stage``)."""
+        (``hotpath.sampled_path``); ``internal``: the ``InternalErrors`` a fault of the memo's is counted in
+        (``stage``)."""
         self.memo: dict[tuple[Any, Any, tuple[str, ...], tuple[type, ...]], Signature] = {}
         self.state = state
         self.fn = fn
         self.sampled = sampled
-        self._due = due
         self.internal = internal
 
     def step(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stamps: list[int] | None) -> Any:
@@ -82,7 +77,7 @@ class Reruns:
             self.internal.report("stage", exc)
             return MISS
         if n >= st.next_index:
-            out = self._due(st, self.fn, self.sampled, n, entry, model, args, kwargs)
+            out = due_step(st, self.fn, self.sampled, n, entry, model, args, kwargs)
         else:
             try:
                 out = self.fn(model, *args, **kwargs)
@@ -105,7 +100,7 @@ class Reruns:
         if key[0] != ids.shape:  # (the shape step_signature kept the signature with)
             return
         for name, value in kwargs.items():
-            if name != "input_ids" and name not in BOOKKEEPING_KWARGS and isinstance(value, _SIGNED):
+            if name != "input_ids" and name not in BOOKKEEPING_KWARGS and isinstance(value, LOOKED_INTO):
                 return
         entry = sigs.get(key[2])
         if entry is None or entry.warm_left or entry.evicted_ns:

@@ -32,7 +32,7 @@ import torch
 
 from ..faults import InternalErrors
 from .active import generating
-from .hotpath import hot_path, sampled_path
+from .hotpath import due_step, hot_path, sampled_path
 from .phases import Signature, signature
 from .requests import current as requests_current
 from .reruns import MISS, Reruns
@@ -40,7 +40,7 @@ from .state import ModelState
 
 _Tensor = torch.Tensor
 
-__all__ = ["CACHE_KWARGS", "DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages", "decode_due",
+__all__ = ["CACHE_KWARGS", "DECODE", "ENCODE", "MAX_STAGES", "PREFILL", "VERIFY", "StageFn", "Stages",
            "generative_stage", "is_generative", "kv_cache", "stage_label", "staged_path", "step_signature"]
 
 PREFILL = "prefill"
@@ -175,7 +175,7 @@ class Stages:
         if st.stage == DECODE:
             self.decode = (self._fn, sampled_path(st, self._fn))
         elif st.stage == PREFILL:
-            self.reruns = Reruns(st, self._fn, sampled_path(st, self._fn), decode_due, internal=self.internal)
+            self.reruns = Reruns(st, self._fn, sampled_path(st, self._fn), internal=self.internal)
         call = self.calls[st.stage] = hot_path(st, self._fn)
         return call
 
@@ -418,8 +418,8 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
             # and keywords and a cache, the step before's signature still warm in the table): count the call and its
             # signature's calls, and call the forward. No stage function, no signature, no second keyword hop: ~0.5
             # µs a step in a tight loop against ~1.6 through in_generate. The call in 1/sample_rate (and every call
-            # while a capture is armed) is timed as the hot path would (decode_due). A timed request (Active.timed),
-            # assisted decoding and a step whose inputs differ go through in_generate.
+            # while a capture is armed) is timed as the hot path would (hotpath.due_step). A timed request
+            # (Active.timed), assisted decoding and a step whose inputs differ go through in_generate.
             entry = active.entry
             if entry is not None:
                 ids = kwargs.get("input_ids")
@@ -435,7 +435,7 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
                     n = next(st.calls)
                     next(entry.calls)
                     if n >= st.next_index:
-                        out = decode_due(st, active.fn, active.sampled, n, entry, self, args, kwargs)
+                        out = due_step(st, active.fn, active.sampled, n, entry, self, args, kwargs)
                     else:
                         if active.batch:
                             active.arm(n)
@@ -464,21 +464,3 @@ def staged_path(stages: Stages) -> Callable[..., Any]:
         return call(self, *args, **kwargs)
 
     return __call__
-
-
-def decode_due(st: ModelState, fn: Callable[..., Any], sampled: Callable[..., Any], n: int, entry: Signature, self: Any,
-               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A decode step on ``staged_path``'s short path that reached the sampling index: time it (or hand it to a
-    pending capture) as the hot path would."""
-    try:
-        token = st.due(n)
-    except Exception as exc:
-        st.hub.internal.report("instrument", exc)
-        token = None
-    if token is not None:
-        return sampled(self, args, kwargs, n, token, entry, None, None)
-    try:
-        return fn(self, *args, **kwargs)
-    except BaseException as exc:
-        st.error(exc)
-        raise
