@@ -288,6 +288,10 @@ class Monitor(RequestApi, CaptureApi, ViewApi, AppsApi):
         tokens, padding excluded), False nothing. ``stage`` splits a generative model's calls into series
         (``prefill``/``decode``): None (default) for a ``forward`` taking a KV cache (``past_key_values``; see
         ``perfmon.agent.stages``), a callable ``(args, kwargs) -> str`` (at most 8 labels), False one stage.
+
+        Raises ``WrapError`` for an object that is not callable or is already monitored (by this monitor or another:
+        its calls count once, under its first wrap; ``unwrap`` it there first to move it), ``ConfigError`` for a
+        ``name`` another live model holds or a bad ``items``/``stage``.
         """
         return self.models.wrap(model, name=name, device=device, items=items, stage=stage)
 

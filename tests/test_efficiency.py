@@ -108,6 +108,37 @@ def test_mfu_and_mbu_against_configured_peaks(make_monitor) -> None:
                  source="settings (peak_flops, peak_bandwidth)") == 1.0
 
 
+def test_each_dtype_of_a_shape_is_priced_by_its_own_count(make_monitor) -> None:
+    """A one-tensor call is keyed on its shape alone, so fp32 and bf16 calls of one shape share a signature; their
+    bytes are each dtype's own: the calls before a switch keep fp32's, those after have bf16's, and after a switch
+    back the fp32 calls are priced as fp32 again (one count per dtype, counted once)."""
+    mon = _monitor(make_monitor)
+    model = torch.nn.Linear(256, 256).eval()
+    wrapped = mon.wrap(model, name="sw")
+    x = torch.randn(8, 256)
+
+    def moved(size: int) -> int:  # weight, bias, input and output in a dtype of ``size`` bytes
+        return size * (256 * 256 + 256 + 2 * 8 * 256)
+
+    def window(samples: int) -> dict[str, Any]:
+        mon.flush()
+        return wait_until(lambda: (e := _efficiency(mon, "sw"))["counted_samples"] == samples and e,
+                          what=f"{samples} counted samples")
+
+    _timed_calls(wrapped, x, 11)  # the first call is cold: 10 steady fp32 samples
+    assert _counted(mon, "sw")["bytes_per_call"] == moved(4)
+    model.to(torch.bfloat16)
+    _timed_calls(wrapped, x.to(torch.bfloat16), 11)  # the first call in bf16 is cold again
+    mixed = window(20)
+    assert mixed["samples"] == 20 and mixed["bytes_per_call"] == (10 * moved(4) + 10 * moved(2)) / 20
+    assert mixed["flops_per_call"] == 2 * 8 * 256 * 256
+    model.to(torch.float32)
+    _timed_calls(wrapped, x, 10)  # fp32 was seen with this shape: warm
+    back = window(30)
+    assert back["samples"] == 30 and back["bytes_per_call"] == (20 * moved(4) + 10 * moved(2)) / 30
+    assert mon.stats()["flop_counting"]["counts"]["ok"] == 2
+
+
 def test_a_tiny_gpt2_prefill_is_counted_like_flopcountermode(make_monitor) -> None:
     """A random tiny GPT-2's prefill forward counts the FLOPs torch's FlopCounterMode counts running it for real, under
     stage="prefill"; its decode steps (a KV-cache object) are unknown, with the reason, never guessed."""

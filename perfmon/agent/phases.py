@@ -152,7 +152,7 @@ def _int(n: Any) -> int:
 class Signature:
     """One input signature: its calls (exact), the items each call carries, and cold calls still due."""
 
-    __slots__ = ("calls", "count", "dtypes", "evicted_ns", "items", "spec", "warm_left", "work")
+    __slots__ = ("calls", "count", "dtypes", "evicted_ns", "items", "spec", "variants", "warm_left", "work")
 
     def __init__(self, items: int | None, warm_left: int, dtypes: frozenset[Any] = frozenset(),
                  work: int | None = None, spec: Any = None) -> None:
@@ -167,12 +167,18 @@ class Signature:
         #: them gave (flopcount.py: a Count, an Unknown, or None while not counted), written off the request thread.
         self.spec = spec
         self.count: Any = None
+        #: A shape-keyed signature's other dtypes: dtype -> a Signature of the same shape in it, for its own FLOPs and
+        #: bytes (``add_dtype``); None while it was seen in one dtype only, or has no spec.
+        self.variants: dict[Any, Signature] | None = None
 
-    def respec(self, dtype: Any) -> None:
-        """A known shape in a new dtype (a deployment switch, fp32 to bf16): count the new dtype's call."""
+    def add_dtype(self, dtype: Any) -> None:
+        """A known shape in a new dtype (a deployment switch, fp32 to bf16): from now on the timed calls in ``dtype``
+        are priced by a count of their own (``variants``), and the calls in the others keep theirs, the samples taken
+        before the switch included (the efficiency window reads each sample's signature's count when it is read)."""
         if self.spec is not None:
-            self.spec = with_dtype(self.spec, dtype)
-            self.count = None
+            # A new dict, not an update: the resolver and the readers look it up without a lock.
+            self.variants = {**(self.variants or {}),
+                             dtype: Signature(self.items, 0, work=self.work, spec=with_dtype(self.spec, dtype))}
 
 
 class SignatureTable:

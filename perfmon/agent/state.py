@@ -239,7 +239,7 @@ class ModelState:
         alone): a dtype switch is a deployment event (fp32 to bf16), not per-request traffic.
         """
         entry.dtypes = entry.dtypes | {dtype}
-        entry.respec(dtype)
+        entry.add_dtype(dtype)
         self.table.distinct += 1
 
     def items_counts(self) -> tuple[int | None, int | None]:
@@ -328,9 +328,13 @@ class ModelState:
                     size = sig.work
                 dtypes = sig.dtypes  # a shape-keyed signature's (one tensor): is this a dtype not seen with it?
                 dtype = getattr(args[0], "dtype", None) if dtypes and args else None
-                if dtype is not None and dtype not in dtypes:
-                    self.new_dtype(sig, dtype)
-                    cold = True
+                if dtype is not None:
+                    if dtype not in dtypes:
+                        self.new_dtype(sig, dtype)
+                        cold = True
+                    variants = sig.variants
+                    if variants is not None:  # the sample is priced in its own dtype (Signature.add_dtype)
+                        sig = variants.get(dtype, sig)
             elif args is not None:
                 try:
                     if items is None:
