@@ -218,7 +218,8 @@ def test_with_block_and_manual_finish(make_monitor) -> None:
 
 
 def test_names_are_validated_bounded_and_shared_with_models(make_monitor) -> None:
-    """Names follow the model-name rules and max_models; a wrapped model's name shares its label."""
+    """Names follow the model-name rules and max_models (one it cannot take is an internal error, never the caller's);
+    a wrapped model's name shares its label."""
     mon = make_monitor(max_models=2).start()
     model = mon.wrap(torch.nn.Linear(2, 2), name="gpt2")
     model(torch.ones(1, 2))
@@ -228,17 +229,24 @@ def test_names_are_validated_bounded_and_shared_with_models(make_monitor) -> Non
     forward_calls = sum(s.value for fam in mon.registry.collect() for s in fam.samples
                         if s.name == "perfmon_forward_calls_total" and s.labels.get("model") == "gpt2")
     assert forward_calls == 1  # (summed: the forward series may carry more labels than model)
+    # In the request path a name perfmon cannot take never raises: the request counts nowhere, the fault is counted.
     for bad in ("", "x" * 129, "a\nb", "\ud800", 3):
-        with pytest.raises(perfmon.ConfigError):
-            mon.generation(bad)
+        with mon.generation(bad) as g:  # type: ignore[arg-type]
+            g.token(2)
+        assert g.outcome == "ok" and g.tokens == 2
+    assert value(mon, "perfmon_internal_errors_total", stage="generation") == 5
+    # A bad prompt_tokens: the request is counted, its prompt unknown.
     for bad_prompt in (-1, 1.5, True, "7"):
-        with pytest.raises(perfmon.ConfigError):
-            mon.generation("gpt2", prompt_tokens=bad_prompt)
-    with pytest.raises(perfmon.ConfigError):
+        with mon.generation("gpt2", prompt_tokens=bad_prompt) as g:
+            g.token()
+    assert value(mon, "perfmon_internal_errors_total", stage="generation") == 9
+    assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == 5
+    assert value(mon, "perfmon_prompt_tokens_total", model="gpt2") in (None, 0)
+    with pytest.raises(perfmon.ConfigError):  # a call that cannot work anywhere: the caller's own bug, at once
         mon.stream(iter(()), name="gpt2", tokens=5)
     mon.generation("second").finish()
-    with pytest.raises(perfmon.ConfigError, match="max_models"):
-        mon.stream(iter(()), name="third")  # checked when stream() is called, not at the first item
+    assert list(mon.stream(iter("abc"), name="third")) == ["a", "b", "c"]  # past max_models: yielded unchanged
+    assert value(mon, "perfmon_internal_errors_total", stage="generation") == 10
     assert set(mon.stats()["generation"]) == {"gpt2", "second"}
     nothing_left(mon)
 

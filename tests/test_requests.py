@@ -270,14 +270,29 @@ def test_a_stats_read_between_the_resolvers_drains_shows_the_split_of_every_coun
 
 
 def test_request_names_are_checked_and_bounded(make_monitor) -> None:
-    """A bad span name or one past max_models raises ConfigError at request(); the buckets are the documented grid."""
+    """A bad span name or one past max_models never raises into the request: the span goes on unnamed (its model
+    work's label) and the fault is counted; the buckets are the documented grid."""
     mon = make_monitor(max_models=2).start()
+    model = mon.wrap(torch.nn.Linear(2, 2), name="lin")
     mon.request(name="a").finish()
     mon.request(name="b").finish()
-    with pytest.raises(perfmon.ConfigError):
-        mon.request(name="c")
-    with pytest.raises(perfmon.ConfigError):
-        mon.request(name="")
+    for bad in ("c", "", "a\nb"):
+        with mon.request(name=bad) as span:
+            model(torch.ones(1, 2))
+        assert span.outcome == "ok" and span.label == "lin"
+    span = mon.request()
+    with mon.batch([span], name="d"):  # a batch's name counts toward the cap too (it labels its spans)
+        model(torch.ones(1, 2))
+    span.finish()
+    assert span.label == "lin"
+    assert value(mon, "perfmon_internal_errors_total", stage="requests") == 4
+    assert mon.flush()
+    assert value(mon, "perfmon_request_duration_seconds_count", model="lin") == 4
+    assert set(mon.stats()["requests"]["models"]) == {"a", "b", "lin"}
+    with pytest.raises(perfmon.ConfigError, match="request span name"):  # a middleware's name: at set-up
+        perfmon.RequestMiddleware(lambda *a: None, monitor=mon, name="bad\nname")
+    with pytest.raises(perfmon.ConfigError, match="request span name"):
+        perfmon.WSGIRequestMiddleware(lambda *a: [], monitor=mon, name="")
     assert REQUEST_BUCKETS[0] == 0.0001 and len(REQUEST_BUCKETS) == 30
 
 

@@ -244,14 +244,28 @@ class GenerationTracker:
         ``error``, re-raised unchanged; another BaseException: ``cancelled``); without ``with``, end it with
         ``g.finish(outcome)``. The first ``token()`` gives the time to first token (seconds, host
         ``perf_counter``, from this call), the later ones the inter-token latency. ``name`` is registered on
-        first use (the same name as a wrapped model shares its label; at most ``max_names`` names); a bad
-        ``name`` or ``prompt_tokens`` raises ``ConfigError``. Costs a few counters and a dict insert here (a lock
-        only with ``prompt_tokens``), one lock in ``finish()``; ``token()`` one clock read and one deque append.
+        first use (the same name as a wrapped model shares its label; at most ``max_names`` names). This runs in
+        the request path, so it never raises: a name perfmon cannot take (invalid, or a new one past
+        ``max_models``) gives a request that counts nowhere, and a bad ``prompt_tokens`` (not an integer >= 0) a
+        request whose prompt is unknown; each counts in ``perfmon_internal_errors_total{stage="generation"}``.
+        Costs a few counters and a dict insert here (a lock only with ``prompt_tokens``), one lock in
+        ``finish()``; ``token()`` one clock read and one deque append.
         """
         counts = self._names.get(name) if name.__class__ is str else None
         if counts is None:
-            counts = self._register(name)
-        prompt = None if prompt_tokens is None else check_prompt(prompt_tokens)
+            try:
+                counts = self._register(name)
+            except ConfigError as exc:
+                self._internal.report("generation", exc)
+                # Counts of its own that no render reads: the caller's token() and finish() still work.
+                return Generation(self, GenerationCounts(name if isinstance(name, str) else repr(name)), 0,
+                                  perf_counter_ns() if now is None else now, None)
+        prompt = None
+        if prompt_tokens is not None:
+            try:
+                prompt = check_prompt(prompt_tokens)
+            except ConfigError as exc:
+                self._internal.report("generation", exc)
         timing = self._timing()
         if now is None:  # else the request started earlier (perf_counter_ns): a generate() call opened late
             now = perf_counter_ns()

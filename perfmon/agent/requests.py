@@ -43,7 +43,7 @@ from .state import Hub
 from .streams import OK, OUTCOMES, outcome_of
 
 __all__ = ["PARTS", "REQUEST_BUCKETS", "RequestApi", "RequestBatch", "RequestCounts", "RequestDone", "RequestSpan",
-           "RequestTracker", "current"]
+           "RequestTracker", "check_span_name", "current"]
 
 #: The parts of a request's latency (the ``part`` label; ``phase`` already means cold/steady here).
 PARTS = ("queue", "model", "rest")
@@ -74,6 +74,14 @@ class RequestCounts:
 
     def request_counts(self) -> dict[str, int]:
         return {o: count_value(c) for o, c in self.requests.items()}
+
+
+def check_span_name(name: Any) -> None:
+    """A request span's name: the generation names' rule, the ``model`` label on every render (ConfigError)."""
+    try:
+        check_name(name)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("generation name", "request span name")) from None
 
 
 class RequestSpan:
@@ -254,22 +262,33 @@ class RequestTracker:
     def open(self, name: str | None = None, arrived_ns: int | None = None) -> RequestSpan:
         """A new request span, arrived now (or at ``arrived_ns``, a ``perf_counter_ns`` stamp).
 
-        ``name`` fixes its ``model`` label (at most ``max_names`` such names; a bad one raises ``ConfigError``);
-        None takes the first model work's model. Use it as a context manager, or end it with ``finish()``.
+        ``name`` fixes its ``model`` label (at most ``max_names`` such names); None takes the first model work's
+        model. Use it as a context manager, or end it with ``finish()``. This runs in the request path, so a name
+        perfmon cannot take (invalid, or a new one past ``max_models``) never raises here: the span goes on as if
+        unnamed, and each such span counts in ``perfmon_internal_errors_total{stage="requests"}``.
         """
         now = perf_counter_ns() if arrived_ns is None else arrived_ns
         if name is not None and name not in self._names:
-            self._register(name, named=True)
+            name = self.take_name(name)
         with self._lock:
             self._hub.requests += 1
         return RequestSpan(self, name, now, self._epoch)
 
+    def take_name(self, name: str | None) -> str | None:
+        """``name`` registered as a span label (``open``, ``monitor.batch``), or None when perfmon cannot take it (not a
+        valid label, or one past ``max_models``): counted as an internal error, never raised into the request."""
+        if name is None or name in self._names:
+            return name
+        try:
+            self._register(name, named=True)
+        except ConfigError as exc:
+            self._internal.report("requests", exc)
+            return None
+        return name
+
     def _register(self, name: str, *, named: bool = False) -> RequestCounts:
         if named:
-            try:
-                check_name(name)  # the generation names' rule: the model label on every render
-            except ConfigError as exc:
-                raise ConfigError(str(exc).replace("generation name", "request span name")) from None
+            check_span_name(name)
         with self._lock:
             counts = self._names.get(name)
             if counts is None:
@@ -403,8 +422,10 @@ class RequestApi:
         return self.requests.open(name, arrived_ns)
 
     def batch(self, spans: Iterable[RequestSpan | None], *, name: str | None = None) -> RequestBatch:
-        """``with monitor.batch(spans): out = model(x)`` on a batcher thread: the block is each span's model part."""
-        return RequestBatch(spans, name)
+        """``with monitor.batch(spans): out = model(x)`` on a batcher thread: the block is each span's model part.
+        ``name`` labels the spans that have none (default: the block's first wrapped call's model); it counts toward
+        ``max_models`` as a span's name does, and one perfmon cannot take is an internal error, as in ``request``."""
+        return RequestBatch(spans, self.requests.take_name(name))
 
     def current_request(self) -> RequestSpan | None:
         """The request span of the running context (a middleware's, or an enclosing ``monitor.request()``)."""

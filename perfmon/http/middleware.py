@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter_ns
 from typing import Any
 
-from ..agent.requests import RequestSpan, RequestTracker, current
+from ..agent.requests import RequestSpan, RequestTracker, check_span_name, current
 from ..agent.streams import CANCELLED, ERROR, OK, outcome_of
 
 __all__ = ["RequestMiddleware", "WSGIRequestMiddleware"]
@@ -43,6 +43,8 @@ class RequestMiddleware:
     def __init__(self, app: Callable[..., Any], monitor: Any, *, name: str | None = None) -> None:
         self.app = app
         self._tracker = _tracker(monitor)
+        if name is not None:
+            check_span_name(name)  # here, when the server is set up, rather than refused at every request
         self._name = name
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -93,6 +95,8 @@ class WSGIRequestMiddleware:
     def __init__(self, app: Callable[..., Iterable[bytes]], monitor: Any, *, name: str | None = None) -> None:
         self.app = app
         self._tracker = _tracker(monitor)
+        if name is not None:
+            check_span_name(name)  # here, when the server is set up, rather than refused at every request
         self._name = name
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
