@@ -39,9 +39,19 @@ __all__ = ["ANSWER_MAX_BYTES", "TRACE_MAX_BYTES", "ControlError", "Transport", "
 
 def _positive(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value <= 1e9:  # not inf, nan or 1e308: a deadline that far out overflows the socket's clock
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and at most 1e9, got {text}")
     return value
+
+
+def _at_least(low: int) -> Any:
+    def count(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return value
+
+    return count
 
 
 def _since(text: str) -> float:
@@ -92,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--duration", type=_positive, default=None, help="seconds to run (default: until Ctrl-C)")
     demo.add_argument("--rps", type=_positive, default=None,
                       help="target requests per second (default 50; 4 with --generate)")
-    demo.add_argument("--threads", type=int, default=3, help="worker threads (default 3)")
+    demo.add_argument("--threads", type=_at_least(1), default=3, help="worker threads (default 3)")
     demo.add_argument("--sample-rate", type=float, default=None, help="fraction of steady calls timed")
     demo.add_argument("--slow-after", type=_positive, default=None,
                       help="simulate a 2x latency regression after this many seconds (perfmon captures it)")
@@ -108,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bearer token (default: $PERFMON_TOKEN, which is better: an argument shows in `ps` "
                             "and shell history)")
         p.add_argument("--timeout", type=_positive, default=120.0,
-                       help="seconds for the whole command: connecting, every answer, the trace (default 120)")
+                       help="seconds for all the command's exchanges with the agent: connecting, every answer, the "
+                            "trace (default 120)")
         return p
 
     prof = control("profile", "trigger a capture, wait for it, download the trace, print the top ops")
@@ -127,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --store: only captures of this trigger")
     profiles.add_argument("--since", type=_since, default=None,
                           help="with --store: captures since a time (2025-05-01T12:00:00Z) or for a span (30m, 6h, 2d)")
-    profiles.add_argument("--limit", type=int, default=100, help="with --store: at most this many, newest first")
+    profiles.add_argument("--limit", type=_at_least(1), default=100,
+                          help="with --store: at most this many, newest first")
     profiles.add_argument("--download", metavar="ID", default=None,
                           help="fetch this capture (into --out): from the agent (--url), its trace, and its top ops "
                                "printed; from the store (--store), its trace and metadata")
@@ -137,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff = control("diff", "compare two captures op by op (per model call, noise-aware): what got slower, new or gone")
     diff.add_argument("before", help="the earlier capture's id (e.g. a baseline capture)")
     diff.add_argument("after", help="the later capture's id")
-    diff.add_argument("--rows", type=int, default=20, help="rows to print (default 20; unchanged ops last)")
+    diff.add_argument("--rows", type=_at_least(0), default=20, help="rows to print (default 20; unchanged ops last)")
     return parser
 
 
@@ -164,6 +176,17 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
             print(f"perfmon: cannot serve: {exc}", file=sys.stderr)
             return 1
     try:
+        if args.command == "profiles" and args.download is not None and not valid_id(args.download):
+            print(f"perfmon: profiles: --download: not a capture id: {_clean(repr(args.download), 80)} "
+                  "(expected 22 lowercase hex digits, as `perfmon profiles` lists them)", file=sys.stderr)
+            return 2
+        if args.command == "profile" and args.out is not None and (Path(args.out).is_dir()
+                                                                    or not Path(args.out).parent.is_dir()):
+            # Before the capture: a trace with nowhere to go would be taken for nothing.
+            why = "is a directory (give the trace's file name)" if Path(args.out).is_dir() else \
+                "is in a directory that does not exist"
+            print(f"perfmon: profile: --out {_clean(args.out, 200)} {why}", file=sys.stderr)
+            return 2
         if args.command == "profiles" and args.store:
             return store_profiles(args.store, model=args.model, host=args.host, trigger=args.trigger, since=args.since,
                                   limit=args.limit, download=args.download, out=args.out)
@@ -176,10 +199,6 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
             if store_only:  # refused, not ignored: a filter that silently does nothing lists what was not asked for
                 print(f"perfmon: profiles: {', '.join(store_only)} filter the fleet's listing (--store); one agent's "
                       "(--url) lists all it holds", file=sys.stderr)
-                return 2
-            if args.download is not None and not valid_id(args.download):
-                print(f"perfmon: profiles: --download: not a capture id: {_clean(repr(args.download), 80)} "
-                      "(expected 22 lowercase hex digits, as `perfmon profiles` lists them)", file=sys.stderr)
                 return 2
         if args.command == "diff":
             bad = [i for i in (args.before, args.after) if not valid_id(i)]
@@ -206,7 +225,8 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
         return run_profile(args.url, token=token, model=args.model, steps=args.steps,
                            max_seconds=args.max_seconds, out=args.out, timeout=args.timeout, transport=transport)
     except ControlError as exc:
-        more = f" (--timeout {args.timeout:g} s covers the whole command)" if isinstance(exc, client.TimedOut) else ""
+        more = (f" (--timeout {args.timeout:g} s covers all the command's exchanges with the agent)"
+                if isinstance(exc, client.TimedOut) else "")
         # One line, cleaned and cut: the message may quote what an agent or a store said.
         print(f"perfmon: {_clean(exc, 1000)}{more}", file=sys.stderr)
         return 1

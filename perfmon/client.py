@@ -23,6 +23,7 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from .config import SENDABLE_TOKEN
 from .store.files import replacing_at, temp_name
 
 if TYPE_CHECKING:
@@ -96,10 +97,6 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-#: What a token may hold: printable ASCII, no space at either end. An HTTP header cannot carry CR/LF (they would
-#: end it) and http.client refuses them; other characters would go out in Latin-1 and end spaces be stripped by
-#: the agent (``http/security.py``): neither would ever match its token.
-SENDABLE_TOKEN = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 
 
 class ControlError(Exception):
@@ -308,13 +305,13 @@ def download(transport: Transport, url: str, target: Path, *, token: str | None,
     try:
         dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise ControlError(f"cannot write the trace to {clean(target, 200)}: {exc.strerror or exc}") from None
+        raise ControlError(f"cannot write the trace to {clean(str(target), 200)}: {exc.strerror or exc}") from None
     try:
         with replacing_at(dir_fd, temp_name("trace"), target.name) as f:
             _, _, rest = transport(url, token=token, timeout=timeout, max_bytes=TRACE_MAX_BYTES, sink=f)
             f.write(rest)
             return int(f.tell())
     except OSError as exc:  # the disk is full, --out names a directory...
-        raise ControlError(f"cannot write the trace to {clean(target, 200)}: {exc.strerror or exc}") from None
+        raise ControlError(f"cannot write the trace to {clean(str(target), 200)}: {exc.strerror or exc}") from None
     finally:
         os.close(dir_fd)

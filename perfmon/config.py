@@ -12,6 +12,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import types
 import typing
 import warnings
@@ -21,7 +22,8 @@ from typing import Any
 
 from .exceptions import ConfigError
 
-__all__ = ["DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "FINE_BUCKETS", "Config", "log_buckets"]
+__all__ = ["DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "FINE_BUCKETS", "SENDABLE_TOKEN", "Config",
+           "log_buckets"]
 
 #: No well-known exporter uses it (node_exporter 9100, dcgm-exporter 9400, OpenTelemetry 9464).
 DEFAULT_PORT = 9478
@@ -73,6 +75,12 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: the store URL, which may carry credentials), then why: ``expected <type>``, or the field's own phrase.
 _REFUSAL = "perfmon_refusal"
 _BUCKETS_REFUSAL = "must be a non-empty, strictly increasing sequence of seconds > 0"
+
+
+#: What a bearer token may hold: printable ASCII, no space at either end. An HTTP header cannot carry CR/LF (they would
+#: end it) and http.client refuses them; other characters would go out in Latin-1, and end spaces are trimmed by
+#: HTTP (and by ``http/security.py``): neither could ever match. The agent's ``token`` and the CLI's follow it.
+SENDABLE_TOKEN = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 
 
 def _refusal(why: str) -> dict[str, str]:
@@ -171,7 +179,7 @@ class Config:
     oom_snapshot_cooldown_seconds: float = 600.0
     #: Bearer token required on the control and trace routes (/profile, /profiles...); never logged.
     token: str | None = field(default=None, repr=False, metadata=_refusal(
-        "expected a string of at least 8 characters (or None)"))
+        "expected a string of at least 8 printable ASCII characters, its surrounding whitespace dropped (or None)"))
     #: Extra host names a request to the control and trace routes may name in its Host header (besides
     #: localhost, IP addresses of the agent and its bound address): e.g. a Service name. Refusing other
     #: names stops DNS rebinding. "*" allows any. PERFMON_ALLOWED_HOSTS is comma-separated.
@@ -303,8 +311,12 @@ class Config:
             raise bad("allowed_hosts", "expected host names (strings)")
         if self.trace_store is not None and "://" not in self.trace_store:
             raise bad("trace_store")
-        if self.token is not None and len(self.token) < 8:
-            raise bad("token")
+        if self.token is not None:
+            # A token read from a secret file ends in a newline: the ends of a header value never arrive (HTTP trims
+            # them), so as given such a token could never be matched. PERFMON_TOKEN is stripped the same way.
+            object.__setattr__(self, "token", self.token.strip())
+            if len(self.token) < 8 or not SENDABLE_TOKEN.fullmatch(self.token):
+                raise bad("token")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",
                      "max_exception_labels", "max_models", "signature_warmup_calls", "trace_max_files",
                      "generation_queue_size", "max_live_generations",

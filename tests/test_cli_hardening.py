@@ -131,6 +131,19 @@ def test_the_same_id_under_two_keys_is_ambiguous(tmp_path: Path, capsys: Any) ->
     assert "ambiguous id" in capsys.readouterr().err
 
 
+def test_a_local_store_that_does_not_exist_is_an_error_not_an_empty_listing(tmp_path: Path, capsys: Any) -> None:
+    """`--store file:///typo` is exit 1 saying there is no such directory (it listed "no captures", exit 0); an empty
+    store that exists lists none; a malformed --download id is a usage error (2) as with --url, before any read."""
+    assert main(["profiles", "--store", f"file://{tmp_path}/missing"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("perfmon: ") and "no such directory" in err and err.count("\n") == 1, err
+    (tmp_path / "empty").mkdir()
+    assert main(["profiles", "--store", f"file://{tmp_path}/empty"]) == 0
+    assert capsys.readouterr().out == "no captures\n"
+    assert main(["profiles", "--store", f"file://{tmp_path}/empty", "--download", "../x"]) == 2
+    assert "not a capture id" in capsys.readouterr().err
+
+
 def test_download_refuses_an_object_over_its_cap(tmp_path: Path) -> None:
     """A trace over REMOTE_TRACE_MAX_BYTES (or metadata over REMOTE_META_MAX_BYTES) is refused, nothing left."""
     root = tmp_path / "store"

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -470,12 +472,15 @@ def test_fuzzed_answers_never_raise(command: str, tmp_path: Path, capsys: Any) -
 
 
 @pytest.mark.parametrize("out", ["missing-dir/t.gz", "."], ids=["missing-directory", "a-directory"])
-def test_an_out_path_that_cannot_be_written_is_one_clean_error_line(out: str, tmp_path: Path, capsys: Any) -> None:
-    """--out in a directory that does not exist, or naming a directory: one line, exit 1, no temp file left."""
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_capture(out: str, tmp_path: Path,
+                                                                         capsys: Any) -> None:
+    """--out in a directory that does not exist, or naming a directory: a usage error (exit 2, one line naming the
+    path) before any request, so no capture is taken for nothing (it was exit 1 after the capture); no file left."""
     with Agent(profile_routes(meta())) as agent:
         rc, _, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path / out))
-    assert_one_error_line(rc, err)
-    assert "cannot write the trace" in err and list(tmp_path.iterdir()) == []
+    assert rc == 2 and err.startswith("perfmon: profile: --out ") and err.count("\n") == 1, err
+    assert str(tmp_path / out) in err and "PosixPath" not in err
+    assert agent.requests == [] and list(tmp_path.iterdir()) == []
 
 
 # -- 3. redirects are not followed: the token goes to --url only -----------------------------------------
@@ -691,6 +696,37 @@ def test_a_bad_url_is_a_usage_error(url: str, capsys: Any) -> None:
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "--url" in err and "Traceback" not in err and "pw@" not in err
     assert_clean(err)
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["profiles", "--url", "http://127.0.0.1:1", "--timeout", "inf"], "--timeout"),
+    (["profiles", "--url", "http://127.0.0.1:1", "--timeout", "1e308"], "--timeout"),
+    (["profiles", "--url", "http://127.0.0.1:1", "--timeout", "nan"], "--timeout"),
+    (["profile", "--url", "http://127.0.0.1:1", "--max-seconds", "inf"], "--max-seconds"),
+    (["diff", "--url", "http://127.0.0.1:1", "--rows", "-3", A, A], "--rows"),
+    (["profiles", "--store", "file:///tmp", "--limit", "0"], "--limit"),
+])
+def test_a_number_out_of_range_is_a_usage_error(argv: list[str], option: str, capsys: Any) -> None:
+    """An infinite, huge or NaN number of seconds, or a negative count: exit 2 naming the option, no traceback (an
+    infinite --timeout overflowed the socket's clock: OverflowError, exit 1)."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and option in err and "Traceback" not in err, err
+
+
+def test_the_command_line_starts_without_torch(tmp_path: Path) -> None:
+    """The agent-driving commands never import torch (1-8 s and ~200 MB before a word): a dead port is one line."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the command runs: refused
+    code = ("import sys\nfrom perfmon.cli import main\n"
+            f"rc = main(['profiles', '--url', 'http://127.0.0.1:{port}', '--timeout', '5'])\n"
+            "print(rc, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.stdout.split() == ["1", "False"], (done.stdout, done.stderr)
+    assert done.stderr.startswith("perfmon: ") and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_a_token_on_the_command_line_works_with_a_warning(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -205,6 +205,22 @@ def test_with_a_token_host_and_origin_are_still_checked(make_monitor) -> None:
     assert perfmon.Config.from_env({"PERFMON_ALLOWED_HOSTS": "a.svc, b.svc"}).allowed_hosts == ("a.svc", "b.svc")
 
 
+def test_a_token_read_with_its_newline_works_and_one_no_header_can_carry_is_refused(make_monitor) -> None:
+    """`token=open(secret).read()` keeps the file's newline: the ends of a header value never arrive, so the token is
+    taken stripped (as PERFMON_TOKEN is; as given, nobody could ever authenticate). A token an HTTP header cannot
+    carry (non-ASCII, a control character) is a ConfigError when the monitor is made, not a 401 for everyone."""
+    mon = make_monitor(port=0, token=" secret-token-2\n").start()
+    port = int(mon.url.rsplit(":", 1)[1])
+    own = {"Host": f"127.0.0.1:{port}"}
+    assert _control(port, "GET", "/profiles", {**own, "Authorization": "Bearer secret-token-2"})[0] == 200
+    assert _control(port, "GET", "/profiles", {**own, "Authorization": "Bearer secret-token"})[0] == 401
+    assert perfmon.Config.from_env({"PERFMON_TOKEN": "secret-token-2\n"}).token == "secret-token-2"
+    for bad in ("sécret-tökén", "secret\x00token", "a\nsecret-token", "  short  "):
+        with pytest.raises(perfmon.ConfigError, match="token") as refused:
+            perfmon.Config(token=bad)
+        assert bad.strip() not in str(refused.value)  # a secret: never echoed
+
+
 def test_the_no_token_decision_uses_socket_addresses_not_names() -> None:
     """Loopback means a loopback IP as the sockets report it: names that merely start like one never count."""
     from perfmon.http.security import host_names_agent, owner_without_token

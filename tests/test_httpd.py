@@ -217,9 +217,31 @@ def test_shared_renders_are_bounded_whatever_the_accept_headers(make_monitor) ->
 
 
 def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
+    """An absolute-form target routes by its path, and its authority is the request's host (RFC 9112 3.2.2): a
+    control route asked as http://evil/... is refused whatever Host says (it was answered 200)."""
     mon = make_monitor(port=0).start()
-    answer = _raw(_port(mon), b"GET http://127.0.0.1/healthz?x=1 HTTP/1.0\r\n\r\n")
+    port = _port(mon)
+    answer = _raw(port, b"GET http://127.0.0.1/healthz?x=1 HTTP/1.0\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 OK")
+    own = f"Host: 127.0.0.1:{port}\r\nX-Perfmon: 1\r\nConnection: close\r\n\r\n".encode()
+    assert _raw(port, b"GET /profiles HTTP/1.1\r\n" + own).startswith(b"HTTP/1.1 200 OK")
+    answer = _raw(port, b"GET http://evil.example/profiles HTTP/1.1\r\n" + own)
+    assert answer.startswith(b"HTTP/1.1 403") and b"forbidden Host" in answer
+    assert _raw(port, f"GET http://127.0.0.1:{port}/profiles HTTP/1.1\r\n".encode() + own).startswith(b"HTTP/1.1 200")
+    assert _raw(port, b"GET http:///profiles HTTP/1.1\r\n" + own).startswith(b"HTTP/1.1 400")
+
+
+def test_empty_lines_before_a_request_are_skipped_and_a_control_character_in_its_target_refused(make_monitor) -> None:
+    """Empty lines before a request line are ignored (RFC 9112 2.2), however many (two before a pipelined request
+    were a 400 and a closed connection); a NUL or CR in the target is a 400 (it was routed, to a 404)."""
+    mon = make_monitor(port=0).start()
+    port = _port(mon)
+    answer = _raw(port, b"\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n\r\n\r\n\n"
+                        b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 200 OK") == 2, answer[:300]
+    for target in (b"/heal\x00thz", b"/healthz\rx", b"/he\x7falthz"):
+        answer = _raw(port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 400") and b"control character" in answer, (target, answer[:200])
 
 
 def test_the_cpu_budget_bounds_what_a_flood_can_take(make_monitor) -> None:

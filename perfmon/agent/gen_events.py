@@ -43,6 +43,7 @@ __all__ = [
     "check_prompt",
     "done_event",
     "events_of",
+    "prompt_or_none",
 ]
 
 #: TTFT buckets (s): 12 per decade (adjacent bounds 21% apart, histogram_quantile within ~10%; the same
@@ -264,3 +265,12 @@ def check_prompt(prompt_tokens: Any) -> int:
         raise ConfigError(f"prompt_tokens={prompt_tokens!r}: expected an integer >= 0 or None")
     return v
 
+
+def prompt_or_none(prompt_tokens: Any, internal: Any) -> int | None:
+    """``check_prompt``'s count, or None for a bad one, counted in ``internal`` (an ``InternalErrors``, stage
+    ``generation``): the request path never raises."""
+    try:
+        return check_prompt(prompt_tokens)
+    except ConfigError as exc:
+        internal.report("generation", exc)
+        return None

@@ -51,9 +51,9 @@ from .gen_events import (
     TokenTiming,
     advance,
     check_name,
-    check_prompt,
     done_event,
     events_of,
+    prompt_or_none,
 )
 from .streams import (
     CANCELLED,
@@ -127,7 +127,7 @@ class Generation:
             next(self._counts.dropped["after_finish"])
             return
         if n != 1:
-            n = self._tracker._count_of(n)
+            n = self._count_of(n)
             if n == 0:
                 return
         counts = self._counts
@@ -152,6 +152,13 @@ class Generation:
                     tracker.wake()
         elif last is None:
             self.first_ns = now
+
+    def _count_of(self, n: Any) -> int:  # a token count other than 1, checked: token()'s slow path
+        try:
+            return token_count(n)
+        except Exception as exc:
+            self._tracker._internal.report("generation", exc)
+            return 1
 
     def finish(self, outcome: str = OK) -> None:
         """End the request with ``outcome`` (``ok``, ``error`` or ``cancelled``). Idempotent: the first wins."""
@@ -244,28 +251,16 @@ class GenerationTracker:
         ``error``, re-raised unchanged; another BaseException: ``cancelled``); without ``with``, end it with
         ``g.finish(outcome)``. The first ``token()`` gives the time to first token (seconds, host
         ``perf_counter``, from this call), the later ones the inter-token latency. ``name`` is registered on
-        first use (the same name as a wrapped model shares its label; at most ``max_names`` names). This runs in
-        the request path, so it never raises: a name perfmon cannot take (invalid, or a new one past
-        ``max_models``) gives a request that counts nowhere, and a bad ``prompt_tokens`` (not an integer >= 0) a
-        request whose prompt is unknown; each counts in ``perfmon_internal_errors_total{stage="generation"}``.
-        Costs a few counters and a dict insert here (a lock only with ``prompt_tokens``), one lock in
-        ``finish()``; ``token()`` one clock read and one deque append.
+        first use (the same name as a wrapped model shares its label; at most ``max_names`` names). Never raises (the
+        request path): a name perfmon cannot take gives a request counted nowhere, a bad ``prompt_tokens`` one whose
+        prompt is unknown, each an internal error (stage ``generation``). Costs a few counters and a dict insert
+        here (a lock only with ``prompt_tokens``), one lock in ``finish()``; ``token()`` one clock read and one deque
+        append.
         """
         counts = self._names.get(name) if name.__class__ is str else None
-        if counts is None:
-            try:
-                counts = self._register(name)
-            except ConfigError as exc:
-                self._internal.report("generation", exc)
-                # Counts of its own that no render reads: the caller's token() and finish() still work.
-                return Generation(self, GenerationCounts(name if isinstance(name, str) else repr(name)), 0,
-                                  perf_counter_ns() if now is None else now, None)
-        prompt = None
-        if prompt_tokens is not None:
-            try:
-                prompt = check_prompt(prompt_tokens)
-            except ConfigError as exc:
-                self._internal.report("generation", exc)
+        if counts is None and (counts := self._register(name)) is None:  # refused: counts nobody reads
+            return Generation(self, GenerationCounts(str(name)), 0, perf_counter_ns() if now is None else now, None)
+        prompt = None if prompt_tokens is None else prompt_or_none(prompt_tokens, self._internal)
         timing = self._timing()
         if now is None:  # else the request started earlier (perf_counter_ns): a generate() call opened late
             now = perf_counter_ns()
@@ -284,16 +279,21 @@ class GenerationTracker:
             next(counts.dropped["live_limit"])
         return Generation(self, counts, key, now, prompt)
 
-    def _register(self, name: str) -> GenerationCounts:
-        check_name(name)
-        with self._lock:
-            counts = self._names.get(name)
-            if counts is None:
-                if len(self._names) >= self.max_names:
-                    raise ConfigError(f"at most max_models={self.max_names} generation names per monitor "
-                                      f"(each is a label value on every generation metric); {name!r} is one more")
-                counts = self._names[name] = GenerationCounts(name)
-        return counts
+    def _register(self, name: Any) -> GenerationCounts | None:
+        """``name``'s counts, made at its first use; None for a name perfmon cannot take (an internal error)."""
+        try:
+            check_name(name)
+            with self._lock:
+                counts = self._names.get(name)
+                if counts is None:
+                    if len(self._names) >= self.max_names:
+                        raise ConfigError(f"at most max_models={self.max_names} generation names per monitor "
+                                          f"(each is a label value on every generation metric); {name!r} is one more")
+                    counts = self._names[name] = GenerationCounts(name)
+            return counts
+        except ConfigError as exc:
+            self._internal.report("generation", exc)
+            return None
 
     def finish_at(self, g: Generation, outcome: str, now: int) -> None:
         """End ``g`` with ``outcome`` at host time ``now`` (``perf_counter_ns``): ``Generation.finish``, and a
@@ -317,8 +317,8 @@ class GenerationTracker:
         ``Generation`` made and no live-table entry (it was never in flight for a reader to see). A ``generate()``
         call's opening that runs after the call returned (``LateCall``, usually: a reader's pass runs both)."""
         counts = self._names.get(name) if name.__class__ is str else None
-        if counts is None:
-            counts = self._register(name)
+        if counts is None and (counts := self._register(name)) is None:
+            return
         with self._lock:
             counts.prompt += real
             counts.padding += padding
@@ -414,13 +414,6 @@ class GenerationTracker:
                         work()
                     except Exception as exc:
                         self._internal.report("generation", exc)
-
-    def _count_of(self, n: Any) -> int:  # a token count other than 1, checked: token()'s slow path
-        try:
-            return token_count(n)
-        except Exception as exc:
-            self._internal.report("generation", exc)
-            return 1
 
     # -- resolver thread ----------------------------------------------------------------------
 

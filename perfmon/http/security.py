@@ -129,7 +129,10 @@ class AuthThrottle:
     """Refuse addresses that keep sending bad credentials, before their requests are routed.
 
     A client over ``limit`` failed authentications within one second is refused (429) for
-    ``block_seconds``. Scrapes and health checks from a blocked address still go through.
+    ``block_seconds``. Scrapes and health checks from a blocked address still go through; a right token does not
+    (its request is refused before its credential is compared: comparing it would answer every guess), so a flood
+    from an address the operator shares (a NAT, ``kubectl port-forward``'s 127.0.0.1) locks the operator out while
+    it lasts (docs/reliability.md).
     """
 
     def __init__(self, limit: int = 20, block_seconds: float = 1.0) -> None:

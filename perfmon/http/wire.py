@@ -115,6 +115,11 @@ def parse_request(inbox: bytearray) -> Request | None:
     Deliberately small: a request line, header lines, a Content-Length body. No chunked bodies
     (refusing them also rules out request smuggling); bare LF line ends are tolerated.
     """
+    # Empty lines before a request line are skipped (RFC 9112 2.2: a client may send one after a body); else a
+    # pipelined request after two of them read as a request whose headers ended before its request line.
+    lead = len(inbox) - len(inbox.lstrip(b"\r\n"))
+    if lead:
+        del inbox[:lead]
     # The headers end at the first empty line, whatever mix of CRLF and bare LF ends the lines around it
     # (\r\n\r\n, \n\n, \r\n\n, \n\r\n): a client must never be left waiting for a terminator it sent.
     blank = _BLANK_LINE.search(inbox, 0, MAX_HEADER_BYTES + 4)
@@ -124,12 +129,14 @@ def parse_request(inbox: bytearray) -> Request | None:
                       "too_large")
     if end < 0:
         return None
-    lines = [line.removesuffix("\r") for line in bytes(inbox[:end]).decode("latin-1").lstrip("\r\n").split("\n")]
+    lines = [line.removesuffix("\r") for line in bytes(inbox[:end]).decode("latin-1").split("\n")]
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[0].isalpha() or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
         raise Refusal(Response.json(400, {"error": "malformed request line (versions: HTTP/1.0, HTTP/1.1)",
                                           "line": lines[0][:100]}), "bad_request")
     method, target, version = parts
+    if _CONTROL.search(target) or "\t" in target:  # a NUL or CR in the path is no path (RFC 9112 3.2)
+        raise Refusal(Response.json(400, {"error": "control character in the request target"}), "bad_request")
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(":")
@@ -159,8 +166,15 @@ def parse_request(inbox: bytearray) -> Request | None:
         return None
     body = bytes(inbox[stop:total])
     del inbox[:total]
-    if target.startswith(("http://", "https://")):  # absolute form: keep the path
-        target = "/" + target.split("/", 3)[3] if target.count("/") >= 3 else "/"
+    if target.startswith(("http://", "https://")):
+        # Absolute form: its authority is the request's host, whatever Host says (RFC 9112 3.2.2), so the checks
+        # that a request names the agent (security.authorize) read the authority.
+        authority, slash, path = target.split("//", 1)[1].partition("/")
+        if not authority:
+            raise Refusal(Response.json(400, {"error": "absolute request target without a host",
+                                              "target": target[:100]}), "bad_request")
+        headers["host"] = authority
+        target = slash + path if slash else "/"
     if not target.startswith("/"):
         raise Refusal(Response.json(400, {"error": "request target must be a path", "target": target[:100]}),
                       "bad_request")

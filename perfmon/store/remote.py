@@ -196,6 +196,12 @@ def _listing_entry(meta: Any, cid: str, key: str) -> dict[str, Any] | None:
     return {**meta, "id": cid, "key": key}
 
 
+def _local(fs: Any) -> bool:
+    """True for fsspec's local filesystem (``file://``), where a store is a directory that must exist."""
+    protocol = getattr(fs, "protocol", ())
+    return bool({"file", "local"} & ({protocol} if isinstance(protocol, str) else set(protocol)))
+
+
 def list_remote(url: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
                 since: float | None = None, limit: int = 100, fs: Any = None, root: str | None = None,
                 on_skip: Callable[[str, str], None] | None = None,
@@ -213,6 +219,8 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     """
     if fs is None or root is None:
         fs, root = open_store(url)
+    if _local(fs) and not fs.isdir(root):  # a typo, not an empty store (an object store's prefix has no folder)
+        raise LookupError(f"{redact(url)}: no such directory")
     pattern = f"{root}/{_part(model, '*') if model else '*'}/{_part(host, '*') if host else '*'}/*/*/*.meta.json"
 
     def skip(key: str, reason: str) -> None:
