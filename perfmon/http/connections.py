@@ -26,8 +26,8 @@ _EVICT_QUIET_SECONDS = 1.0
 class Conn:
     """One client connection: what it sent that is not parsed yet, and what is left to send it."""
 
-    __slots__ = ("address", "closing", "deadline", "draining", "got", "inbox", "outbox", "queued", "received_at",
-                 "requests", "scraper", "since", "sock", "watching")
+    __slots__ = ("address", "closing", "deadline", "draining", "got", "hold", "inbox", "outbox", "queued",
+                 "received_at", "requests", "rest", "scraper", "since", "sock", "watching")
 
     def __init__(self, sock: socket.socket, address: str, now: float, timeout: float) -> None:
         self.sock = sock
@@ -36,6 +36,10 @@ class Conn:
         self.received_at = now  # time.monotonic() of the last read: everything in the inbox was sent before
         self.got = False  # it has sent at least one byte
         self.outbox: memoryview | None = None
+        #: A large body to send after ``outbox`` (its answer's head), not copied into it, and what keeps it alive
+        #: (``wire.SharedBody``: one copy for every connection sending it).
+        self.rest: memoryview | None = None
+        self.hold: object = None
         self.queued = False  # a complete request of it waits in the server's ready queue
         self.watching = 0  # the selector events registered for it (0: none)
         self.closing = False

@@ -26,6 +26,7 @@ from .wire import (
     Response,
     SharedRenders,
     accepts_gzip,
+    encode_head,
     encode_response,
     metrics_format,
     parse_request,
@@ -180,7 +181,11 @@ class Exchange:
                  head: bool = False, more: bool = True) -> None:
         if head:
             resp = resp.head()
-        conn.outbox = memoryview(encode_response(resp, close=close, keep_alive=keep_alive))
+        if resp.hold is not None:  # a shared body: sent after its head, never copied per connection
+            conn.outbox = memoryview(encode_head(resp, close=close, keep_alive=keep_alive))
+            conn.rest, conn.hold = memoryview(resp.body), resp.hold
+        else:
+            conn.outbox = memoryview(encode_response(resp, close=close, keep_alive=keep_alive))
         conn.closing = close
         self.flush(conn, now, more=more)
 
@@ -188,15 +193,20 @@ class Exchange:
         """Send what the socket takes now; once the answer is all out, read the next request, and with
         ``more`` take those already in the inbox (``take`` itself passes False: it loops instead)."""
         assert conn.outbox is not None
-        try:
-            sent = conn.sock.send(conn.outbox)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        conn.outbox = conn.outbox[sent:]
-        if conn.outbox:  # the client reads slowly: wait until its socket takes more
-            self.conns.watch(conn, selectors.EVENT_WRITE)
-            return
+        while True:
+            try:
+                sent = conn.sock.send(conn.outbox)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            conn.outbox = conn.outbox[sent:]
+            if conn.outbox:  # the client reads slowly: wait until its socket takes more
+                self.conns.watch(conn, selectors.EVENT_WRITE)
+                return
+            if conn.rest is None:
+                break
+            conn.outbox, conn.rest = conn.rest, None  # the head is out: now the shared body
         conn.outbox = None
+        conn.hold = None  # the last connection sending a shared body lets it go
         if conn.closing and conn.draining >= 0:
             conn.sock.shutdown(socket.SHUT_WR)  # the answer is out; now let the client finish sending
             conn.deadline = now + _LINGER_SECONDS

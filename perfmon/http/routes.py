@@ -11,6 +11,7 @@ import functools
 import gzip
 import json
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
@@ -23,6 +24,7 @@ from .wire import (
     JSON_CONTENT_TYPE,
     MAX_BODY_BYTES,
     Response,
+    SharedBody,
     SharedRenders,
     accepts_gzip,
     metrics_format,
@@ -58,6 +60,9 @@ class Router:
         self.bound: str | None = None
         #: Concurrent scrapes (threads of a host server) share one render per content type.
         self._renders: SharedRenders[bytes] = SharedRenders()
+        #: Traces being sent, by capture id: each lives while an answer holds it (a finished capture's trace never
+        #: changes), so many downloads of one trace hold it once (128 of a 256 MiB trace held 32 GiB).
+        self._bodies: weakref.WeakValueDictionary[str, SharedBody] = weakref.WeakValueDictionary()
         self.open_routes: dict[str, Callable[[Mapping[str, str]], Response]] = {
             "/": self._page,
             "/openapi.json": self._openapi,
@@ -197,13 +202,16 @@ class Router:
         meta = self.agent.profile(capture_id)
         if meta is None:
             return _unknown_capture(capture_id)
-        # Read through the checked directory's descriptor, never following a link (store/traces.py).
-        found = self.agent.read_trace(capture_id)
-        if found is None:
-            return Response.json(404, {"error": "this capture has no trace", "status": meta.get("status"),
-                                       "outcome": meta.get("outcome")})
-        name, data = found
-        return Response(200, data, "application/gzip", [("Content-Disposition", f'attachment; filename="{name}"')])
+        shared = self._bodies.get(capture_id)  # being sent to another client now: the same bytes (SharedBody)
+        if shared is None:
+            # Read through the checked directory's descriptor, never following a link (store/traces.py).
+            found = self.agent.read_trace(capture_id)
+            if found is None:
+                return Response.json(404, {"error": "this capture has no trace", "status": meta.get("status"),
+                                           "outcome": meta.get("outcome")})
+            shared = self._bodies[capture_id] = SharedBody(*found)
+        return Response(200, shared.data, "application/gzip",
+                        [("Content-Disposition", f'attachment; filename="{shared.name}"')], shared)
 
 
 @functools.cache

@@ -24,9 +24,9 @@ from ..metrics import promproto
 from ..metrics.exposition import generate_openmetrics, generate_text
 
 __all__ = ["JSON_CONTENT_TYPE", "MAX_BODY_BYTES", "MAX_HEADER_BYTES", "OPENMETRICS_CONTENT_TYPE", "REASONS",
-           "TEXT_CONTENT_TYPE", "Refusal", "Request", "Response", "SharedRenders", "Waker", "accepts_gzip",
-           "bind_listener", "close_quietly", "encode_response", "metrics_format", "parse_request",
-           "send_and_close", "wants_protobuf"]
+           "TEXT_CONTENT_TYPE", "Refusal", "Request", "Response", "SharedBody", "SharedRenders", "Waker",
+           "accepts_gzip", "bind_listener", "close_quietly", "encode_head", "encode_response", "metrics_format",
+           "parse_request", "send_and_close", "wants_protobuf"]
 
 JSON_CONTENT_TYPE = "application/json"
 
@@ -48,6 +48,8 @@ class Response:
     body: bytes
     content_type: str = JSON_CONTENT_TYPE
     headers: list[tuple[str, str]] = field(default_factory=list)
+    #: What keeps a body shared by several answers alive while one is sent (``SharedBody``), else None.
+    hold: Any = None
 
     @classmethod
     def json(cls, status: int, payload: Any, headers: list[tuple[str, str]] | None = None) -> Response:
@@ -186,8 +188,20 @@ def parse_request(inbox: bytearray) -> Request | None:
 
 # -- responses and sockets -----------------------------------------------------------------------
 
-def encode_response(resp: Response, *, close: bool, keep_alive: bool = False) -> bytes:
-    """``resp`` as HTTP/1.1 bytes: status line, Content-Type, its headers, Content-Length, Connection."""
+class SharedBody:
+    """One large body (a trace) read once for every connection sending it: the router keeps these by weak reference,
+    each answer being sent holds its own (``Response.hold``), so N clients downloading one trace hold one copy, and
+    it is freed when the last of them is done. Bytes cannot be weakly referenced; this holder can."""
+
+    __slots__ = ("__weakref__", "data", "name")
+
+    def __init__(self, name: str, data: bytes) -> None:
+        self.name = name
+        self.data = data
+
+
+def encode_head(resp: Response, *, close: bool, keep_alive: bool = False) -> bytes:
+    """``resp``'s status line and headers, up to the blank line (its body is sent after them)."""
     lines = [f"HTTP/1.1 {resp.status} {REASONS.get(resp.status, '')}".rstrip(), f"Content-Type: {resp.content_type}"]
     lines += [f"{k}: {v}" for k, v in resp.headers]
     if not any(k.lower() == "content-length" for k, _ in resp.headers):
@@ -196,7 +210,12 @@ def encode_response(resp: Response, *, close: bool, keep_alive: bool = False) ->
         lines.append("Connection: close")
     elif keep_alive:  # an HTTP/1.0 client that asked to keep the connection: say it is kept
         lines.append("Connection: keep-alive")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + resp.body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def encode_response(resp: Response, *, close: bool, keep_alive: bool = False) -> bytes:
+    """``resp`` as HTTP/1.1 bytes: status line, Content-Type, its headers, Content-Length, Connection."""
+    return encode_head(resp, close=close, keep_alive=keep_alive) + resp.body
 
 
 def bind_listener(host: str, port: int, port_range: int) -> socket.socket:
