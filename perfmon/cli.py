@@ -207,6 +207,8 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
                       "digits, as `perfmon profiles` lists them)", file=sys.stderr)
                 return 2
         token = args.token if args.token is not None else os.environ.get("PERFMON_TOKEN")
+        if token is not None:
+            token = token.strip(" \t\r\n\f\v")  # a secret file's newline, as the agent's Config drops it
         if args.token:
             print("perfmon: warning: --token shows in `ps` and in shell history; prefer $PERFMON_TOKEN",
                   file=sys.stderr)

@@ -314,7 +314,7 @@ class Config:
         if self.token is not None:
             # A token read from a secret file ends in a newline: the ends of a header value never arrive (HTTP trims
             # them), so as given such a token could never be matched. PERFMON_TOKEN is stripped the same way.
-            object.__setattr__(self, "token", self.token.strip())
+            object.__setattr__(self, "token", self.token.strip(" \t\r\n\f\v"))  # ASCII only: other spaces are refused
             if len(self.token) < 8 or not SENDABLE_TOKEN.fullmatch(self.token):
                 raise bad("token")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",

@@ -139,6 +139,26 @@ def test_each_dtype_of_a_shape_is_priced_by_its_own_count(make_monitor) -> None:
     assert mon.stats()["flop_counting"]["counts"]["ok"] == 2
 
 
+def test_calls_in_a_dtype_the_model_left_before_their_count_are_unknown_not_mispriced(make_monitor) -> None:
+    """A model converted (fp32 to bf16) before its fp32 calls were counted: the count runs on the model as it is
+    then, so it would price fp32 inputs with bf16 weights, a call that never happened (147,968 bytes for 279,552).
+    Those calls are unknown, with the reason; the bf16 calls are priced as bf16."""
+    mon = _monitor(make_monitor)
+    model = torch.nn.Linear(256, 256).eval()
+    wrapped = mon.wrap(model, name="late")
+    x = torch.randn(8, 256)
+    _timed_calls(wrapped, x, 11)  # not flushed: nothing is counted yet
+    model.to(torch.bfloat16)
+    _timed_calls(wrapped, x.to(torch.bfloat16), 11)
+    mon.flush()
+    eff = wait_until(lambda: (e := _efficiency(mon, "late"))["counted_samples"] == 10 and e["unknown"] and e,
+                     what="the bf16 calls counted and the fp32 ones refused")
+    assert eff["samples"] == 20 and eff["unknown_ratio"] == 0.5
+    assert eff["bytes_per_call"] == 2 * (256 * 256 + 256 + 2 * 8 * 256)
+    (why, n), = eff["unknown"].items()
+    assert n == 10 and "moved to torch.bfloat16 before its torch.float32 calls were counted" in why
+
+
 def test_a_tiny_gpt2_prefill_is_counted_like_flopcountermode(make_monitor) -> None:
     """A random tiny GPT-2's prefill forward counts the FLOPs torch's FlopCounterMode counts running it for real, under
     stage="prefill"; its decode steps (a KV-cache object) are unknown, with the reason, never guessed."""

@@ -215,7 +215,7 @@ def test_a_token_read_with_its_newline_works_and_one_no_header_can_carry_is_refu
     assert _control(port, "GET", "/profiles", {**own, "Authorization": "Bearer secret-token-2"})[0] == 200
     assert _control(port, "GET", "/profiles", {**own, "Authorization": "Bearer secret-token"})[0] == 401
     assert perfmon.Config.from_env({"PERFMON_TOKEN": "secret-token-2\n"}).token == "secret-token-2"
-    for bad in ("sécret-tökén", "secret\x00token", "a\nsecret-token", "  short  "):
+    for bad in ("sécret-tökén", "secret\x00token", "a\nsecret-token", "  short  ", "\u00a0secret-token\u00a0"):
         with pytest.raises(perfmon.ConfigError, match="token") as refused:
             perfmon.Config(token=bad)
         assert bad.strip() not in str(refused.value)  # a secret: never echoed

@@ -199,6 +199,29 @@ def test_many_clients_downloading_one_trace_hold_one_copy_of_it(make_monitor, tm
             s.close()
 
 
+def test_a_trace_replaced_or_removed_mid_download_is_served_as_it_is_now(make_monitor, tmp_path) -> None:
+    """While a slow client still downloads a trace, the file is replaced, then removed: a new request gets the new
+    bytes, then a 404 (the shared copy is for identical reads only), and the slow client still gets the old one."""
+    old, new = os.urandom(4 * 2**20), os.urandom(2**20)
+    trace_dir = tmp_path / "traces"
+    _store_capture(trace_dir, {"id": CAPTURE_ID, "model": "m", "status": "done", "outcome": "ok",
+                               "trace_file": TRACE_FILE}, old)
+    mon = make_monitor(port=0, trace_dir=str(trace_dir)).start()
+    request = f"GET /profiles/{CAPTURE_ID}/trace HTTP/1.1\r\n{CONTROL}Connection: close\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", _port(mon)), timeout=30) as slow:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        slow.sendall(request)
+        assert slow.recv(12) == b"HTTP/1.1 200"
+        (trace_dir / TRACE_FILE).write_bytes(new)
+        assert _exchange(_port(mon), request).partition(b"\r\n\r\n")[2] == new
+        (trace_dir / TRACE_FILE).unlink()
+        assert _exchange(_port(mon), request).startswith(b"HTTP/1.1 404")
+        data = b"HTTP/1.1 200"
+        while chunk := slow.recv(1 << 20):
+            data += chunk
+    assert data.partition(b"\r\n\r\n")[2] == old
+
+
 class _Agent:
     """A fake agent whose views hold what JSON cannot: NaN, infinities, keys of mixed types."""
 

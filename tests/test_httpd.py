@@ -229,6 +229,12 @@ def test_absolute_form_and_query_strings_route_by_path(make_monitor) -> None:
     assert answer.startswith(b"HTTP/1.1 403") and b"forbidden Host" in answer
     assert _raw(port, f"GET http://127.0.0.1:{port}/profiles HTTP/1.1\r\n".encode() + own).startswith(b"HTTP/1.1 200")
     assert _raw(port, b"GET http:///profiles HTTP/1.1\r\n" + own).startswith(b"HTTP/1.1 400")
+    # User info names another host ("localhost:1@evil.example" is evil.example), in a target or in Host.
+    assert _raw(port, f"GET http://localhost:{port}@evil.example/profiles HTTP/1.1\r\n".encode()
+                + own).startswith(b"HTTP/1.1 400")
+    answer = _raw(port, f"GET /profiles HTTP/1.1\r\nHost: localhost:{port}@evil.example\r\nX-Perfmon: 1\r\n"
+                        "Connection: close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 403") and b"forbidden Host" in answer
 
 
 def test_empty_lines_before_a_request_are_skipped_and_a_control_character_in_its_target_refused(make_monitor) -> None:

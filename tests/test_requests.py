@@ -276,18 +276,19 @@ def test_request_names_are_checked_and_bounded(make_monitor) -> None:
     model = mon.wrap(torch.nn.Linear(2, 2), name="lin")
     mon.request(name="a").finish()
     mon.request(name="b").finish()
-    for bad in ("c", "", "a\nb"):
-        with mon.request(name=bad) as span:
+    for bad in ("c", "", "a\nb", ["a"]):  # (an unhashable name raised TypeError)
+        with mon.request(name=bad) as span:  # type: ignore[arg-type]
             model(torch.ones(1, 2))
         assert span.outcome == "ok" and span.label == "lin"
-    span = mon.request()
-    with mon.batch([span], name="d"):  # a batch's name counts toward the cap too (it labels its spans)
-        model(torch.ones(1, 2))
-    span.finish()
-    assert span.label == "lin"
-    assert value(mon, "perfmon_internal_errors_total", stage="requests") == 4
+    for bad_batch in ("d", {"a": 1}):  # a batch's name counts toward the cap too (it labels its spans)
+        span = mon.request()
+        with mon.batch([span], name=bad_batch):  # type: ignore[arg-type]
+            model(torch.ones(1, 2))
+        span.finish()
+        assert span.label == "lin"
+    assert value(mon, "perfmon_internal_errors_total", stage="requests") == 6
     assert mon.flush()
-    assert value(mon, "perfmon_request_duration_seconds_count", model="lin") == 4
+    assert value(mon, "perfmon_request_duration_seconds_count", model="lin") == 6
     assert set(mon.stats()["requests"]["models"]) == {"a", "b", "lin"}
     with pytest.raises(perfmon.ConfigError, match="request span name"):  # a middleware's name: at set-up
         perfmon.RequestMiddleware(lambda *a: None, monitor=mon, name="bad\nname")

@@ -2,33 +2,32 @@
 
 How: the wrapped module is deep-copied under torch's ``FakeCopyMode`` (parameters and buffers become fake tensors:
 shapes, dtypes and devices, no storage), the signature's inputs are rebuilt from their abstract description
-(abstract.py) under the same ``FakeTensorMode``, and the copy's forward runs under a dispatch mode of perfmon's
-that counts every aten op: FLOPs from torch's own formulas (``torch.utils.flop_counter``'s registry: matmuls,
-convolutions, attention, CPU's fused attention too: opcount.py; elementwise ops count 0, as in
-``FlopCounterMode``) and bytes. No kernel runs and no memory is allocated. The copy is kept per model (re-made
-when its parameters change shape, dtype or device) so the next signature of the same model costs only the fake
-forward.
+(abstract.py) under the same ``FakeTensorMode``, and the copy's forward runs under a dispatch mode of perfmon's that
+counts every aten op: FLOPs from torch's own formulas (``torch.utils.flop_counter``'s registry: matmuls,
+convolutions, attention, CPU's fused attention too: opcount.py; elementwise ops count 0, as in ``FlopCounterMode``)
+and bytes. No kernel runs and no memory is allocated. The copy is kept per model (re-made when its parameters change
+shape, dtype or device) so the next signature of the same model costs only the fake forward.
 
-Bytes, an estimate: for every aten op that is not a view, the sizes of its tensor inputs and outputs (an op
-reads its inputs from memory and writes its outputs); a lookup (embedding, index_select, gather) counts the
-rows it returns, read and written, and its indices, not the whole table. For a Linear at batch 1 that is the
-weight (read once), the bias, the input and the output; caches, fusion (torch.compile) and re-reads inside a
-kernel are not modelled, so it is the traffic of eager PyTorch with nothing kept in cache.
+Bytes, an estimate: for every aten op that is not a view, the sizes of its tensor inputs and outputs (an op reads
+its inputs from memory and writes its outputs); a lookup (embedding, index_select, gather) counts the rows it
+returns, read and written, and its indices, not the whole table. For a Linear at batch 1 that is the weight (read
+once), the bias, the input and the output; caches, fusion (torch.compile) and re-reads inside a kernel are not
+modelled, so it is the traffic of eager PyTorch with nothing kept in cache.
 
-Why a copy and not the user's module: the forward of the copy may set attributes, update buffers in place or
-fill caches, and none of it reaches the serving model; the real module is only read (``deepcopy``), never
-called. ``FlopCounterMode`` is not used itself: it installs *global* module hooks for its per-module table,
-which every forward in the process, the serving thread's included, would run meanwhile. Dispatch and torch
-function modes are thread-local: the serving thread's calls are untouched.
+Why a copy and not the user's module: the forward of the copy may set attributes, update buffers in place or fill
+caches, and none of it reaches the serving model; the real module is only read (``deepcopy``), never called.
+``FlopCounterMode`` is not used itself: it installs *global* module hooks for its per-module table, which every
+forward in the process, the serving thread's included, would run meanwhile. Dispatch and torch function modes are
+thread-local: the serving thread's calls are untouched.
 
 What ``deepcopy`` copies for real is what is not a tensor: a model holding more than ``MAX_COPIED_BYTES`` of other
 data (a numpy table, bytes, large containers: an estimate, walked in its modules' attributes) is not copied, and its
 count is unknown: the copy would hold that much memory as long as the model lives.
 
-Unknown, never guessed: modules with forward hooks (a hook would run with fake tensors, on this thread),
-with an instance-level ``forward`` (accelerate-style), or with a compiled submodule; calls whose arguments
-cannot be described (a KV-cache object: decode steps); forwards that read tensor data (``.item()``,
-data-dependent shapes), that fail, or that take longer than the timeout.
+Unknown, never guessed: modules with forward hooks (a hook would run with fake tensors, on this thread), with an
+instance-level ``forward`` (accelerate-style), or with a compiled submodule; calls whose arguments cannot be
+described (a KV-cache object: decode steps); forwards that read tensor data (``.item()``, data-dependent shapes),
+that fail, or that take longer than the timeout; calls in a dtype the model left before they were counted.
 """
 
 from __future__ import annotations
@@ -53,8 +52,8 @@ from .opcount import OpCounting, flop_registry
 
 __all__ = ["FLOP_COUNT_DUTY", "FLOP_COUNT_SLICE_SECONDS", "OUTCOMES", "QUEUED", "Count", "FlopCounter", "Unknown"]
 
-#: Outcomes of a count (perfmon_flop_counts_total): counted, unsafe to run (skipped), raised, ran too long,
-#: and postponed for the budget (the thread waits for the next token: one per wait).
+#: Outcomes of a count (perfmon_flop_counts_total): counted, unsafe to run (skipped), raised, ran too long, and
+#: postponed for the budget (the thread waits for the next token: one per wait).
 OUTCOMES = ("ok", "skipped", "failed", "timeout", "deferred")
 
 class Count(NamedTuple):
@@ -91,15 +90,15 @@ MAX_COPIED_BYTES = 64 * 2**20
 MAX_COPIED_OBJECTS = 1_000_000
 
 
-#: Seconds a count works at a stretch before it pauses (``_Pace``), holding the GIL all the while. Shorter slices
-#: make shorter stalls but more work: each restart after a pause finds the caches cold (benchmarks/flop_count.py,
-#: a 2-layer GPT-2's count: 1 ms slices 1.9x the unpaced work, 2 ms 1.4x, 5 ms 1.15x with stalls of 5 ms).
+#: Seconds a count works at a stretch before it pauses (``_Pace``), holding the GIL all the while. Shorter slices make
+#: shorter stalls but more work: each restart after a pause finds the caches cold (benchmarks/flop_count.py, a 2-layer
+#: GPT-2's count: 1 ms slices 1.9x the unpaced work, 2 ms 1.4x, 5 ms 1.15x with stalls of 5 ms).
 FLOP_COUNT_SLICE_SECONDS = 0.002
-#: The share of wall time a count works while it runs (``FlopCounter(duty=)``): after each slice it pauses nine
-#: slices' time, the GIL let go. Unpaced, a count holds the GIL as long as Python lets it (the 5 ms switch
-#: interval at a time, for the whole count: a lent H200 host counted a 4-layer encoder in ~150 ms), and a GIL-bound
-#: serving thread runs at about half its speed meanwhile, a burst in its tail; paced, it loses about a sixth
-#: (benchmarks/flop_count.py: 15% of its time late against 41% unpaced), in stalls of about a slice.
+#: The share of wall time a count works while it runs (``FlopCounter(duty=)``): after each slice it pauses nine slices'
+#: time, the GIL let go. Unpaced, a count holds the GIL as long as Python lets it (the 5 ms switch interval at a time,
+#: for the whole count: a lent H200 host counted a 4-layer encoder in ~150 ms), and a GIL-bound serving thread runs at
+#: about half its speed meanwhile, a burst in its tail; paced, it loses about a sixth (benchmarks/flop_count.py: 15% of
+#: its time late against 41% unpaced), in stalls of about a slice.
 FLOP_COUNT_DUTY = 0.1
 
 
@@ -163,15 +162,15 @@ QUEUED = Unknown("not counted yet (queued; at most flop_counts_per_minute counts
 MAX_QUEUED = 1024
 
 
-#: Seconds of counting the thread may spend at once before ``share`` paces it (FlopCounter): a model's first
-#: signatures are counted as soon as they are seen, whatever they cost, up to this.
+#: Seconds of counting the thread may spend at once before ``share`` paces it (FlopCounter): a model's first signatures
+#: are counted as soon as they are seen, whatever they cost, up to this.
 FLOP_COUNT_BURST_SECONDS = 0.5
 
 
-#: Counters whose thread may be running: stopped at interpreter exit. A counting thread still alive when the
-#: interpreter finalizes (one waiting out its time budget, or mid-count) aborts the process (SIGABRT, "terminate
-#: called without an active exception") once torch's fake-tensor machinery has run on it; a monitor that was never
-#: started (no stop() at exit) but had samples resolved by flush() left one behind.
+#: Counters whose thread may be running: stopped at interpreter exit. A counting thread still alive when the interpreter
+#: finalizes (one waiting out its time budget, or mid-count) aborts the process (SIGABRT, "terminate called without an
+#: active exception") once torch's fake-tensor machinery has run on it; a monitor that was never started (no stop() at
+#: exit) but had samples resolved by flush() left one behind.
 _RUNNING: weakref.WeakSet[FlopCounter] = weakref.WeakSet()
 
 
@@ -310,6 +309,10 @@ class FlopCounter:
                         continue
                 with self._lock:
                     self._queue.popleft()
+                if (moved := sig.moved(target)) is not None:  # counted now, it would mix two dtypes
+                    next(self.counts["skipped"])
+                    sig.count = Unknown(moved)
+                    continue
                 if self._cpu is not None:
                     with self._cpu.measure("flop_count"):
                         sig.count = self.count(target, sig.spec, stop, device_index)
@@ -388,16 +391,14 @@ class FlopCounter:
 
     def _run(self, key: Any, module: Any, spec: CallSpec, pace: _Pace, device_index: int = -1) -> Count | Unknown:
         copied = self._copy_of(key, module, pace)
-        # The timeout bounds the copy (once per model; ~0.5 ms a tensor: a model of 10,000 parameters takes ~5 s)
-        # and the fake forward, each; torch's fake-tensor import (once per process, ~1 s) is not cut. All are
-        # measured (self.seconds).
+        # The timeout bounds the copy (once per model; ~0.5 ms a tensor: 10,000 parameters take ~5 s) and the fake
+        # forward, each; torch's fake-tensor import (once per process, ~1 s) is not cut. All count in self.seconds.
         pace.restart()
         counting = OpCounting(pace.check, self._registry)
         # A forward may reach the device past the dispatcher, where fake tensors cannot stop it: a raw kernel
-        # (torch.cuda._sleep, an extension that takes no tensor), an event it records, a stream it waits on. On
-        # this thread's default stream, the user's stream too, such a kernel would run between the user's kernels
-        # and inside their timings (the GPU check's calibrated sleep kernel does this); on a stream of perfmon's
-        # own it waits for nothing of theirs and delays none of it.
+        # (torch.cuda._sleep, an extension that takes no tensor), an event it records, a stream it waits on. On this
+        # thread's default stream, the user's too, such a kernel would run between the user's kernels and inside
+        # their timings (the GPU check's calibrated sleep kernel does); on perfmon's own it delays none of theirs.
         own = (self._streams(device_index) if self._streams is not None and device_index >= 0
                else contextlib.nullcontext())
         with own, copied.mode:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..faults import count_value
-from .abstract import describe, with_dtype
+from .abstract import CallSpec, describe, with_dtype
 
 __all__ = ["BOOKKEEPING_KWARGS", "LOOKED_INTO", "Signature", "SignatureTable", "batch_of", "nested_key", "signature"]
 
@@ -178,7 +178,26 @@ class Signature:
         if self.spec is not None:
             # A new dict, not an update: the resolver and the readers look it up without a lock.
             self.variants = {**(self.variants or {}),
-                             dtype: Signature(self.items, 0, work=self.work, spec=with_dtype(self.spec, dtype))}
+                             dtype: Signature(self.items, 0, self.dtypes, self.work, with_dtype(self.spec, dtype))}
+
+    def moved(self, target: Any) -> str | None:
+        """Why this shape-keyed signature seen in several dtypes cannot be counted now, or None: the model
+        (``target``, a weakref) holds its floating parameters in another dtype than these calls had, so it was
+        converted after them and before the count (which runs on the model as it is then) and a count would mix the
+        two (fp32 inputs with bf16 weights, a call that never happened)."""
+        spec = self.spec
+        if len(self.dtypes) < 2 or target is None or not isinstance(spec, CallSpec) or len(spec.args) != 1:
+            return None
+        dtype = getattr(spec.args[0], "dtype", None)
+        module = target()
+        if dtype is None or not dtype.is_floating_point or not isinstance(module, torch.nn.Module):
+            return None
+        for p in module.parameters():
+            if p.is_floating_point():
+                if p.dtype == dtype:
+                    return None
+                return f"the model moved to {p.dtype} before its {dtype} calls were counted"
+        return None
 
 
 class SignatureTable:

@@ -268,7 +268,7 @@ class RequestTracker:
         unnamed, and each such span counts in ``perfmon_internal_errors_total{stage="requests"}``.
         """
         now = perf_counter_ns() if arrived_ns is None else arrived_ns
-        if name is not None and name not in self._names:
+        if name is not None:
             name = self.take_name(name)
         with self._lock:
             self._hub.requests += 1
@@ -277,11 +277,12 @@ class RequestTracker:
     def take_name(self, name: str | None) -> str | None:
         """``name`` registered as a span label (``open``, ``monitor.batch``), or None when perfmon cannot take it (not a
         valid label, or one past ``max_models``): counted as an internal error, never raised into the request."""
-        if name is None or name in self._names:
-            return name
+        if name is None:
+            return None
         try:
-            self._register(name, named=True)
-        except ConfigError as exc:
+            if name not in self._names:  # (an unhashable name raises here: refused the same way)
+                self._register(name, named=True)
+        except (ConfigError, TypeError) as exc:
             self._internal.report("requests", exc)
             return None
         return name

@@ -65,6 +65,8 @@ def host_names_agent(host: str, bound: str | None, allowed: tuple[str, ...] = ()
     names. A rebinding attack needs a DNS name of the attacker's, which none of these is.
     """
     name = host.strip().lower()
+    if "@" in name:  # user info is no part of a host ("localhost:1@evil.example" names evil.example)
+        return False
     if name.startswith("["):
         name = name[1:name.find("]")] if "]" in name else name
     elif name.count(":") == 1:

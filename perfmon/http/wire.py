@@ -172,8 +172,8 @@ def parse_request(inbox: bytearray) -> Request | None:
         # Absolute form: its authority is the request's host, whatever Host says (RFC 9112 3.2.2), so the checks
         # that a request names the agent (security.authorize) read the authority.
         authority, slash, path = target.split("//", 1)[1].partition("/")
-        if not authority:
-            raise Refusal(Response.json(400, {"error": "absolute request target without a host",
+        if not authority or "@" in authority:  # RFC 9112 4.2.4: no user info in a target
+            raise Refusal(Response.json(400, {"error": "absolute request target without a host, or with user info",
                                               "target": target[:100]}), "bad_request")
         headers["host"] = authority
         target = slash + path if slash else "/"
