@@ -119,9 +119,8 @@ def parse_request(inbox: bytearray) -> Request | None:
     """
     # Empty lines before a request line are skipped (RFC 9112 2.2: a client may send one after a body); else a
     # pipelined request after two of them read as a request whose headers ended before its request line.
-    lead = len(inbox) - len(inbox.lstrip(b"\r\n"))
-    if lead:
-        del inbox[:lead]
+    if inbox and inbox[0] in b"\r\n":  # (looked at first: lstrip copies the inbox, 1,000 pipelined requests' worth)
+        del inbox[:len(inbox) - len(inbox.lstrip(b"\r\n"))]
     # The headers end at the first empty line, whatever mix of CRLF and bare LF ends the lines around it
     # (\r\n\r\n, \n\n, \r\n\n, \n\r\n): a client must never be left waiting for a terminator it sent.
     blank = _BLANK_LINE.search(inbox, 0, MAX_HEADER_BYTES + 4)
@@ -189,7 +188,7 @@ def parse_request(inbox: bytearray) -> Request | None:
 # -- responses and sockets -----------------------------------------------------------------------
 
 class SharedBody:
-    """One large body (a trace) read once for every connection sending it: the router keeps these by weak reference,
+    """One large body (a trace) held once for every connection sending it: the router keeps these by weak reference,
     each answer being sent holds its own (``Response.hold``), so N clients downloading one trace hold one copy, and
     it is freed when the last of them is done. Bytes cannot be weakly referenced; this holder can."""
 
