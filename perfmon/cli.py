@@ -30,6 +30,7 @@ from .cli_report import report as _report
 from .cli_report import short_comparison as _short_comparison
 from .client import ANSWER_MAX_BYTES, TRACE_MAX_BYTES, ControlError, Transport, http_request
 from .client import clean as _clean  # the name every line here, and the tests, use
+from .config import TOKEN_ENDS
 from .exceptions import ConfigError
 from .store.files import TRACE_NAME, valid_id
 
@@ -208,7 +209,7 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
                 return 2
         token = args.token if args.token is not None else os.environ.get("PERFMON_TOKEN")
         if token is not None:
-            token = token.strip(" \t\r\n\f\v")  # a secret file's newline, as the agent's Config drops it
+            token = token.strip(TOKEN_ENDS)  # a secret file's newline, as the agent's Config drops it
         if args.token:
             print("perfmon: warning: --token shows in `ps` and in shell history; prefer $PERFMON_TOKEN",
                   file=sys.stderr)

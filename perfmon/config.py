@@ -22,8 +22,8 @@ from typing import Any
 
 from .exceptions import ConfigError
 
-__all__ = ["DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "FINE_BUCKETS", "SENDABLE_TOKEN", "Config",
-           "log_buckets"]
+__all__ = ["DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "FINE_BUCKETS", "SENDABLE_TOKEN", "TOKEN_ENDS",
+           "Config", "log_buckets"]
 
 #: No well-known exporter uses it (node_exporter 9100, dcgm-exporter 9400, OpenTelemetry 9464).
 DEFAULT_PORT = 9478
@@ -81,6 +81,8 @@ _BUCKETS_REFUSAL = "must be a non-empty, strictly increasing sequence of seconds
 #: end it) and http.client refuses them; other characters would go out in Latin-1, and end spaces are trimmed by
 #: HTTP (and by ``http/security.py``): neither could ever match. The agent's ``token`` and the CLI's follow it.
 SENDABLE_TOKEN = re.compile(r"[!-~](?:[ -~]*[!-~])?")
+#: What is dropped from a token's ends (a secret file's newline): ASCII whitespace only, other spaces are refused.
+TOKEN_ENDS = " \t\r\n\f\v"
 
 
 def _refusal(why: str) -> dict[str, str]:
@@ -314,7 +316,7 @@ class Config:
         if self.token is not None:
             # A token read from a secret file ends in a newline: the ends of a header value never arrive (HTTP trims
             # them), so as given such a token could never be matched. PERFMON_TOKEN is stripped the same way.
-            object.__setattr__(self, "token", self.token.strip(" \t\r\n\f\v"))  # ASCII only: other spaces are refused
+            object.__setattr__(self, "token", self.token.strip(TOKEN_ENDS))
             if len(self.token) < 8 or not SENDABLE_TOKEN.fullmatch(self.token):
                 raise bad("token")
         for name in ("port_range", "signature_cache_size", "queue_size", "event_pool_size", "stats_max_samples",

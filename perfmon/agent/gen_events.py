@@ -237,11 +237,12 @@ _discard: Callable[[Iterator[Any]], None] = collections.deque(maxlen=0).extend
 _islice = itertools.islice
 
 
-def check_name(name: Any) -> None:
-    """A generation name: the ``model`` label on every render (ConfigError otherwise)."""
+def check_name(name: Any, what: str = "generation name") -> None:
+    """A generation name (or ``what`` else takes this rule: a request span's): the ``model`` label on every render
+    (ConfigError otherwise, naming ``what``)."""
     # The same rule as Monitor._new_state: the name is the ``model`` label on every render.
     if not isinstance(name, str) or not name or len(name) > 128:
-        raise ConfigError(f"generation name {name!r}: expected a non-empty string of at most 128 characters")
+        raise ConfigError(f"{what} {name!r}: expected a non-empty string of at most 128 characters")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
@@ -249,7 +250,7 @@ def check_name(name: Any) -> None:
     else:
         ok = name.isprintable()
     if not ok:
-        raise ConfigError(f"generation name {name!r}: expected printable characters that encode as UTF-8 "
+        raise ConfigError(f"{what} {name!r}: expected printable characters that encode as UTF-8 "
                           "(no control characters, no lone surrogates)")
 
 

@@ -78,10 +78,7 @@ class RequestCounts:
 
 def check_span_name(name: Any) -> None:
     """A request span's name: the generation names' rule, the ``model`` label on every render (ConfigError)."""
-    try:
-        check_name(name)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("generation name", "request span name")) from None
+    check_name(name, "request span name")
 
 
 class RequestSpan:
