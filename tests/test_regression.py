@@ -469,6 +469,24 @@ def test_a_deferred_regression_capture_outlives_a_manual_one_that_takes_the_slot
     assert not policy.deferred and len(slot.armed) == 1
 
 
+def test_a_regression_capture_is_kept_when_a_manual_one_takes_the_idle_slot_before_its_arm() -> None:
+    """The slot is idle when the regression fires, but a manual capture (the HTTP thread) arms between the look at its
+    state and the regression's own arm: refused as busy. It used to be dropped then (busy was read before the arm),
+    and the regression, outlasting the manual capture, was never captured (a thread-per-request server's test on a
+    loaded host). It is kept, and armed once the slot frees."""
+    slot = _Slot()
+    slot.state = "idle"
+    policy = _policy_on(slot)
+    det, t0 = policy.detector, time.perf_counter_ns()
+    assert det is not None
+    fired = _three_healthy_windows_then_a_slow_one(det, t0)
+    policy.fire(fired)  # idle when looked at; the manual capture wins the race to the arm
+    assert "m" in policy.deferred and not slot.armed and slot.state == "armed"
+    slot.state = "idle"  # the manual capture ends
+    policy.tick(t0 + 4 * S + 1)
+    assert not policy.deferred and len(slot.armed) == 1
+
+
 def _two_models_regressing(det: Detector, t0: int) -> list:
     """``_three_healthy_windows_then_a_slow_one`` for two models, ``m`` and ``n``, at once: both regressions fired."""
     fired: list = []
