@@ -353,6 +353,40 @@ def test_generate_with_a_streamer_and_a_failing_generate(make_monitor) -> None:
     assert value(mon, "perfmon_generated_tokens_total", model="gpt2") == NEW
 
 
+def test_a_token_the_callers_streamer_refuses_is_not_counted_as_received(make_monitor) -> None:
+    """A streamer whose put() raises (a server's, writing to a client that left) did not hand that token out: the
+    request is an error with the tokens the streamer took, and the exception passes through unchanged."""
+    mon = make_monitor()
+    model = mon.wrap(_gpt2(), name="gpt2")
+
+    class Gone(Exception):
+        pass
+
+    class Client(transformers.generation.streamers.BaseStreamer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.received = 0
+            self.prompt = False
+
+        def put(self, value: Any) -> None:
+            if not self.prompt:
+                self.prompt = True
+                return
+            if self.received == 3:
+                raise Gone("the client disconnected")
+            self.received += 1
+
+        def end(self) -> None:
+            pass
+
+    client = Client()
+    with pytest.raises(Gone):
+        _generate(model, batch=1, streamer=client)
+    mon.generations.drain()
+    gen = mon.stats()["generation"]["gpt2"]
+    assert gen["requests"] == {"ok": 0, "error": 1, "cancelled": 0}
+    assert client.received == 3 and gen["generated_tokens"] == 3
+
+
 def test_calls_through_a_parent_a_pipeline_and_forward_are_counted(make_monitor) -> None:
     """The wrapped module is monitored in place: calls from a parent module or an object holding it count."""
     mon = make_monitor()

@@ -79,14 +79,23 @@ class _Tap:
         self.values: list[torch.Tensor] | None = [] if keep else None
 
     def put(self, value: Any) -> None:
-        if self.prompt_seen:
-            self.times.append(perf_counter_ns())
-            if self.values is not None:
-                self.values.append(value)
-        else:
+        if not self.prompt_seen:
             self.prompt_seen = True  # generate() puts the prompt first
+            if self.inner is not None:
+                self.inner.put(value)
+            return
+        self.times.append(perf_counter_ns())  # stamped before the caller's streamer: when it is handed out
+        if self.values is not None:
+            self.values.append(value)
         if self.inner is not None:
-            self.inner.put(value)
+            try:
+                self.inner.put(value)
+            except BaseException:
+                # The caller's streamer refused it (its client gone, a queue closed): not a token it received.
+                self.times.pop()
+                if self.values is not None:
+                    self.values.pop()
+                raise
 
     def end(self) -> None:
         if self.inner is not None:
