@@ -26,6 +26,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_forward_errors_total": (
         "counter", "calls", ("model", "exception"),
         "Calls that raised, by exception class name (capped; the rest are 'other')."),
+    "perfmon_forward_failed_calls_total": (
+        "counter", "calls", ("model",),
+        "Calls that raised, every exception class together; exported at 0 from the model's wrap, so rate() and "
+        "increase() see a first error (a new exception label's series would miss what came before its first "
+        "scrape)."),
     "perfmon_forward_duration_seconds": (
         "histogram", "seconds", ("model", "device", "phase", "stage"),
         "Sampled call duration: device time from CUDA events on GPU, wall time on CPU."),

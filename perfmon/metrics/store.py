@@ -239,6 +239,7 @@ class _CountsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         calls = _family("perfmon_forward_calls_total")
         errors = _family("perfmon_forward_errors_total")
+        failed = _family("perfmon_forward_failed_calls_total")
         sampled = _family("perfmon_forward_sampled_total")
         dropped = _family("perfmon_samples_dropped_total")
         cold = _family("perfmon_cold_start_seconds")
@@ -263,6 +264,7 @@ class _CountsCollector(Collector):
                     error_totals[exc] = error_totals.get(exc, 0) + n
             for exc, n in sorted(error_totals.items()):
                 errors.add_metric([m, exc], n)
+            failed.add_metric([m], sum(error_totals.values()))
             for reason in DROP_REASONS:
                 dropped.add_metric([m, reason], sum(count_value(st.drops[reason]) for st in group))
             rate.add_metric([m], group[0].sampler.rate)
@@ -274,7 +276,7 @@ class _CountsCollector(Collector):
         internal = _family("perfmon_internal_errors_total")
         for stage, n in sorted(self._internal.counts()):
             internal.add_metric([stage], n)
-        yield from (calls, errors, sampled, dropped, cold, ttff, rate, sigs, items_fam, padded_fam, internal)
+        yield from (calls, errors, failed, sampled, dropped, cold, ttff, rate, sigs, items_fam, padded_fam, internal)
         yield from self._metrics.histograms()
 
 
