@@ -102,8 +102,8 @@ def short_comparison(meta: dict[str, Any], width: int = 60) -> str:
 
 
 #: The per-step op table's numeric fields ``captures.compare`` reads (``captures.trace_summary.step_table``).
-_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "seconds_per_step_median", "calls_per_step",
-              "share_of_steps")
+_OP_FIELDS = ("seconds_per_step", "seconds_per_step_stdev", "seconds_per_step_median", "seconds_per_step_mad",
+              "calls_per_step", "share_of_steps")
 #: The largest per-step figure (seconds, calls) taken from an agent, and the largest step count: far past any real
 #: capture (a model call of 30 years), far below where the comparison's arithmetic overflows (it squares a standard
 #: deviation: 1e308 raised OverflowError) or a float() of a 400-digit JSON integer does.

@@ -209,6 +209,39 @@ def test_a_preempted_step_neither_reorders_new_ops_nor_raises_the_floor() -> Non
     assert _row(got, "aten::copy_")["seconds_per_call_after"] == pytest.approx(0.8e-3)
 
 
+def _layer(mean: float, sd: float, median: float, mad: float | None, calls: float) -> dict[str, Any]:
+    entry = {"seconds_per_step": mean, "seconds_per_step_stdev": sd, "seconds_per_step_median": median,
+             "calls_per_step": calls, "share_of_steps": 1.0}
+    if mad is not None:
+        entry["seconds_per_step_mad"] = mad
+    return {"aten::_transformer_encoder_layer_fwd": entry}
+
+
+def test_one_preempted_step_does_not_hide_an_op_run_twice_as_often() -> None:
+    """A helper's run on a loaded CPU: after the baseline capture the model ran its encoder twice a call (each op
+    called 2 -> 4 times); one preempted step of eight gave the layer a standard deviation of ~5 ms, and a noise
+    bound of 3.0 ms over a 1.6 -> 2.6 ms change: "no op changed". The spread that goes with the median is the
+    median absolute deviation, and an op called 1.25x as often (every step, both sides) is judged by the floors."""
+    before = {"id": "b", "device": "cpu", "steps": 4, "ops": _layer(1.62e-3, 0.1e-3, 1.62e-3, 0.05e-3, 2)}
+    after = {"id": "a", "device": "cpu", "steps": 7, "ops": _layer(3.1e-3, 5.2e-3, 2.6e-3, 0.08e-3, 4)}
+    got = compare(before, after)
+    row = _row(got, "aten::_transformer_encoder_layer_fwd")
+    assert row["status"] == "slower" and row["noise_seconds_per_call"] < 1e-3
+    assert "called 2 -> 4 times a call" in got["summary"]
+    # A capture stored before the MAD: the standard deviation is the spread, and the calls rule still sees the
+    # doubled work (the floors: a quarter of the op's 1.62 ms).
+    old = compare({**before, "ops": _layer(1.62e-3, 0.1e-3, 1.62e-3, None, 2)},
+                  {**after, "ops": _layer(3.1e-3, 5.2e-3, 2.6e-3, None, 4)})
+    assert _row(old, "aten::_transformer_encoder_layer_fwd")["status"] == "slower"
+    # Same calls, the same spread: the standard deviation's bound, and the change too small for it.
+    same_calls = compare({**before, "ops": _layer(1.62e-3, 0.1e-3, 1.62e-3, None, 2)},
+                         {**after, "ops": _layer(3.1e-3, 5.2e-3, 2.6e-3, None, 2)})
+    assert _row(same_calls, "aten::_transformer_encoder_layer_fwd")["status"] == "same"
+    # Called twice as often but no slower: within the floors, no change to report.
+    flat = compare(before, {**after, "ops": _layer(1.7e-3, 0.1e-3, 1.7e-3, 0.05e-3, 4)})
+    assert _row(flat, "aten::_transformer_encoder_layer_fwd")["status"] == "same"
+
+
 def test_step_table_keeps_the_top_names_and_sums_the_rest() -> None:
     """Past the cap, the names with the least time are summed step by step into [other]; one step: no spread."""
     import array
@@ -221,11 +254,14 @@ def test_step_table_keeps_the_top_names_and_sums_the_rest() -> None:
     assert table["[other]"]["calls_per_step"] == 3
     one, n = step_table({"a": array.array("d", [2.0])}, {"a": array.array("q", [1])}, 1)
     assert n == 1 and one["a"] == {"calls_per_step": 1.0, "seconds_per_step": 2.0, "seconds_per_step_stdev": 0.0,
-                                   "seconds_per_step_median": 2.0, "share_of_steps": 1.0}
+                                   "seconds_per_step_median": 2.0, "seconds_per_step_mad": 0.0,
+                                   "share_of_steps": 1.0}
     # The median of the steps used: one preempted step of five moves the mean, not the median.
     pre, n = step_table({"p": array.array("d", [9.0, 1.0, 1.2, 30.0, 0.9, 1.1])},
                         {"p": array.array("q", [1] * 6)}, 6)
     assert n == 5 and pre["p"]["seconds_per_step_median"] == pytest.approx(1.1)
+    # Its spread about the median: |1.0-1.1|, |1.2-1.1|, |30-1.1|, |0.9-1.1|, 0 -> 0.1 (the standard deviation ~12.9).
+    assert pre["p"]["seconds_per_step_mad"] == pytest.approx(0.1)
     assert pre["p"]["seconds_per_step"] == pytest.approx(34.2 / 5)
     even, _ = step_table({"e": array.array("d", [0.0, 1.0, 2.0, 4.0, 8.0])}, {"e": array.array("q", [1] * 5)}, 5)
     assert even["e"]["seconds_per_step_median"] == pytest.approx(3.0)

@@ -45,8 +45,12 @@ five steps, one such preemption added milliseconds to one op. Found under load: 
 ranked below the 35 µs ``min`` that took the preemption (``min`` named as the regression), and a
 baseline whose linear read 19.7 ms instead of 0.5 ms raised the 2 %-of-the-call floor over the cdist
 (``same``). The median of an op in every step ignores up to half of them; an op called in some steps
-only keeps its mean (its median may be 0). The spread term still uses the standard deviation, so an
-outlier step makes a change harder to report, never easier.
+only keeps its mean (its median may be 0). The spread that goes with a median is the median absolute
+deviation (``seconds_per_step_mad``, times ``MAD_TO_SD``): until session 41 it was the standard deviation, and
+one preempted step of eight (a loaded CPU) put an encoder layer's noise bound at 3.0 ms, above its whole 1.6 ms
+before: a model doing twice the work a call (each op called twice as often, 1.6 -> 2.6 ms) read "no op changed"
+(a helper's run, and both of its ``perfmon demo --slow-after`` runs). Captures stored before have no MAD and keep
+the standard deviation, and so does an op judged by its mean; the floors apply to all.
 
 Rows are ranked by added seconds per call, largest first (the ops that cost the most extra time lead;
 ``faster``/``gone`` rows, which save time, come after the ``slower``/``new`` ones), with ``same`` rows
@@ -226,10 +230,10 @@ def _rows(table_b: Mapping[str, Any], n_b: int, table_a: Mapping[str, Any], n_a:
                 noise = max(floors["share_floor"] * call_before, floors["abs_floor"])
             present, side = (sec_a, "new") if calls_a else (sec_b, "gone")
             status = side if present > noise else "same"
-        elif abs(delta) > noise:
-            status = "slower" if delta > 0 else "faster"
         else:
-            status = "same"
+            if _calls_moved(calls_b, calls_a, delta, b, a):
+                noise = max(floors["rel_floor"] * sec_b, floors["share_floor"] * call_before, floors["abs_floor"])
+            status = ("slower" if delta > 0 else "faster") if abs(delta) > noise else "same"
         rows.append({"op": name, "seconds_per_call_before": sec_b, "seconds_per_call_after": sec_a,
                      "calls_per_call_before": calls_b, "calls_per_call_after": calls_a,
                      "added_seconds_per_call": delta, "ratio": sec_a / sec_b if sec_b > 0 else None,
@@ -324,31 +328,62 @@ def _breakdown(top: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(inner) if isinstance(inner, Mapping) else {}
 
 
+#: An op called this factor as often a model call (or more; or 1/it) on both sides of a like-for-like comparison
+#: does different work, which is no run-to-run spread (``_calls_moved``).
+CALLS_MOVED = 1.25
+
+
+def _calls_moved(calls_b: float, calls_a: float, delta: float, b: Any, a: Any) -> bool:
+    """Whether an op in both tables is called ``CALLS_MOVED`` times as often (or as rarely) a call after as before,
+    in every step on both sides (``share_of_steps`` 1), its time moved the same way: the model's work changed (a
+    layer run twice, a loop longer), so only the floors judge its time, as for an op new in every step. The
+    spread would not: one preempted step of eight hid an encoder layer called twice as often as ``same``."""
+    if calls_b <= 0 or calls_a <= 0 or not (_every_step(b) and _every_step(a)):
+        return False
+    factor = calls_a / calls_b
+    return (factor >= CALLS_MOVED and delta > 0) or (factor <= 1 / CALLS_MOVED and delta < 0)
+
+
+def _every_step(entry: Any) -> bool:
+    share = entry.get("share_of_steps") if isinstance(entry, Mapping) else None
+    return _number(share) and share == 1.0
+
+
 def _systematic(name: str, present: Any, other_table: Mapping[str, Any]) -> bool:
     """An op on one side only that is there in every step used (``share_of_steps`` 1; captures without
     that field never qualify), when the other side's table is complete (no ``[other]`` row, into which
     the op could have been summed) and it is not ``[other]`` itself."""
     if name == OTHER or OTHER in other_table or not isinstance(present, Mapping):
         return False
-    share = present.get("share_of_steps")
     # Exactly 1 (n/n, rounded): anything above is a broken table, not "more than every step".
-    return isinstance(share, (int, float)) and not isinstance(share, bool) and share == 1.0
+    return _every_step(present)
+
+
+#: The median absolute deviation times this estimates a normal spread's standard deviation.
+MAD_TO_SD = 1.4826
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _stats(entry: Any) -> tuple[float, float, float]:
-    """(typical seconds, stdev seconds, mean calls) per step of one table entry; zeros when absent.
+    """(typical seconds, spread seconds, mean calls) per step of one table entry; zeros when absent.
 
     Typical: the median over the steps for an op called in every step (``share_of_steps`` 1) when the table
     has it, else the mean (an op called in some steps only is judged by what it adds on average; the median
-    of a burst in one step of five is 0)."""
+    of a burst in one step of five is 0). Spread: with the median, the median absolute deviation as a standard
+    deviation (``MAD_TO_SD``) when the table has it, else the standard deviation."""
     if not isinstance(entry, Mapping):
         return 0.0, 0.0, 0.0
     seconds = entry.get("seconds_per_step")
-    median = entry.get("seconds_per_step_median")
-    if entry.get("share_of_steps") == 1.0 and isinstance(median, (int, float)) and not isinstance(median, bool):
+    spread = float(entry.get("seconds_per_step_stdev") or 0.0)
+    median, mad = entry.get("seconds_per_step_median"), entry.get("seconds_per_step_mad")
+    if entry.get("share_of_steps") == 1.0 and _number(median):
         seconds = median
-    return (float(seconds or 0.0), float(entry.get("seconds_per_step_stdev") or 0.0),
-            float(entry.get("calls_per_step") or 0.0))
+        if _number(mad):
+            spread = MAD_TO_SD * float(mad or 0.0)
+    return float(seconds or 0.0), spread, float(entry.get("calls_per_step") or 0.0)
 
 
 def _ms(seconds: float) -> str:
@@ -381,7 +416,11 @@ def _phrase(row: Mapping[str, Any]) -> str:
     if ratio is None:
         return f"{op} {status} ({_signed(added)} a call)"
     times = ratio if status == "slower" else 1.0 / ratio if ratio > 0 else math.inf
-    return f"{op} {_factor(times)}{TIMES} {status} ({_signed(added)} a call)"
+    calls_b, calls_a = row.get("calls_per_call_before") or 0, row.get("calls_per_call_after") or 0
+    often = ""
+    if calls_b > 0 and calls_a > 0 and max(calls_a / calls_b, calls_b / calls_a) >= CALLS_MOVED:
+        often = f", called {calls_b:g} -> {calls_a:g} times a call"
+    return f"{op} {_factor(times)}{TIMES} {status} ({_signed(added)} a call{often})"
 
 
 def _sentence(rows: list[dict[str, Any]], total_before: float, total_after: float, top: int = 3) -> str:

@@ -83,8 +83,8 @@ class Capture:
     #: child's CPU seconds and peak RSS bytes.
     export: dict[str, Any] = field(default_factory=dict)
     #: Per op name, per recorded step (one model call): ``calls_per_step``, ``seconds_per_step`` (self
-    #: device seconds on CUDA, self CPU seconds on CPU), ``seconds_per_step_stdev`` and ``_median`` over the steps;
-    #: at most 200 names, the rest as ``[other]`` (``perfmon.captures.trace_summary.step_table``).
+    #: device seconds on CUDA, self CPU seconds on CPU), ``seconds_per_step_stdev``, ``_median`` and ``_mad`` over
+    #: the steps; at most 200 names, the rest as ``[other]`` (``perfmon.captures.trace_summary.step_table``).
     ops: dict[str, dict[str, float]] = field(default_factory=dict)
     #: Per top-level op (one the model's code called, with the ops inside it folded in), the same statistics of
     #: its total seconds, and its ``breakdown``: the self seconds of the ops inside it (``trace_summary``).

@@ -463,8 +463,8 @@ def _table_of(per: _PerStep, device_time: bool, *, limit: int = STEP_TABLE_OPS) 
 def step_table(seconds: dict[str, array.array[float]], calls: dict[str, array.array[int]], count: int, *,
                limit: int = STEP_TABLE_OPS) -> tuple[dict[str, dict[str, float]], int]:
     """``({op name: {"calls_per_step", "seconds_per_step", "seconds_per_step_stdev", "seconds_per_step_median",
-    "share_of_steps"}}, steps used)``; ``share_of_steps`` is the fraction of the steps used in which the op was
-    called at all.
+    "seconds_per_step_mad", "share_of_steps"}}, steps used)``; ``share_of_steps`` is the fraction of the steps
+    used in which the op was called at all.
 
     ``seconds[name][i]`` and ``calls[name][i]`` are the op's self seconds and calls in step ``i`` of
     ``count``. With two steps or more the first is left out: it runs right after the profiler started
@@ -473,7 +473,8 @@ def step_table(seconds: dict[str, array.array[float]], calls: dict[str, array.ar
     steps used (an op absent from a step counts 0 there); the spread is the sample standard deviation
     over those steps (0 with one step), the median the middle step's seconds (the mean of the two middle ones;
     what ``compare`` reads for an op called in every step: a preempted step moves one op's mean by the
-    preemption, its median not). The ``limit`` names with the most self time are kept; the
+    preemption, its median not), ``seconds_per_step_mad`` the median absolute deviation from the median (the
+    spread ``compare`` reads with it). The ``limit`` names with the most self time are kept; the
     others are summed step by step into ``[other]``.
     """
     first = 1 if count >= 2 else 0
@@ -505,9 +506,13 @@ def step_table(seconds: dict[str, array.array[float]], calls: dict[str, array.ar
 def _step_stats(per_step: Any, calls: int, n: int) -> dict[str, float]:
     mean = sum(per_step) / n
     var = sum((x - mean) ** 2 for x in per_step) / (n - 1) if n > 1 else 0.0
+    median = statistics.median(per_step)
     return {"calls_per_step": round(calls / n, 6), "seconds_per_step": round(mean, 12),
             "seconds_per_step_stdev": round(math.sqrt(var), 12),
-            "seconds_per_step_median": round(statistics.median(per_step), 12)}
+            "seconds_per_step_median": round(median, 12),
+            # The spread that goes with the median (compare reads it for an op in every step): one preempted
+            # step moves it as little as it moves the median.
+            "seconds_per_step_mad": round(statistics.median(abs(x - median) for x in per_step), 12)}
 
 
 def _attribute(t: _Thread, order: list[Row], device_us: dict[int, float], steps: _Steps, tkey: Any) -> None:
