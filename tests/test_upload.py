@@ -188,7 +188,7 @@ def test_an_async_filesystems_io_thread_cpu_counts_as_the_uploads(tmp_path: Path
     import fsspec.asyn
 
     from perfmon.selfcost import AgentCpu
-    from perfmon.store.uploader import io_thread_cpu
+    from perfmon.store.calls import io_thread_cpu
 
     class BurningFs(fsspec.asyn.AsyncFileSystem):
         """An async store whose every write costs 50 ms of CPU on the thread that runs it."""

@@ -89,7 +89,7 @@ def open_store(url: str, *, timeout_seconds: float = 30.0) -> tuple[Any, str]:
     are off (one try, ``timeout_seconds`` to connect and to read): retrying is the uploader's, with its
     backoff. These bound the SDK's connects and reads, not a request: an S3 PUT (``Expect: 100-continue``)
     to an endpoint that accepts and never answers outlived both, so the uploader puts its own deadline on
-    every call (``uploader.StoreCalls``). For GCS a request gets ``timeout_seconds`` to connect and to read
+    every call (``calls.StoreCalls``). For GCS a request gets ``timeout_seconds`` to connect and to read
     and ten times that in all, and the bucket-layout lookup ``timeout_seconds``; gcsfs's own retries of a
     refused or failed request (six tries, 1-16 s apart) stay: they are fixed when its class is defined.
     """
