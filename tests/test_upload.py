@@ -147,6 +147,38 @@ def test_a_restart_uploads_what_was_spooled_and_nothing_twice(tmp_path: Path) ->
     assert third.step() == third.poll_seconds and third.stats.uploads["ok"] == 0
 
 
+def test_a_restart_does_not_make_a_spooled_backlog_young(tmp_path: Path, mem: Any) -> None:
+    """perfmon_trace_upload_age_seconds counted from the uploader's start before any upload, so a pod restarting
+    with a broken store read a few seconds at every start and its alert (over 15 min, files spooled) never fired
+    while its captures aged. Before the first upload it counts from the oldest waiting capture's save."""
+    from datetime import datetime, timezone
+
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    wall = 1_800_000_000.0
+    for ago in (7200.0, 60.0):  # saved two hours and a minute before this process started
+        at = datetime.fromtimestamp(wall - ago, timezone.utc).isoformat(timespec="milliseconds")
+        store.save({"id": new_id(), "model": "enc", "trigger": "manual", "status": "done", "outcome": "ok",
+                    "armed_at": at, "ended_at": at}, b"\x1f" * 10, f"{worker_name()}.{time.time_ns()}.pt.trace.json.gz")
+    clock = HandClock()
+    broken = FlakyFs(fs, fail=3)
+    up = _uploader(store, broken, root, clock=clock, wall=lambda: wall)
+    wait = up.step()
+    assert up.stats.uploads == {"ok": 0, "failed": 1}
+    assert clock() - up.stats.last_ok == pytest.approx(7200.0)
+    clock.t += wait
+    assert clock() - up.stats.last_ok == pytest.approx(7200.0 + wait)  # and on from there
+    for _ in range(2):  # the store comes back after two more failures
+        clock.t += up.step()
+    assert up.step() == 0.0 and up.stats.uploads == {"ok": 1, "failed": 3} and up.stats.last_ok == clock()
+    # Without the times (a capture stored by hand), it counts from the start, as before.
+    bare = TraceStore(tmp_path / "bare", max_files=10, max_bytes=10**9)
+    _save(bare)
+    plain = _uploader(bare, FlakyFs(fs, fail=1), root + "/b2", wall=lambda: wall)
+    plain.step()
+    assert plain.stats.uploads["failed"] == 1 and plain.clock() - plain.stats.last_ok == 0.0
+
+
 def test_retention_bounds_the_spool_and_counts_unuploaded_captures_as_dropped(tmp_path: Path, mem: Any) -> None:
     """With the store down, trace_max_files keeps the spool bounded; each capture it removes unsent is counted."""
     fs, root = mem

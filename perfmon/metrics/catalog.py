@@ -232,7 +232,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "perfmon_trace_spool_bytes": ("gauge", "bytes", (), "Bytes in trace_dir waiting for upload to trace_store."),
     "perfmon_trace_upload_age_seconds": (
         "gauge", "seconds", (),
-        "Seconds since the last successful upload to trace_store (since the uploader started, before any)."),
+        "Seconds since the last successful upload to trace_store (before any: since the uploader started, or the "
+        "oldest waiting capture was saved if earlier)."),
     "perfmon_trace_spool_dropped_total": (
         "counter", "captures", ("reason",),
         "Captures never uploaded: removed by trace_dir retention first (retention) or unreadable (unreadable)."),

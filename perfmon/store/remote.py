@@ -27,8 +27,8 @@ from .files import TRACE_NAME, replacing_at, valid_id
 
 __all__ = [
     "LIST_READ_TRIES", "LIST_RETRY_SECONDS", "REMOTE_META_MAX_BYTES", "REMOTE_TRACE_MAX_BYTES", "capture_key",
-    "check_usable", "download_remote", "list_remote", "open_store", "orphan_traces", "redact", "scrub",
-    "written_at",
+    "check_usable", "download_remote", "iso_seconds", "list_remote", "open_store", "orphan_traces", "redact",
+    "scrub", "written_at",
 ]
 
 _FOLDER = re.compile(r"^(?P<stamp>[0-9]{8}T[0-9]{6}Z)-(?P<id>[0-9a-f]{22})$")
@@ -450,10 +450,17 @@ def written_at(info: Any) -> float | None:
             return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):
-            try:
-                parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-            except ValueError:
-                continue
-            return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()
+        if isinstance(value, str) and (seconds := iso_seconds(value)) is not None:
+            return seconds
     return None
+
+
+def iso_seconds(text: Any) -> float | None:
+    """ISO 8601 text (UTC unless it says otherwise) as Unix seconds; None for anything else."""
+    if not isinstance(text, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()

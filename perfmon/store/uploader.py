@@ -50,7 +50,7 @@ from ..faults import InternalErrors
 from ..selfcost import AgentCpu
 from .calls import StoreCalls, io_thread_cpu
 from .files import TRACE_NAME, _read_at, meta_json, write_at
-from .remote import capture_key, check_usable, open_store, orphan_traces, redact, scrub, written_at
+from .remote import capture_key, check_usable, iso_seconds, open_store, orphan_traces, redact, scrub, written_at
 from .traces import TraceStore
 
 __all__ = ["DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "TraceUploader", "UploadStats"]
@@ -79,7 +79,8 @@ class UploadStats:
     #: Captures waiting for upload: their files (trace and metadata) and bytes.
     spool_files: int = 0
     spool_bytes: int = 0
-    #: ``clock()`` of the last successful upload, or of the uploader's start before any.
+    #: ``clock()`` of the last successful upload; before any, of the uploader's start, or of when the oldest capture
+    #: waiting was saved if that is earlier (spooled before a restart: a restart does not make a backlog young).
     last_ok: float = 0.0
     #: Traces without metadata (a crash between a capture's two puts) removed from the store by the sweep.
     orphans_removed: int = 0
@@ -257,11 +258,22 @@ class TraceUploader:
                     size = (2, body + trace_bytes)
                 else:
                     size = (1, body)
+                if not self.stats.uploads["ok"]:
+                    self._waiting_since(meta)
             sizes[cid] = size
         self._sizes = sizes
         self.stats.spool_files = sum(f for f, _ in sizes.values())
         self.stats.spool_bytes = sum(b for _, b in sizes.values())
         return pending
+
+    def _waiting_since(self, meta: dict[str, Any]) -> None:
+        """Before this process's first upload, date the upload age back to when a waiting capture was saved, if
+        earlier: a crash-looping or redeployed pod with a broken store restarted its age at every start, and its
+        alert (age over 15 min with files spooled) never fired while its captures aged in the spool."""
+        saved = iso_seconds(meta.get("ended_at") or meta.get("armed_at"))
+        if saved is not None:
+            waited = max(0.0, self._wall() - saved)
+            self.stats.last_ok = min(self.stats.last_ok, self.clock() - waited)
 
     def _filesystem(self) -> tuple[Any, str]:
         if self._fs is None or self._root is None:
