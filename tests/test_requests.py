@@ -440,6 +440,74 @@ def test_wsgi_app_span_ends_when_the_server_closes_the_body(make_monitor) -> Non
     assert mon.requests.open_spans == 0
 
 
+def _answering(code: int, model: Any) -> Callable[..., Any]:
+    """An ASGI app that answers ``code`` in full, as a framework does with a view's exception (a 500)."""
+
+    async def app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        await receive()
+        await asyncio.to_thread(model, torch.randn(1, 4))
+        await send({"type": "http.response.start", "status": code, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    return app
+
+
+def test_a_5xx_response_is_an_error_and_a_4xx_is_not(make_monitor) -> None:
+    """Flask, Django and Starlette's handlers turn a view's exception into a whole 500 response: the app returns,
+    it raises nothing. Such a request was counted ok; a 5xx is an error (ASGI and WSGI). A 4xx is the client's
+    mistake, answered: ok."""
+    mon = make_monitor().start()
+    lin = _linear(mon, "status")
+    for code in (200, 404, 500, 503):
+        FakeAsgiServer().run(perfmon.RequestMiddleware(_answering(code, lin), monitor=mon))
+
+    def wsgi(status: str) -> Callable[..., Any]:
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            lin(torch.randn(1, 4))
+            start_response(status, [("Content-Type", "text/plain")])
+            return [b"x"]
+        return app
+
+    for status in ("200 OK", "400 Bad Request", "500 Internal Server Error"):
+        seen: list[str] = []
+        body = perfmon.WSGIRequestMiddleware(wsgi(status), mon)({"REQUEST_METHOD": "GET"},
+                                                                 lambda s, h, *e: seen.append(s))
+        assert b"".join(body) == b"x" and seen == [status]  # the server sees what the app started
+        body.close()  # type: ignore[attr-defined]
+    assert mon.flush()
+    assert value(mon, "perfmon_requests_total", model="status", outcome="ok") == 4
+    assert value(mon, "perfmon_requests_total", model="status", outcome="error") == 3
+    assert mon.requests.open_spans == 0
+
+
+def test_a_flask_view_that_raises_is_an_error(make_monitor) -> None:
+    """The README's Flask embedding: a view that raises is answered 500 by Flask (the exception never reaches the
+    middleware), and its request counts as an error."""
+    flask = pytest.importorskip("flask")
+    mon = make_monitor().start()
+    lin = _linear(mon, "flask")
+    app = flask.Flask("t")
+
+    @app.get("/ok")
+    def ok() -> str:
+        lin(torch.randn(1, 4))
+        return "fine"
+
+    @app.get("/fail")
+    def fail() -> str:
+        lin(torch.randn(1, 4))
+        raise ValueError("the view failed")
+
+    app.wsgi_app = perfmon.WSGIRequestMiddleware(app.wsgi_app, mon)  # type: ignore[method-assign]
+    client = app.test_client()
+    for path, code in (("/ok", 200), ("/fail", 500)):
+        with client.get(path, buffered=True) as response:  # buffered: the body written out and closed, as a server
+            assert response.status_code == code
+    assert mon.flush()
+    assert value(mon, "perfmon_requests_total", model="flask", outcome="ok") == 1
+    assert value(mon, "perfmon_requests_total", model="flask", outcome="error") == 1
+
+
 def test_torch_compile_of_a_wrapped_model_inside_a_span_compiles_with_no_graph_break(make_monitor) -> None:
     """torch.compile(wrap(m)) called in a request span: the span gets the model part, the model is still compiled
     (one graph per shape, zero graph breaks: in_request is marked like the hot path)."""

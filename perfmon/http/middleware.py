@@ -7,8 +7,10 @@ has written out. The app runs in the span's context: model work it does, in its 
 copy the context or ``run_in_threadpool``, is the span's model part; ``monitor.current_request()`` gives
 the span to an endpoint that hands the request to a batcher (``span.enqueued()``, ``monitor.batch``).
 
-Outcomes: ``ok`` once the whole response was sent; ``error`` when the app raised an Exception (re-raised
-unchanged, the middleware never changes what the app does) or returned without a complete response;
+Outcomes: ``ok`` once the whole response was sent with a status under 500; ``error`` when its status was 5xx
+(a framework that turned the view's exception into a 500: Flask, Django, Starlette's handlers; counted ``ok``
+until session 41), when the app raised an Exception (re-raised unchanged, the middleware never changes what
+the app does) or returned without a complete response;
 ``cancelled`` when the client went away first (``http.disconnect`` before the end, a failing send, a
 WSGI body closed unfinished) or a BaseException (task cancellation) passed through. Lifespan and
 websocket scopes pass through untouched.
@@ -54,6 +56,7 @@ class RequestMiddleware:
         span = self._tracker.open(self._name)
         done_ns = 0  # when the final body message was handed to the server
         gone = False  # the client went away before that
+        status = 0  # the response's, from http.response.start
 
         async def receive_() -> Any:
             nonlocal gone
@@ -63,7 +66,7 @@ class RequestMiddleware:
             return message
 
         async def send_(message: dict[str, Any]) -> None:
-            nonlocal done_ns, gone
+            nonlocal done_ns, gone, status
             try:
                 await send(message)
             except BaseException:
@@ -71,6 +74,8 @@ class RequestMiddleware:
                     gone = True
                 raise
             kind = message.get("type")
+            if kind == "http.response.start":
+                status = _status(message.get("status"))
             final = kind == "http.response.pathsend" or (kind == "http.response.body" and not message.get("more_body"))
             if final and not done_ns:
                 done_ns = perf_counter_ns()
@@ -83,7 +88,7 @@ class RequestMiddleware:
             span.finish(CANCELLED if gone and not done_ns else outcome_of(exc), done_ns or None)
             raise
         current.reset(token)
-        span.finish(OK if done_ns else CANCELLED if gone else ERROR, done_ns or None)
+        span.finish((OK if status < 500 else ERROR) if done_ns else CANCELLED if gone else ERROR, done_ns or None)
 
 
 class WSGIRequestMiddleware:
@@ -101,27 +106,34 @@ class WSGIRequestMiddleware:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         span = self._tracker.open(self._name)
+        status = [0]  # the last status the app started (PEP 3333: again, with exc_info, to replace it)
+
+        def start_response_(code: str, headers: Any, *exc_info: Any) -> Any:
+            status[0] = _status(code.split(None, 1)[0] if isinstance(code, str) and code else None)
+            return start_response(code, headers, *exc_info)
+
         token = current.set(span)
         try:
-            body = self.app(environ, start_response)
+            body = self.app(environ, start_response_)
         except BaseException as exc:
             current.reset(token)
             span.finish(outcome_of(exc))
             raise
         current.reset(token)
-        return _Body(body, span)
+        return _Body(body, span, status)
 
 
 class _Body:
     """The app's body iterable, iterated in the span's context; ends the span when the server closes it."""
 
-    __slots__ = ("_body", "_exhausted", "_it", "_span")
+    __slots__ = ("_body", "_exhausted", "_it", "_span", "_status")
 
-    def __init__(self, body: Iterable[bytes], span: RequestSpan) -> None:
+    def __init__(self, body: Iterable[bytes], span: RequestSpan, status: list[int]) -> None:
         self._body = body
         self._it: Iterator[bytes] | None = None
         self._span = span
         self._exhausted = False
+        self._status = status
 
     def __iter__(self) -> Iterator[bytes]:
         return self
@@ -147,4 +159,12 @@ class _Body:
             if close is not None:
                 close()
         finally:
-            self._span.finish(OK if self._exhausted else CANCELLED)
+            self._span.finish((OK if self._status[0] < 500 else ERROR) if self._exhausted else CANCELLED)
+
+
+def _status(value: Any) -> int:
+    """An HTTP status as a number; 0 for anything that is not one (an odd app's: judged by its exceptions)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
