@@ -471,7 +471,7 @@ def test_a_5xx_response_is_an_error_and_a_4xx_is_not(make_monitor) -> None:
     for status in ("200 OK", "400 Bad Request", "500 Internal Server Error"):
         seen: list[str] = []
         body = perfmon.WSGIRequestMiddleware(wsgi(status), mon)({"REQUEST_METHOD": "GET"},
-                                                                 lambda s, h, *e: seen.append(s))
+                                                                 lambda s, h, *e, seen=seen: seen.append(s))
         assert b"".join(body) == b"x" and seen == [status]  # the server sees what the app started
         body.close()  # type: ignore[attr-defined]
     assert mon.flush()
