@@ -211,3 +211,64 @@ def test_metadata_is_strict_json_and_a_nested_or_broken_file_is_skipped(tmp_path
     (tmp_path / f"{bad}.meta.json").write_text("[" * 5000 + "]" * 5000)
     assert [m["id"] for m in store.list()] == [good]
     assert store.get(bad) is None and store.get(good)["model"] == "m"
+
+
+def _full_disk_save(store: TraceStore, meta: dict[str, Any], trace: bytes, limit: int) -> None:
+    """``store.save`` with files capped at ``limit`` bytes (RLIMIT_FSIZE: a write past it fails EFBIG, as on a full
+    disk), the cap lifted again after."""
+    import resource
+    import signal
+    import time
+
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal's kill
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        store.save(meta, trace, f"host_1.{time.time_ns()}.pt.trace.json.gz")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_a_save_whose_metadata_does_not_fit_leaves_no_trace_behind(tmp_path: Path) -> None:
+    """A full disk where a capture's trace fits and its metadata does not: the save fails, and it used to leave the
+    trace under its final name, which no metadata names, no retention removes, and no sweep saw (a helper's run:
+    8 trace files on disk for 3 captures listed). The trace is removed with the failure."""
+    store = TraceStore(_private(tmp_path), max_files=3, max_bytes=10**9)
+    big = {"id": new_id(), "model": "m", "status": "done", "outcome": "ok", "summary": ["x" * 100] * 80}
+    with pytest.raises(OSError):
+        _full_disk_save(store, big, b"\x1f" * 1024, 4096)
+    assert sorted(os.listdir(store.directory)) == []
+    small = {"id": new_id(), "model": "m", "status": "done", "outcome": "ok"}
+    store.save(small, b"\x1f" * 1024, "host_1.1.pt.trace.json.gz")
+    assert [p["id"] for p in store.list()] == [small["id"]]
+
+
+def test_the_start_sweep_removes_an_unnamed_old_trace_and_an_earlier_process_temp_under_this_pid(
+        tmp_path: Path) -> None:
+    """Swept at start: a trace over an hour old that no metadata names (a process killed between its trace and its
+    metadata), and a temp file carrying this process's own pid written before this process loaded the store (a
+    container's pid 1 restarted after a kill mid-export: three restarts left 6 temp files, 8.4 MB, kept for an
+    hour because the pid was 'alive'). A named trace, a fresh unnamed one (another process between its two
+    writes) and this process's own fresh temp stay."""
+    import time
+
+    d = _private(tmp_path)
+    store = TraceStore(d, max_files=10, max_bytes=10**9)
+    kept = store.save({"id": new_id(), "model": "m", "status": "done", "outcome": "ok"}, b"t" * 10,
+                      "host_1.2.pt.trace.json.gz")
+    hour_ago = time.time() - 2 * 3600
+    orphan, fresh_orphan = d / "host_1.3.pt.trace.json.gz", d / "host_1.4.pt.trace.json.gz"
+    for f in (orphan, fresh_orphan):
+        f.write_bytes(b"t" * 10)
+        f.chmod(0o600)
+    os.utime(orphan, (hour_ago, hour_ago))
+    os.utime(d / kept["trace_file"], (hour_ago, hour_ago))
+    earlier, mine = store.new_temp("json")[1], store.new_temp("json")[1]
+    # 50 minutes old: under the hour (only the pid rule can remove it), and before this test process loaded the
+    # store (a whole suite runs in ~10).
+    before = time.time() - 3000
+    os.utime(earlier, (before, before))
+    assert store.sweep_temp() is None
+    assert sorted(os.listdir(d)) == sorted([kept["trace_file"], f"{kept['id']}.meta.json", fresh_orphan.name,
+                                            mine.name])

@@ -44,8 +44,12 @@ __all__ = ["META_NAME", "TraceStore"]
 
 #: Metadata files: a capture id (see ``files.new_id``) and the suffix.
 META_NAME = re.compile(r"^(?P<id>[0-9a-f]{22})\.meta\.json$")
-#: A temp file older than this is swept even if its pid is alive (a reused pid, another host's).
+#: A temp file older than this is swept even if its pid is alive (a reused pid, another host's); so is a trace no
+#: metadata names (a process killed between the two writes).
 TEMP_MAX_AGE_SECONDS = 3600.0
+#: When this process loaded the store (Unix seconds): a temp file of this pid written before it is an earlier
+#: process's, the same pid reused (a container's pid 1 restarted after a kill).
+_BORN = time.time()
 #: Metadata files are small (an op summary of <= 25 rows, a per-step table of <= 201 op names and a
 #: comparison of <= 402 rows: well under 1 MiB); a bigger one is not ours.
 META_MAX_BYTES = 4 * 2**20
@@ -142,8 +146,14 @@ class TraceStore:
                 meta = {**meta, "trace_file": trace_name, "trace_bytes": size}
             # Where it was made travels with it: an upload after a restart keys it as its maker would have.
             meta = {"host": host_name(), "worker": worker_name(), **meta}
-            body = meta_json(meta)
-            write_at(dfd, f"{meta['id']}.meta.json", body)
+            try:
+                write_at(dfd, f"{meta['id']}.meta.json", meta_json(meta))
+            except BaseException:
+                # No metadata, no capture: its trace would be listed nowhere and never removed by retention (a
+                # full disk, where the trace fits and its metadata does not, left one such file per capture).
+                if "trace_file" in meta:
+                    self._unlink_own(dfd, meta["trace_file"])
+                raise
             self._retain(dfd)
         _notify(self.on_saved, meta)
         return meta
@@ -189,6 +199,11 @@ class TraceStore:
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: not a capture of ours
             return None
         return meta if isinstance(meta, dict) else None
+
+    def _trace_file(self, dfd: int, meta_name: str) -> str | None:
+        """The trace file a metadata file names, or None."""
+        name = (self._meta(dfd, meta_name) or {}).get("trace_file")
+        return name if isinstance(name, str) else None
 
     def _trace_name(self, capture_id: str) -> str | None:
         meta = self.get(capture_id)
@@ -263,22 +278,25 @@ class TraceStore:
             pass
 
     def sweep_temp(self) -> str | None:
-        """Remove temp files an interrupted export left (their process is gone, or they are over an
-        hour old); never raises. Returns why the directory is unusable, or None."""
+        """Remove temp files an interrupted export left (their process is gone, or is this one reborn under the
+        same pid, or they are over an hour old), and traces over an hour old that no metadata names (a kill
+        between a capture's two writes); never raises. Returns why the directory is unusable, or None."""
         try:
             with self.opened(create=False) as dfd:
                 if dfd is None:
                     return None
                 now = time.time()
-                for name in os.listdir(dfd):
+                names = os.listdir(dfd)
+                named = {self._trace_file(dfd, n) for n in names if META_NAME.fullmatch(n)}
+                for name in names:
                     m = TEMP_NAME.fullmatch(name)
-                    if m is None:
+                    if m is None and (name in named or not TRACE_NAME.fullmatch(name)):
                         continue
                     try:
-                        age = now - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime
+                        mtime = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime
                     except OSError:
                         continue
-                    if age > TEMP_MAX_AGE_SECONDS or not _alive(int(m["pid"])):
+                    if now - mtime > TEMP_MAX_AGE_SECONDS or (m is not None and _dead(int(m["pid"]), mtime)):
                         self._unlink_own(dfd, name)
         except (UnsafeTraceDir, OSError) as exc:
             return str(exc)
@@ -298,9 +316,14 @@ def _meta_names(dfd: int) -> list[str]:
     return sorted((n for n in os.listdir(dfd) if META_NAME.fullmatch(n)), reverse=True)
 
 
-def _alive(pid: int) -> bool:
+def _dead(pid: int, mtime: float) -> bool:
+    """Whether the process that wrote a temp file of ``pid`` last at ``mtime`` (Unix seconds) is gone."""
     if pid == os.getpid():
-        return True
+        return mtime < _BORN  # an earlier process's, under the same pid; this one's own are in use
+    return not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
