@@ -210,6 +210,14 @@ def test_every_alert_links_a_runbook_section() -> None:
         assert page == "docs/runbook.md" and anchor in sections, rule["alert"]
 
 
+def test_readme_lists_every_shipped_alert() -> None:
+    """README's "Dashboards, alerts, deployment" section names every alert of the rules file, and no other."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Dashboards, alerts, deployment", 1)[1].split("\n## ", 1)[0]
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r}
+    assert set(re.findall(r"`(Perfmon[A-Za-z0-9]+)`", section)) == alerts
+
+
 def _substitute(expr: str, values: dict[str, str]) -> str:
     for var, val in values.items():
         expr = expr.replace(var, val)
