@@ -105,9 +105,11 @@ def variables(gpu: bool) -> list[dict[str, Any]]:
          "current": {}, "refresh": 1, "hide": 0},
         query("job", "label_values(perfmon_info, job)", "Job"),
         query("instance", 'label_values(perfmon_info{job=~"$job"}, instance)', "Instance"),
-        # Forward models and generation names (monitor.stream/generation may use a name no model has).
-        query("model", 'label_values({__name__=~"perfmon_forward_calls_total|perfmon_generation_requests_total", '
-              'job=~"$job", instance=~"$instance"}, model)', "Model"),
+        # Forward models, generation names (monitor.stream/generation may use a name no model has) and request
+        # spans' names (monitor.request(name=...), a middleware's name=: their model label), or the Requests row
+        # empties when one is selected. The counters: each name has them from its first request.
+        query("model", 'label_values({__name__=~"perfmon_forward_calls_total|perfmon_generation_requests_total|'
+              'perfmon_requests_total", job=~"$job", instance=~"$instance"}, model)', "Model"),
     ]
     out.append(query("gpu", 'label_values(perfmon_gpu_memory_total_bytes{job=~"$job", instance=~"$instance"}, gpu)',
                      "GPU"))
@@ -193,10 +195,10 @@ def generation(b: Board) -> None:
         *_quantiles("perfmon_forward_duration_seconds", stages, "model, stage", "{{model}} {{stage}}"),
         (f"sum by (model, stage) (rate(perfmon_forward_calls_total{{{stages}}}[{RATE}]))", "{{model}} {{stage}} calls/s"),
     ], "s", description="Sampled forward duration (device time on GPU) of a generative model's prefill steps (the "
-        "prompt) and decode steps (one token against the KV cache), cold and steady; calls per second on the "
-        "right axis.", extra={"fieldConfig": {"defaults": {"unit": "s"}, "overrides": [
+        "prompt) and decode steps (one token against the KV cache), cold and steady; forward calls per second on "
+        "the right axis.", extra={"fieldConfig": {"defaults": {"unit": "s"}, "overrides": [
             {"matcher": {"id": "byFrameRefID", "options": "C"},
-             "properties": [{"id": "unit", "value": "reqps"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
+             "properties": [{"id": "unit", "value": "ops"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
 
 
 def gc_pauses(b: Board) -> None:
@@ -216,10 +218,11 @@ def gc_pauses(b: Board) -> None:
     b.panel("Timed calls that overlapped a GC pause", [
         (f"sum by (model) (rate(perfmon_samples_gc_overlap_total{{{MODEL}}}[{RATE}])) / "
          f"sum by (model) (rate(perfmon_forward_sampled_total{{{MODEL}}}[{RATE}]))", "{{model}}"),
-        (f"sum(rate(perfmon_gc_pause_seconds_sum{{{BASE}}}[{RATE}]))", "wall time in GC"),
+        # Per process: a sum over the selected instances would read N times the share for N replicas.
+        (f"sum by (instance) (rate(perfmon_gc_pause_seconds_sum{{{BASE}}}[{RATE}]))", "{{instance}} wall time in GC"),
     ], "percentunit", width=8, description="Share of timed calls whose interval overlapped a GC pause of any "
         "generation (the status page and /stats say which generation, and whether the slowest calls did), and "
-        "the share of wall time the process spent collecting.")
+        "the share of wall time each serving process (instance) spent collecting, all generations together.")
 
 
 def requests(b: Board) -> None:
@@ -301,10 +304,11 @@ def fleet(b: Board) -> None:
             "unit": "none", "thresholds": ratio, "links": fleet_links("${__field.labels.instance}"),
             "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 0, "stacking": {"mode": "none"},
                        "spanNulls": False, "thresholdsStyle": {"mode": "line"}}}, "overrides": []}})
-    b.panel("Calls per second, per replica", [
+    b.panel("Forward calls per second, per replica", [
         ("instance_model:perfmon_forward_calls:rate5m{" + MODEL + "}", "{{instance}} {{model}}"),
-    ], "reqps", width=8, description="Each replica's share of the traffic: a slow replica that also gets more "
-        "calls than its peers is busier, not broken (sticky sessions, an unbalanced load balancer).")
+    ], "ops", width=8, description="Each replica's share of the traffic in forward calls (a generate() request is "
+        "a prefill and a decode call per token): a slow replica that also gets more calls than its peers is "
+        "busier, not broken (sticky sessions, an unbalanced load balancer).")
     b.panel("Occupancy against the fleet median", [
         ("sort(instance_model:perfmon_model_occupancy_ratio:avg5m_ratio_to_fleet_median{" + MODEL + "})",
          "{{instance}} {{model}}"),
@@ -384,14 +388,30 @@ def overview() -> dict[str, Any]:
     b = Board()
     steady = f'{MODEL}, phase="steady"'
     b.row("Traffic")
-    b.panel("Request rate", [(f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}}")],
-            "reqps", description="Calls per second, every call counted exactly.")
+    # Forward calls are not requests: a generate() request of n tokens is a prefill and n-1 decode forwards (32
+    # calls/s for 2 requests/s of 16 tokens). Requests are what generation and request spans count.
+    b.panel("Forward calls per second", [
+        (f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}}"),
+    ], "ops", width=8, description="Calls of each wrapped model's forward per second, every call counted exactly. "
+        "Not requests: a generative model makes one call per prompt (prefill) and one per generated token "
+        "(decode); see Requests per second.")
+    b.panel("Requests per second", [
+        (f"sum by (model) (rate(perfmon_generation_requests_total{{{MODEL}}}[{RATE}]))", "{{model}} generation"),
+        (f"sum by (model) (rate(perfmon_requests_total{{{MODEL}}}[{RATE}]))", "{{model}} served (spans)"),
+    ], "reqps", width=8, description="Requests that ended per second, every outcome: generation requests "
+        "(monitor.generation, monitor.stream, a wrapped model's generate()) and served requests (request spans: "
+        "the middlewares, monitor.request, monitor.batch; model is the span's name). A served request that "
+        "generates counts in both; a server with neither instrumented shows none (its forward calls are the "
+        "closest figure).")
     b.panel("Errors", [
         (f"sum by (model, exception) (rate(perfmon_forward_errors_total{{{MODEL}}}[{RATE}]))", "{{model}} {{exception}}"),
-        (f"sum by (model) (rate(perfmon_forward_errors_total{{{MODEL}}}[{RATE}])) / "
+        # The all-classes counter: it exists at 0 from the wrap, where a class's series is born with its first
+        # error and rate() misses what it counted before its first scrape.
+        (f"sum by (model) (rate(perfmon_forward_failed_calls_total{{{MODEL}}}[{RATE}])) / "
          f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}} error ratio"),
-    ], "reqps", description="Calls that raised per second, by exception class, and the share of calls that raised.",
-        extra={"fieldConfig": {"defaults": {"unit": "reqps"}, "overrides": [
+    ], "ops", width=8, description="Forward calls that raised per second, by exception class (a class appears "
+        "with its first error), and the share of forward calls that raised, every class together.",
+        extra={"fieldConfig": {"defaults": {"unit": "ops"}, "overrides": [
             {"matcher": {"id": "byFrameRefID", "options": "B"},
              "properties": [{"id": "unit", "value": "percentunit"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
     b.panel("Items per second", [
@@ -438,8 +458,13 @@ def overview() -> dict[str, Any]:
     ], "s", kind="stat", description="From monitor start to the end of the first call, and the first call's duration.")
     b.panel("Regression", [
         (f"max by (model) (perfmon_regression_active{{{MODEL}}})", "{{model}} active"),
-        (f"sum by (model) (perfmon_regressions_total{{{MODEL}}})", "{{model}} detected"),
-    ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected since start.")
+        # Over the dashboard's range, not the raw counter: that counts since each process started, summed
+        # over replicas, and drops when one restarts.
+        (f"round(sum by (model) (increase(perfmon_regressions_total{{{MODEL}}}[$__range])))", "{{model}} detected"),
+    ], "short", kind="stat", description="1 while the detector sees a regression; regressions detected within the "
+        "dashboard's time range, every selected replica together (increase() counts across restarts; rounded: it "
+        "extrapolates to the range's ends).")
+    b.panels[-1]["targets"][1].update(range=False, instant=True)  # one figure for the whole range, at its end
     fleet(b)
 
 

@@ -91,6 +91,70 @@ def test_dashboard_structure(path: Path) -> None:
     assert len(uids) == len(set(uids))
 
 
+def _panels(name: str) -> list[dict[str, Any]]:
+    return [p for p in _load(ROOT / "grafana" / "dashboards" / name)["panels"] if p["type"] != "row"]
+
+
+def _unit(panel: dict[str, Any], ref: str) -> str:
+    """The unit a target is drawn in: the panel's, or an override by its refId."""
+    for o in panel["fieldConfig"]["overrides"]:
+        if o["matcher"] == {"id": "byFrameRefID", "options": ref}:
+            for prop in o["properties"]:
+                if prop["id"] == "unit":
+                    return str(prop["value"])
+    return str(panel["fieldConfig"]["defaults"]["unit"])
+
+
+def test_forward_calls_are_not_shown_as_requests_and_requests_are() -> None:
+    """No target counting forward calls is drawn in requests/s (a generate() request is a prefill and a decode
+    call per token); the Traffic row has a requests-per-second panel from generation requests and request spans."""
+    for path in DASHBOARDS:
+        for panel in (p for p in _load(path)["panels"] if p["type"] != "row"):
+            for t in panel["targets"]:
+                if "forward_calls" in t["expr"] and " / " not in t["expr"]:
+                    assert _unit(panel, t["refId"]) != "reqps", (panel["title"], t["expr"])
+                    assert "request" not in panel["title"].lower(), panel["title"]
+    requests = next(p for p in _panels("perfmon-overview.json") if p["title"] == "Requests per second")
+    exprs = " ".join(t["expr"] for t in requests["targets"])
+    assert requests["fieldConfig"]["defaults"]["unit"] == "reqps"
+    assert "rate(perfmon_generation_requests_total{" in exprs and "rate(perfmon_requests_total{" in exprs
+    assert "forward_calls" not in exprs
+
+
+def test_counters_are_read_over_a_range_and_shares_are_per_process() -> None:
+    """Every perfmon counter a panel reads goes through rate() or increase() over a range (a raw counter counts
+    since each process started and drops at a restart); the regression count is over the dashboard's range; no
+    share (percentunit) sums across instances (N replicas would read N times the share)."""
+    counter = re.compile(r"(perfmon_[a-z0-9_]+_total)\{[^}]*\}(\[)?")
+    for path in DASHBOARDS:
+        for title, expr in _targets(_load(path)):
+            for name, ranged in counter.findall(expr):
+                assert ranged, (title, name, expr)
+    regression = next(p for p in _panels("perfmon-overview.json") if p["title"] == "Regression")
+    detected = next(t for t in regression["targets"] if "perfmon_regressions_total" in t["expr"])
+    assert "increase(perfmon_regressions_total{" in detected["expr"] and "[$__range]" in detected["expr"]
+    assert detected["instant"] is True
+    for path in DASHBOARDS:
+        for panel in (p for p in _load(path)["panels"] if p["type"] != "row"):
+            for t in panel["targets"]:
+                if _unit(panel, t["refId"]) == "percentunit":
+                    assert not re.search(r"\bsum\s*\(", t["expr"]), (panel["title"], t["expr"])
+    gc_share = [t["expr"] for p in _panels("perfmon-overview.json") for t in p["targets"]
+                if "perfmon_gc_pause_seconds_sum" in t["expr"]]
+    assert gc_share and all("sum by (instance)" in e for e in gc_share), gc_share
+
+
+def test_model_variable_lists_every_name_the_model_label_takes() -> None:
+    """The $model variable reads forward models, generation names and request-span names (perfmon_requests_total's
+    model label), so selecting a span's name keeps the Requests row."""
+    for path in DASHBOARDS:
+        var = next(v for v in _load(path)["templating"]["list"] if v["name"] == "model")
+        names = re.search(r'__name__=~"([^"]+)"', var["query"]["query"])
+        assert names, var["query"]
+        assert {"perfmon_forward_calls_total", "perfmon_generation_requests_total",
+                "perfmon_requests_total"} <= set(names.group(1).split("|"))
+
+
 def test_latency_panels_show_exemplars_and_read_classic_or_native_histograms() -> None:
     """Forward-latency percentile targets enable exemplars; every latency query has a native-histogram branch."""
     latency = [t for p in DASHBOARDS for panel in _load(p)["panels"] if panel["type"] != "row"
@@ -144,6 +208,14 @@ def test_every_alert_links_a_runbook_section() -> None:
     for rule in alerts:
         page, _, anchor = rule["annotations"]["runbook"].partition("#")
         assert page == "docs/runbook.md" and anchor in sections, rule["alert"]
+
+
+def test_readme_lists_every_shipped_alert() -> None:
+    """README's "Dashboards, alerts, deployment" section names every alert of the rules file, and no other."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Dashboards, alerts, deployment", 1)[1].split("\n## ", 1)[0]
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r}
+    assert set(re.findall(r"`(Perfmon[A-Za-z0-9]+)`", section)) == alerts
 
 
 def _substitute(expr: str, values: dict[str, str]) -> str:
@@ -235,7 +307,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
         while not stop.is_set() and time.monotonic() < deadline:
             i += 1
             batch = 1 + (i // 200) % 64  # a new input shape every 200 calls: cold calls keep coming
-            with mon.request() as request:  # a served request: queued, then the encoder (the Requests row)
+            # A served request, named as a server names its route: queued, then the encoder (the Requests row,
+            # which reads the span's name, not the encoder's).
+            with mon.request(name="api") as request:
                 request.enqueued()
                 enc(torch.randn(batch, 32))
             on_gpu(torch.zeros(1))
@@ -273,8 +347,19 @@ def test_every_panel_and_recording_rule_returns_data_from_a_live_agent(make_moni
         rules.write_text(RULES.read_text().replace("interval: 30s", "interval: 1s"))
         instance = mon.url.removeprefix("http://")
         with running_prometheus(tmp_path, [instance], rule_files=[str(rules)], features=features) as prom:
-            values = {"$__rate_interval": "10s", "$job": "perfmon", "$instance": instance,
-                      "$model": "encoder|gpu_model|tokenize|decoder", "$gpu": "0|1"}
+            values = {"$__rate_interval": "10s", "$__range": "1m", "$job": "perfmon", "$instance": instance,
+                      "$gpu": "0|1"}
+            # $model as Grafana fills it: the names its variable's label_values() query finds in Prometheus.
+            var = next(v for v in _load(DASHBOARDS[0])["templating"]["list"] if v["name"] == "model")
+            selector = re.fullmatch(r"label_values\((.+), model\)", var["query"]["query"]).group(1)  # type: ignore[union-attr]
+            count_by_model = f"count by (model) ({_substitute(selector, values)})"
+
+            def models() -> set[str]:
+                found = {r["metric"].get("model", "") for r in prom.query(count_by_model)} - {""}
+                # Not "api": a variable that misses span names must show as the Requests row without data.
+                return found if {"encoder", "gpu_model", "tokenize", "decoder"} <= found else set()
+
+            values["$model"] = "|".join(sorted(wait_until(models, timeout=60, what="every model name scraped")))
             queries = [(f"{p.name}: {title}", _substitute(e, values)) for p in DASHBOARDS
                        for title, e in _targets(_load(p))]
             # A fleet median needs 3 replicas: those rules and panels are proven by tests/test_fleet.py.

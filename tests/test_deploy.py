@@ -100,6 +100,39 @@ def test_kubernetes_objects_fit_together() -> None:
     assert all((K8S / r).is_file() for r in kustomize["resources"])
 
 
+def _operator_job(monitor: dict[str, Any], endpoint: dict[str, Any], namespace: str,
+                  pod_labels: dict[str, str]) -> str:
+    """The job label the Prometheus Operator gives a PodMonitor endpoint's targets: ``<namespace>/<name>``, or
+    the pod label that ``jobLabel`` names, then the endpoint's relabelings (only the ``replace`` form that sets
+    ``job`` from a fixed replacement is modelled; anything else touching ``job`` fails the test)."""
+    job = pod_labels.get(monitor["spec"]["jobLabel"], "") if "jobLabel" in monitor["spec"] else \
+        f"{namespace}/{monitor['metadata']['name']}"
+    for r in endpoint.get("relabelings", []):
+        if r.get("targetLabel") != "job":
+            continue
+        assert r.get("action", "replace") == "replace" and not r.get("sourceLabels"), r
+        job = r["replacement"]
+    return job
+
+
+def test_podmonitor_gives_the_job_the_rules_select() -> None:
+    """Under the Prometheus Operator the PodMonitor's targets get the job PerfmonAgentDown selects, and the one
+    deploy/prometheus/prometheus.yml names (without a relabeling it is <namespace>/perfmon-example: no alert)."""
+    import re
+
+    docs = _k8s()
+    pm = docs["PodMonitor"]
+    pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    rules = _yaml(DEPLOY / "prometheus" / "rules" / "perfmon.rules.yml")
+    down = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "PerfmonAgentDown")
+    selected = set(re.findall(r'\bup\{job="([^"]+)"\}', down["expr"]))
+    assert len(selected) == 1, down["expr"]
+    compose_job = _yaml(DEPLOY / "prometheus" / "prometheus.yml")["scrape_configs"][0]["job_name"]
+    for endpoint in pm["spec"]["podMetricsEndpoints"]:
+        assert {_operator_job(pm, endpoint, ns, pod_labels) for ns in ("default", "serving")} == selected
+    assert selected == {compose_job}
+
+
 def test_systemd_unit_is_hardened() -> None:
     """The unit runs as a user with NoNewPrivileges, ProtectSystem and a restart policy; its env file exists."""
     unit = configparser.ConfigParser(strict=False, interpolation=None)
