@@ -7,7 +7,9 @@ before use. The HTTP exchange itself, with its deadline, size caps and refused r
 
 Exit status: 0 done; 1 the agent (or store) refused, failed, could not be reached, ran out the ``--timeout``, or
 answered something malformed, oversized or a redirect (one ``perfmon: ...`` line on stderr says which); 2 a
-usage error (the arguments, a malformed capture id, ``--url`` or token).
+usage error (the arguments, a malformed capture id, ``--url`` or token); 130 interrupted (Ctrl-C); 141 stdout was
+closed by its reader (``perfmon profile ... | head -3``): the rest is dropped without a word, and 141 is what a shell
+reports for a command killed by SIGPIPE, so ``set -o pipefail`` sees what it sees for ``yes | head``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, TextIO
 from . import client
 from ._version import __version__
 from .cli_report import check_ops as _check_ops
+from .cli_report import left_behind as _left_behind
 from .cli_report import malformed as _malformed
 from .cli_report import or_default as _or
 from .cli_report import report as _report
@@ -34,8 +37,9 @@ from .config import TOKEN_ENDS
 from .exceptions import ConfigError
 from .store.files import TRACE_NAME, valid_id
 
-__all__ = ["ANSWER_MAX_BYTES", "TRACE_MAX_BYTES", "ControlError", "Transport", "diff_profiles", "http_request",
-           "list_profiles", "main", "run_profile", "store_profiles"]
+__all__ = ["ANSWER_MAX_BYTES", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "TRACE_MAX_BYTES", "ControlError",
+           "Interrupted", "Transport", "diff_profiles", "http_request", "list_profiles", "main", "run_profile",
+           "store_profiles"]
 
 
 def _positive(text: str) -> float:
@@ -80,7 +84,15 @@ def _port(text: str) -> int:
 
 
 _EXIT_STATUS = ("exit status: 0 done; 1 the agent refused, failed, was unreachable, ran out the --timeout or "
-                "answered something malformed, oversized or a redirect; 2 a usage error")
+                "answered something malformed, oversized or a redirect; 2 a usage error; 130 interrupted; 141 stdout "
+                "closed by its reader (| head)")
+#: A reader that closed stdout early: 128 + SIGPIPE, what a shell reports for a writer SIGPIPE killed.
+EXIT_BROKEN_PIPE = 141
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(ControlError):
+    """Ctrl-C while the command waited on the agent (exit status 130)."""
 
 
 
@@ -157,7 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, transport: Transport | None = None) -> int:
     """Run one ``perfmon`` command; returns its exit status. ``transport`` carries the requests to an agent
     (``http_request`` by default; a test passes a fake)."""
-    transport = transport if transport is not None else http_request
+    try:
+        try:
+            return _command(argv, transport if transport is not None else http_request)
+        finally:  # inside the try: a reader gone after the last print fails this flush, not the interpreter's at exit
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader closed the pipe (| head): drop what is left, quietly (the recipe of Python's signal docs, "Note on
+        # SIGPIPE"). stdout's buffer still holds text the interpreter flushes at exit: it goes to /dev/null now.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # not a file descriptor (a test's StringIO): nothing to redirect
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: Sequence[str] | None, transport: Transport) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from .demo import DemoUnavailable, run_demo
@@ -232,7 +262,10 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
                 if isinstance(exc, client.TimedOut) else "")
         # One line, cleaned and cut: the message may quote what an agent or a store said.
         print(f"perfmon: {_clean(exc, 1000)}{more}", file=sys.stderr)
-        return 1
+        return EXIT_INTERRUPTED if isinstance(exc, Interrupted) else 1
+    except KeyboardInterrupt:
+        print("perfmon: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 # -- the subcommands that drive an agent: what `perfmon profile`, `profiles` and `diff` do -------------
@@ -250,25 +283,32 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     cap_id = client.json_object(body, "POST /profile").get("id")
     if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
         raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(cap_id, 80)})")
-    what = f"capture {cap_id}"
+    what, armed = f"capture {cap_id}", time.monotonic()
     print(f"{what} armed; waiting for the model's next calls...", file=stdout, flush=True)
     meta: dict[str, Any] = {}
     last = None
-    while time.monotonic() < deadline:  # bounded by the deadline (and so in count: one pass per 0.2 s at most)
-        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=client.remaining(deadline))
-        meta = client.json_object(body, what)
-        for field in ("status", "outcome"):
-            if not isinstance(meta.get(field), (str, type(None))):
-                raise _malformed(what, field, meta.get(field))
-        if meta.get("status") != last:
-            last = meta.get("status")
-            print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})", file=stdout,
-                  flush=True)
-        if meta.get("outcome"):
-            break
-        time.sleep(min(0.2, client.remaining(deadline)))
-    else:
-        raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
+    try:
+        while time.monotonic() < deadline:  # bounded by the deadline (and so in count: one pass per 0.2 s at most)
+            _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=client.remaining(deadline))
+            reply = client.json_object(body, what)
+            for field in ("status", "outcome"):
+                if not isinstance(reply.get(field), (str, type(None))):
+                    raise _malformed(what, field, reply.get(field))
+            meta = reply  # checked: what the message below may read
+            if meta.get("status") != last:
+                last = meta.get("status")
+                print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})",
+                      file=stdout, flush=True)
+            if meta.get("outcome"):
+                break
+            time.sleep(min(0.2, client.remaining(deadline)))
+        else:
+            raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
+    except (client.TimedOut, KeyboardInterrupt) as exc:  # the capture lives on: say until when, and how to fetch it
+        gone = _left_behind(meta, cap_id, base, armed_seconds_ago=time.monotonic() - armed)
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(f"interrupted: {what} was not waited for; {gone}") from None
+        raise client.TimedOut(f"{exc}; {gone}") from None
     return _save_trace(base, cap_id, meta, Path(out) if out else None, token=token, deadline=deadline,
                        transport=transport, stdout=stdout)
 

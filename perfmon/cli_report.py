@@ -12,8 +12,10 @@ from typing import Any
 
 from .client import ControlError
 from .client import clean as _clean
+from .config import Config
 
-__all__ = ["check_ops", "malformed", "number", "optional_number", "or_default", "report", "short_comparison"]
+__all__ = ["check_ops", "left_behind", "malformed", "number", "optional_number", "or_default", "report",
+           "short_comparison"]
 
 
 def or_default(value: Any, default: str) -> Any:
@@ -90,6 +92,22 @@ def _op_lines(ops: Any, what: str) -> list[str]:
                      f"{(flops or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
                      f"{_clean(op.get('bound') or '-', 20)}")
     return lines
+
+
+def left_behind(meta: dict[str, Any], capture_id: str, url: str, *, armed_seconds_ago: float) -> str:
+    """What a capture the CLI stopped waiting for (``--timeout``, Ctrl-C) goes on doing on the agent, and when it
+    stops refusing other captures. The agent has no route that cancels a capture (``http/routes.py``), so the CLI
+    cannot take its own back; ``armed_seconds_ago``: seconds since the agent answered the POST that armed it."""
+    fetch = f"`perfmon profiles --url {url} --download {capture_id}` fetches it once it is done"
+    status = meta.get("status")
+    if status not in (None, "armed"):  # recording or exporting: it ends on its own, by steps or max_seconds
+        return f"it is {_clean(status, 40)} on the agent and ends on its own; {fetch}"
+    # The agent's setting is not in its answers: the default is the best the CLI knows.
+    left = Config.capture_arm_timeout_seconds - armed_seconds_ago
+    when = f"in about {left:.0f} s" if left >= 1 else "by now"
+    return ("it stays armed on the agent (the API has no way to cancel it), and every other capture there is refused "
+            "(409 \"a capture is armed\"), until a call of the model starts it or capture_arm_timeout_seconds expire "
+            f"it ({when}, with the default {Config.capture_arm_timeout_seconds:g} s); {fetch}")
 
 
 def short_comparison(meta: dict[str, Any], width: int = 60) -> str:

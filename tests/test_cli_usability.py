@@ -1,0 +1,125 @@
+"""`perfmon profile`, `profiles` and `diff` as a new user meets them: piped into `head`, `--out` naming a directory,
+a capture left armed by a timeout or Ctrl-C, an op table with one row per input shape, steps recorded vs used."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .test_cli_hostile import A, Agent, B, Reply, _json, assert_one_error_line, meta, profile_routes, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _perfmon(*argv: str, cwd: Path) -> subprocess.Popen[str]:
+    """``python -m perfmon argv...`` in a child, stdout and stderr pipes."""
+    return subprocess.Popen([sys.executable, "-m", "perfmon", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# -- a reader that closes stdout early (| head) ----------------------------------------------------------
+
+def _many_captures(n: int) -> dict[str, Any]:
+    return {"profiles": [{**meta(f"{i:022x}"), "summary": None, "ops": None} for i in range(n)]}
+
+
+@pytest.mark.parametrize("command", ["profiles", "profile", "diff"])
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(command: str, tmp_path: Path) -> None:
+    """`perfmon ... | head -3`: when the reader closes the pipe the command exits 141 (a shell's status for a writer
+    SIGPIPE killed) with nothing on stderr — no BrokenPipeError traceback, no "Exception ignored" at exit."""
+    closed = threading.Event()
+    routes: dict[tuple[str, str], Reply] = {
+        **profile_routes(meta()), ("GET", "/profiles"): _json(_many_captures(3000)),  # ~600 KiB: past a pipe's buffer
+        ("GET", f"/profiles/{B}"): _json(meta(B))}
+
+    def answer(method: str, path: str) -> Reply:
+        if command != "profiles":
+            closed.wait(30)  # the first line is printed after this answer: the pipe is closed by then
+        return routes.get((method, path), (404, [], b'{"error": "no"}'))
+
+    with Agent(handler=answer) as agent:
+        argv = {"profiles": ["profiles", "--url", agent.url], "profile": ["profile", "--url", agent.url],
+                "diff": ["diff", "--url", agent.url, A, B]}[command]
+        with _perfmon(*argv, cwd=tmp_path) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            if command == "profiles":
+                for _ in range(3):
+                    proc.stdout.readline()
+            proc.stdout.close()
+            closed.set()
+            rc = proc.wait(timeout=60)
+            err = proc.stderr.read()
+    assert rc == 141 and err == "", (rc, err)
+
+
+def test_a_closed_pipe_in_process_is_exit_141_too(capsys: Any) -> None:
+    """`main()` called in a process (a test, a tool) whose stdout is no file descriptor: still 141, no traceback."""
+    class Closed:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    with Agent({("GET", "/profiles"): _json(_many_captures(2))}) as agent:
+        saved, sys.stdout = sys.stdout, Closed()  # type: ignore[assignment]
+        try:
+            from perfmon.cli import main
+
+            rc = main(["profiles", "--url", agent.url])
+        finally:
+            sys.stdout = saved
+    assert rc == 141 and capsys.readouterr().err == ""
+
+
+# -- a capture the CLI stopped waiting for ---------------------------------------------------------------
+
+def _stuck(status: str) -> dict[tuple[str, str], Reply]:
+    """An agent whose capture A never finishes: it stays in ``status``."""
+    return {("POST", "/profile"): _json({"id": A}),
+            ("GET", f"/profiles/{A}"): _json({**meta(), "status": status, "outcome": None, "steps_recorded": 0})}
+
+
+def test_a_timed_out_profile_says_until_when_its_capture_stays_armed(capsys: Any) -> None:
+    """A `profile` that runs out its --timeout with the capture still armed says that the capture stays armed on the
+    agent, refusing other captures (409), about how long (the default capture_arm_timeout_seconds from arming), and
+    how to fetch it later; the agent has no route to cancel it."""
+    with Agent(_stuck("armed")) as agent:
+        rc, _, err = run(capsys, "profile", "--url", agent.url, "--timeout", "1")
+    assert_one_error_line(rc, err)
+    assert "did not finish in time" in err and "stays armed on the agent" in err and "409" in err
+    found = re.search(r"in about (\d+) s, with the default 60 s", err)
+    assert found and 55 <= int(found.group(1)) <= 60, err
+    assert f"perfmon profiles --url {agent.url} --download {A}" in err
+
+
+def test_a_timed_out_profile_that_is_recording_says_it_ends_on_its_own(capsys: Any) -> None:
+    """Timed out while the capture records: it ends on its own (no word of arming), and can be fetched later."""
+    with Agent(_stuck("recording")) as agent:
+        rc, _, err = run(capsys, "profile", "--url", agent.url, "--timeout", "1")
+    assert_one_error_line(rc, err)
+    assert "it is recording on the agent and ends on its own" in err and "armed" not in err.split(";", 1)[1]
+
+
+def test_ctrl_c_while_profile_waits_is_exit_130_saying_the_capture_stays_armed(tmp_path: Path) -> None:
+    """SIGINT while `profile` waits: exit 130, one line saying the capture stays armed and how to fetch it (it was a
+    KeyboardInterrupt traceback)."""
+    with Agent(_stuck("armed")) as agent, _perfmon("profile", "--url", agent.url, cwd=tmp_path) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert "armed; waiting" in proc.stdout.readline()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        err = proc.stderr.read()
+    assert rc == 130, err
+    assert err.startswith("perfmon: interrupted: ") and err.count("\n") == 1 and "stays armed" in err, err
+    assert "Traceback" not in err
