@@ -139,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--model", default=None, help="model name (default: the only one)")
     prof.add_argument("--steps", type=int, default=None, help="forward calls to record (1..100, default 5)")
     prof.add_argument("--max-seconds", type=_positive, default=None, help="window limit (default 10)")
-    prof.add_argument("--out", default=None, help="where to save the .pt.trace.json.gz (default: its name, here)")
+    prof.add_argument("--out", default=None,
+                      help="a directory to write the trace into under its own name ({worker}.{time_ns}.pt.trace.json"
+                           ".gz; default: here), or the file to write; a file of that name is replaced (a symbolic "
+                           "link too: never written through)")
     profiles = control("profiles", "list captures: one agent's (--url), or the whole fleet's in object storage "
                                    "(--store)", url_required=False)
     profiles.add_argument("--store", default=None,
@@ -211,11 +214,11 @@ def _command(argv: Sequence[str] | None, transport: Transport) -> int:
             print(f"perfmon: profiles: --download: not a capture id: {_clean(repr(args.download), 80)} "
                   "(expected 22 lowercase hex digits, as `perfmon profiles` lists them)", file=sys.stderr)
             return 2
-        if args.command == "profile" and args.out is not None and (Path(args.out).is_dir()
-                                                                    or not Path(args.out).parent.is_dir()):
-            # Before the capture: a trace with nowhere to go would be taken for nothing.
-            why = "is a directory (give the trace's file name)" if Path(args.out).is_dir() else \
-                "is in a directory that does not exist"
+        if args.command == "profile" and args.out is not None and not Path(args.out).is_dir() and (
+                args.out.endswith(os.sep) or not Path(args.out).parent.is_dir()):
+            # Before the capture: a trace with nowhere to go would be taken for nothing. (A directory that exists takes
+            # the trace under its own name, as `profiles --download --out` does; "new/" names a directory, not a file.)
+            why = "is not a directory" if args.out.endswith(os.sep) else "is in a directory that does not exist"
             print(f"perfmon: profile: --out {_clean(args.out, 200)} {why}", file=sys.stderr)
             return 2
         if args.command == "profiles" and args.store:
@@ -273,7 +276,9 @@ def _command(argv: Sequence[str] | None, transport: Transport) -> int:
 def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
                 max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
                 stdout: TextIO | None = None, transport: Transport = http_request) -> int:
-    """Trigger a capture, wait for it, download its trace and print the top ops, all within ``timeout`` seconds."""
+    """Trigger a capture, wait for it, download its trace and print the top ops, all within ``timeout`` seconds.
+
+    ``out``: a directory (default: the working one) that takes the trace under its own name, or the file to write."""
     stdout = stdout if stdout is not None else sys.stdout  # looked up per call: tests and tools swap it
     deadline = time.monotonic() + timeout
     base = url.rstrip("/")
@@ -309,8 +314,9 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted(f"interrupted: {what} was not waited for; {gone}") from None
         raise client.TimedOut(f"{exc}; {gone}") from None
-    return _save_trace(base, cap_id, meta, Path(out) if out else None, token=token, deadline=deadline,
-                       transport=transport, stdout=stdout)
+    where = Path(out) if out else Path()
+    return _save_trace(base, cap_id, meta, None if where.is_dir() else where, token=token, deadline=deadline,
+                       transport=transport, stdout=stdout, directory=where)
 
 
 def fetch_profile(url: str, capture_id: str, *, token: str | None, out: str = ".", timeout: float = 120.0,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .test_cli_hostile import A, Agent, B, Reply, _json, assert_one_error_line, meta, profile_routes, run
+from .test_cli_hostile import TRACE, A, Agent, B, Reply, _json, assert_one_error_line, meta, profile_routes, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +79,30 @@ def test_a_closed_pipe_in_process_is_exit_141_too(capsys: Any) -> None:
         finally:
             sys.stdout = saved
     assert rc == 141 and capsys.readouterr().err == ""
+
+
+# -- profile --out: a directory or a file ----------------------------------------------------------------
+
+def test_profile_out_takes_a_directory_or_a_file(tmp_path: Path, capsys: Any) -> None:
+    """`profile --out DIR` writes DIR/<the trace's name> and prints that path, as `profiles --download --out DIR`
+    does (it was refused: "is a directory", exit 2); `--out DIR/name.gz` still writes exactly that file."""
+    (tmp_path / "traces").mkdir()
+    with Agent(profile_routes(meta())) as agent:
+        rc, out, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path / "traces"))
+        assert rc == 0, err
+        target = tmp_path / "traces" / "h_1.1.pt.trace.json.gz"
+        assert target.read_bytes() == TRACE and f"trace: {target} (" in out
+        rc, out, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path / "mine.gz"))
+    assert rc == 0, err
+    assert (tmp_path / "mine.gz").read_bytes() == TRACE and sorted(os.listdir(tmp_path)) == ["mine.gz", "traces"]
+
+
+def test_profile_help_says_out_takes_a_directory(capsys: Any) -> None:
+    """`perfmon profile --help` says --out takes a directory (the trace under its own name) or a file."""
+    with pytest.raises(SystemExit):
+        run(capsys, "profile", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a directory to write the trace into under its own name" in text and "or the file to write" in text
 
 
 # -- a capture the CLI stopped waiting for ---------------------------------------------------------------
