@@ -27,10 +27,10 @@ from . import client
 from ._version import __version__
 from .cli_report import check_ops as _check_ops
 from .cli_report import left_behind as _left_behind
+from .cli_report import listing as _listing
 from .cli_report import malformed as _malformed
-from .cli_report import or_default as _or
 from .cli_report import report as _report
-from .cli_report import short_comparison as _short_comparison
+from .cli_report import step_counts as _step_counts
 from .client import ANSWER_MAX_BYTES, TRACE_MAX_BYTES, ControlError, Transport, http_request
 from .client import clean as _clean  # the name every line here, and the tests, use
 from .config import TOKEN_ENDS
@@ -378,13 +378,8 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
     if not profiles:
         print("no captures", file=stdout)
         return 0
-    print(f"{'id':<24} {'model':<16} {'trigger':<11} {'status':<10} {'outcome':<8} {'steps':>5}  {'armed at':<29}  "
-          "vs baseline", file=stdout)
-    for p in profiles:  # every field cleaned (and cut) for the terminal: the agent is not trusted to be honest
-        print(f"{_clean(p.get('id', ''), 64):<24} {_clean(p.get('model', ''), 16):<16} "
-              f"{_clean(p.get('trigger', ''), 32):<11} {_clean(p.get('status', ''), 32):<10} "
-              f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
-              f"{_clean(p.get('armed_at', ''), 64):<29}  {_short_comparison(p)}", file=stdout)
+    for line in _listing(profiles, fleet=False):
+        print(line, file=stdout)
     return 0
 
 
@@ -425,15 +420,8 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     if not profiles:
         print("no captures", file=stdout)
         return 0
-    print(f"{'id':<24} {'model':<16} {'host':<20} {'trigger':<11} {'outcome':<8} {'steps':>5}  {'ended at':<29}  "
-          "vs baseline", file=stdout)
-    for p in profiles:
-        where = str(p.get("key", "")).split("/")  # {model}/{host}/{worker}/{time}-{id}
-        host_part = where[1] if len(where) > 1 else ""
-        print(f"{_clean(p.get('id', ''), 64):<24} {_clean(_or(p.get('model'), ''), 16):<16} "
-              f"{_clean(host_part, 20):<20} {_clean(_or(p.get('trigger'), ''), 32):<11} "
-              f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
-              f"{_clean(_or(p.get('ended_at'), ''), 64):<29}  {_short_comparison(p)}", file=stdout)
+    for line in _listing(profiles, fleet=True):
+        print(line, file=stdout)
     return 0
 
 
@@ -478,9 +466,8 @@ def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeo
     if result.get("error"):
         raise ControlError(f"cannot compare {before} and {after}: {_clean(result['error'], 300)}")
     per = "device" if (b.get("device") or "").startswith("cuda") else "CPU"
-    print(f"{before} ({_clean(a.get('trigger'), 32)}, {_clean(a.get('steps'), 12)} steps) -> {after} "
-          f"({_clean(b.get('trigger'), 32)}, {_clean(b.get('steps'), 12)} steps); self {per} time per model call",
-          file=stdout)
+    print(f"{before} ({_clean(a.get('trigger'), 32)}, steps used/recorded {_step_counts(a)}) -> {after} "
+          f"({_clean(b.get('trigger'), 32)}, {_step_counts(b)}); self {per} time per model call", file=stdout)
     print(f"\n{'op':<34} {'status':<7} {'before ms':>10} {'after ms':>10} {'added ms':>10} {'ratio':>7} "
           f"{'calls before':>12} {'calls after':>12}", file=stdout)
     for r in result["ops"][:max(rows, 0)]:

@@ -147,3 +147,59 @@ def test_ctrl_c_while_profile_waits_is_exit_130_saying_the_capture_stays_armed(t
     assert rc == 130, err
     assert err.startswith("perfmon: interrupted: ") and err.count("\n") == 1 and "stays armed" in err, err
     assert "Traceback" not in err
+
+
+# -- the op table's rows per input shape; steps recorded vs used -----------------------------------------
+
+def _row(shapes: list[str] | None, ms: float, calls: int) -> dict[str, Any]:
+    return {"name": "aten::mm", "calls": calls, "self_cpu_time_total_seconds": ms / 1e3,
+            "self_device_time_total_seconds": 0.0, "cpu_time_total_seconds": ms / 1e3, "flops": 0,
+            "achieved_flops_per_second": None, "bound": "compute", "input_shapes": shapes}
+
+
+def test_profile_op_table_shows_each_rows_input_shapes_and_the_steps_used(tmp_path: Path, capsys: Any) -> None:
+    """The op table holds a row per (op, input shapes): with shapes it has an input-shapes column telling the
+    aten::mm rows apart (they were three identical names), and it says its totals span the 5 steps recorded while the
+    per-step figures use 4 (the warm-up step left out), as `diff` does."""
+    summary = [_row(["[16, 32]", "[32, 64]"], 3.0, 2), _row(["[8, 32]", "[32, 64]"], 2.0, 2),
+               _row(["[8, 48]", "[48, 64]"], 1.0, 1)]
+    with Agent(profile_routes(meta(summary=summary, steps=4))) as agent:
+        rc, out, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path))
+    assert rc == 0, err
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    assert lines[head].endswith("input shapes")
+    assert [line.split("  ")[-1].strip() for line in lines[head + 1: head + 4]] == [
+        "[16, 32], [32, 64]", "[8, 32], [32, 64]", "[8, 48], [48, 64]"]
+    assert lines[head - 1] == ("top ops: totals over the 5 steps recorded; per-step figures (diff, vs baseline) use "
+                               "4: the first step, the profiler's warm-up, is left out")
+
+
+def test_profile_op_table_without_shapes_has_no_shape_column(tmp_path: Path, capsys: Any) -> None:
+    """A capture taken with record_shapes off has no shapes: no empty column; malformed shapes are one error line."""
+    with Agent(profile_routes(meta(summary=[_row(None, 1.0, 5)], steps=4))) as agent:
+        rc, out, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "input shapes" not in out and "steps recorded; per-step figures" in out
+    for bad in ({"x": 1}, [1, 2], "[1, 2]"):
+        with Agent(profile_routes(meta(summary=[_row(bad, 1.0, 5)]))) as agent:  # type: ignore[arg-type]
+            rc, _, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path / "x.gz"))
+        assert_one_error_line(rc, err)
+        assert "summary[0].input_shapes is malformed" in err and not (tmp_path / "x.gz").exists()
+
+
+def test_profiles_lists_steps_used_of_recorded_as_diff_counts_them(capsys: Any) -> None:
+    """`perfmon profiles` shows used/recorded steps (4/5 for a finished 5-step capture, -/3 for one recording), where it
+    showed 5 while the capture's metadata and `diff` said 4; `diff` names both counts too."""
+    listing = {"profiles": [{**meta(), "steps": 4, "summary": None, "ops": None},
+                            {**meta(B), "status": "recording", "outcome": None, "steps_recorded": 3, "steps": 0}]}
+    routes = {("GET", "/profiles"): _json(listing), ("GET", f"/profiles/{A}"): _json(meta(steps=4)),
+              ("GET", f"/profiles/{B}"): _json(meta(B, steps=4))}
+    with Agent(routes) as agent:
+        rc, out, err = run(capsys, "profiles", "--url", agent.url)
+        assert rc == 0, err
+        header, done, recording = out.splitlines()
+        assert "used/recorded" in header and done.split()[5] == "4/5" and recording.split()[5] == "-/3"
+        rc, out, err = run(capsys, "diff", "--url", agent.url, A, B)
+    assert rc == 0, err
+    assert out.splitlines()[0].startswith(f"{A} (manual, steps used/recorded 4/5) -> {B} (manual, 4/5)")
