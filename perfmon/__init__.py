@@ -16,6 +16,7 @@ from .config import DEFAULT_BUCKETS, DEFAULT_HOST_BUCKETS, DEFAULT_PORT, FINE_BU
 from .exceptions import CaptureBusy, CaptureRateLimited, ConfigError, PerfmonError, PortUnavailable, WrapError
 
 if TYPE_CHECKING:
+    from . import testing as testing
     from .agent.clocks import CudaBackend, TimingEvent
     from .agent.requests import RequestBatch, RequestSpan
     from .agent.span import Span
@@ -38,10 +39,17 @@ _LAZY = {
     "Monitor": "monitor",
 }
 
+#: Public submodules reached as attributes (``perfmon.testing.FakeCuda()`` after a bare ``import perfmon``, as the
+#: README writes it): imported at first use like the names above, since ``testing`` imports torch. Not in
+#: ``__all__``: ``from perfmon import *`` stays the curated names.
+_SUBMODULES = frozenset({"testing"})
+
 
 if not TYPE_CHECKING:  # a type checker reads the imports above: a misspelled name stays an error there
 
     def __getattr__(name: str) -> Any:
+        if name in _SUBMODULES:  # import_module binds it in globals(): found directly from now on
+            return importlib.import_module(f".{name}", __name__)
         module = _LAZY.get(name)
         if module is None:
             raise AttributeError(f"module 'perfmon' has no attribute {name!r}")
@@ -51,7 +59,7 @@ if not TYPE_CHECKING:  # a type checker reads the imports above: a misspelled na
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_SUBMODULES})
 
 
 __all__ = [

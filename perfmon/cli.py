@@ -7,7 +7,9 @@ before use. The HTTP exchange itself, with its deadline, size caps and refused r
 
 Exit status: 0 done; 1 the agent (or store) refused, failed, could not be reached, ran out the ``--timeout``, or
 answered something malformed, oversized or a redirect (one ``perfmon: ...`` line on stderr says which); 2 a
-usage error (the arguments, a malformed capture id, ``--url`` or token).
+usage error (the arguments, a malformed capture id, ``--url`` or token); 130 interrupted (Ctrl-C); 141 stdout was
+closed by its reader (``perfmon profile ... | head -3``): the rest is dropped without a word, and 141 is what a shell
+reports for a command killed by SIGPIPE, so ``set -o pipefail`` sees what it sees for ``yes | head``.
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ from typing import Any, TextIO
 from . import client
 from ._version import __version__
 from .cli_report import check_ops as _check_ops
+from .cli_report import left_behind as _left_behind
+from .cli_report import listing as _listing
 from .cli_report import malformed as _malformed
-from .cli_report import or_default as _or
 from .cli_report import report as _report
-from .cli_report import short_comparison as _short_comparison
+from .cli_report import step_counts as _step_counts
 from .client import ANSWER_MAX_BYTES, TRACE_MAX_BYTES, ControlError, Transport, http_request
 from .client import clean as _clean  # the name every line here, and the tests, use
 from .config import TOKEN_ENDS
 from .exceptions import ConfigError
 from .store.files import TRACE_NAME, valid_id
 
-__all__ = ["ANSWER_MAX_BYTES", "TRACE_MAX_BYTES", "ControlError", "Transport", "diff_profiles", "http_request",
-           "list_profiles", "main", "run_profile", "store_profiles"]
+__all__ = ["ANSWER_MAX_BYTES", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "TRACE_MAX_BYTES", "ControlError",
+           "Interrupted", "Transport", "diff_profiles", "http_request", "list_profiles", "main", "run_profile",
+           "store_profiles"]
 
 
 def _positive(text: str) -> float:
@@ -80,7 +84,15 @@ def _port(text: str) -> int:
 
 
 _EXIT_STATUS = ("exit status: 0 done; 1 the agent refused, failed, was unreachable, ran out the --timeout or "
-                "answered something malformed, oversized or a redirect; 2 a usage error")
+                "answered something malformed, oversized or a redirect; 2 a usage error; 130 interrupted; 141 stdout "
+                "closed by its reader (| head)")
+#: A reader that closed stdout early: 128 + SIGPIPE, what a shell reports for a writer SIGPIPE killed.
+EXIT_BROKEN_PIPE = 141
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(ControlError):
+    """Ctrl-C while the command waited on the agent (exit status 130)."""
 
 
 
@@ -127,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--model", default=None, help="model name (default: the only one)")
     prof.add_argument("--steps", type=int, default=None, help="forward calls to record (1..100, default 5)")
     prof.add_argument("--max-seconds", type=_positive, default=None, help="window limit (default 10)")
-    prof.add_argument("--out", default=None, help="where to save the .pt.trace.json.gz (default: its name, here)")
+    prof.add_argument("--out", default=None,
+                      help="a directory to write the trace into under its own name ({worker}.{time_ns}.pt.trace.json"
+                           ".gz; default: here), or the file to write; a file of that name is replaced (a symbolic "
+                           "link too: never written through)")
     profiles = control("profiles", "list captures: one agent's (--url), or the whole fleet's in object storage "
                                    "(--store)", url_required=False)
     profiles.add_argument("--store", default=None,
@@ -157,7 +172,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, transport: Transport | None = None) -> int:
     """Run one ``perfmon`` command; returns its exit status. ``transport`` carries the requests to an agent
     (``http_request`` by default; a test passes a fake)."""
-    transport = transport if transport is not None else http_request
+    try:
+        try:
+            return _command(argv, transport if transport is not None else http_request)
+        finally:  # inside the try: a reader gone after the last print fails this flush, not the interpreter's at exit
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader closed the pipe (| head): drop what is left, quietly (the recipe of Python's signal docs, "Note on
+        # SIGPIPE"). stdout's buffer still holds text the interpreter flushes at exit: it goes to /dev/null now.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # not a file descriptor (a test's StringIO): nothing to redirect
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: Sequence[str] | None, transport: Transport) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from .demo import DemoUnavailable, run_demo
@@ -181,11 +214,11 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
             print(f"perfmon: profiles: --download: not a capture id: {_clean(repr(args.download), 80)} "
                   "(expected 22 lowercase hex digits, as `perfmon profiles` lists them)", file=sys.stderr)
             return 2
-        if args.command == "profile" and args.out is not None and (Path(args.out).is_dir()
-                                                                    or not Path(args.out).parent.is_dir()):
-            # Before the capture: a trace with nowhere to go would be taken for nothing.
-            why = "is a directory (give the trace's file name)" if Path(args.out).is_dir() else \
-                "is in a directory that does not exist"
+        if args.command == "profile" and args.out is not None and not Path(args.out).is_dir() and (
+                args.out.endswith(os.sep) or not Path(args.out).parent.is_dir()):
+            # Before the capture: a trace with nowhere to go would be taken for nothing. (A directory that exists takes
+            # the trace under its own name, as `profiles --download --out` does; "new/" names a directory, not a file.)
+            why = "is not a directory" if args.out.endswith(os.sep) else "is in a directory that does not exist"
             print(f"perfmon: profile: --out {_clean(args.out, 200)} {why}", file=sys.stderr)
             return 2
         if args.command == "profiles" and args.store:
@@ -232,7 +265,10 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
                 if isinstance(exc, client.TimedOut) else "")
         # One line, cleaned and cut: the message may quote what an agent or a store said.
         print(f"perfmon: {_clean(exc, 1000)}{more}", file=sys.stderr)
-        return 1
+        return EXIT_INTERRUPTED if isinstance(exc, Interrupted) else 1
+    except KeyboardInterrupt:
+        print("perfmon: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 # -- the subcommands that drive an agent: what `perfmon profile`, `profiles` and `diff` do -------------
@@ -240,7 +276,9 @@ def main(argv: Sequence[str] | None = None, *, transport: Transport | None = Non
 def run_profile(url: str, *, token: str | None, model: str | None = None, steps: int | None = None,
                 max_seconds: float | None = None, out: str | None = None, timeout: float = 120.0,
                 stdout: TextIO | None = None, transport: Transport = http_request) -> int:
-    """Trigger a capture, wait for it, download its trace and print the top ops, all within ``timeout`` seconds."""
+    """Trigger a capture, wait for it, download its trace and print the top ops, all within ``timeout`` seconds.
+
+    ``out``: a directory (default: the working one) that takes the trace under its own name, or the file to write."""
     stdout = stdout if stdout is not None else sys.stdout  # looked up per call: tests and tools swap it
     deadline = time.monotonic() + timeout
     base = url.rstrip("/")
@@ -250,27 +288,35 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
     cap_id = client.json_object(body, "POST /profile").get("id")
     if not isinstance(cap_id, str) or not valid_id(cap_id):  # it becomes a URL path and a local file name
         raise ControlError(f"POST /profile: the agent answered no capture id ({_clean(cap_id, 80)})")
-    what = f"capture {cap_id}"
+    what, armed = f"capture {cap_id}", time.monotonic()
     print(f"{what} armed; waiting for the model's next calls...", file=stdout, flush=True)
     meta: dict[str, Any] = {}
     last = None
-    while time.monotonic() < deadline:  # bounded by the deadline (and so in count: one pass per 0.2 s at most)
-        _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=client.remaining(deadline))
-        meta = client.json_object(body, what)
-        for field in ("status", "outcome"):
-            if not isinstance(meta.get(field), (str, type(None))):
-                raise _malformed(what, field, meta.get(field))
-        if meta.get("status") != last:
-            last = meta.get("status")
-            print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})", file=stdout,
-                  flush=True)
-        if meta.get("outcome"):
-            break
-        time.sleep(min(0.2, client.remaining(deadline)))
-    else:
-        raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
-    return _save_trace(base, cap_id, meta, Path(out) if out else None, token=token, deadline=deadline,
-                       transport=transport, stdout=stdout)
+    try:
+        while time.monotonic() < deadline:  # bounded by the deadline (and so in count: one pass per 0.2 s at most)
+            _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, timeout=client.remaining(deadline))
+            reply = client.json_object(body, what)
+            for field in ("status", "outcome"):
+                if not isinstance(reply.get(field), (str, type(None))):
+                    raise _malformed(what, field, reply.get(field))
+            meta = reply  # checked: what the message below may read
+            if meta.get("status") != last:
+                last = meta.get("status")
+                print(f"  {_clean(last, 40)} (steps recorded: {_clean(meta.get('steps_recorded', 0), 12)})",
+                      file=stdout, flush=True)
+            if meta.get("outcome"):
+                break
+            time.sleep(min(0.2, client.remaining(deadline)))
+        else:
+            raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
+    except (client.TimedOut, KeyboardInterrupt) as exc:  # the capture lives on: say until when, and how to fetch it
+        gone = _left_behind(meta, cap_id, base, armed_seconds_ago=time.monotonic() - armed)
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(f"interrupted: {what} was not waited for; {gone}") from None
+        raise client.TimedOut(f"{exc}; {gone}") from None
+    where = Path(out) if out else Path()
+    return _save_trace(base, cap_id, meta, None if where.is_dir() else where, token=token, deadline=deadline,
+                       transport=transport, stdout=stdout, directory=where)
 
 
 def fetch_profile(url: str, capture_id: str, *, token: str | None, out: str = ".", timeout: float = 120.0,
@@ -332,13 +378,8 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
     if not profiles:
         print("no captures", file=stdout)
         return 0
-    print(f"{'id':<24} {'model':<16} {'trigger':<11} {'status':<10} {'outcome':<8} {'steps':>5}  {'armed at':<29}  "
-          "vs baseline", file=stdout)
-    for p in profiles:  # every field cleaned (and cut) for the terminal: the agent is not trusted to be honest
-        print(f"{_clean(p.get('id', ''), 64):<24} {_clean(p.get('model', ''), 16):<16} "
-              f"{_clean(p.get('trigger', ''), 32):<11} {_clean(p.get('status', ''), 32):<10} "
-              f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
-              f"{_clean(p.get('armed_at', ''), 64):<29}  {_short_comparison(p)}", file=stdout)
+    for line in _listing(profiles, fleet=False):
+        print(line, file=stdout)
     return 0
 
 
@@ -379,15 +420,8 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     if not profiles:
         print("no captures", file=stdout)
         return 0
-    print(f"{'id':<24} {'model':<16} {'host':<20} {'trigger':<11} {'outcome':<8} {'steps':>5}  {'ended at':<29}  "
-          "vs baseline", file=stdout)
-    for p in profiles:
-        where = str(p.get("key", "")).split("/")  # {model}/{host}/{worker}/{time}-{id}
-        host_part = where[1] if len(where) > 1 else ""
-        print(f"{_clean(p.get('id', ''), 64):<24} {_clean(_or(p.get('model'), ''), 16):<16} "
-              f"{_clean(host_part, 20):<20} {_clean(_or(p.get('trigger'), ''), 32):<11} "
-              f"{_clean(_or(p.get('outcome'), '-'), 32):<8} {_clean(p.get('steps_recorded', 0), 12):>5}  "
-              f"{_clean(_or(p.get('ended_at'), ''), 64):<29}  {_short_comparison(p)}", file=stdout)
+    for line in _listing(profiles, fleet=True):
+        print(line, file=stdout)
     return 0
 
 
@@ -432,9 +466,8 @@ def diff_profiles(url: str, before: str, after: str, *, token: str | None, timeo
     if result.get("error"):
         raise ControlError(f"cannot compare {before} and {after}: {_clean(result['error'], 300)}")
     per = "device" if (b.get("device") or "").startswith("cuda") else "CPU"
-    print(f"{before} ({_clean(a.get('trigger'), 32)}, {_clean(a.get('steps'), 12)} steps) -> {after} "
-          f"({_clean(b.get('trigger'), 32)}, {_clean(b.get('steps'), 12)} steps); self {per} time per model call",
-          file=stdout)
+    print(f"{before} ({_clean(a.get('trigger'), 32)}, steps used/recorded {_step_counts(a)}) -> {after} "
+          f"({_clean(b.get('trigger'), 32)}, {_step_counts(b)}); self {per} time per model call", file=stdout)
     print(f"\n{'op':<34} {'status':<7} {'before ms':>10} {'after ms':>10} {'added ms':>10} {'ratio':>7} "
           f"{'calls before':>12} {'calls after':>12}", file=stdout)
     for r in result["ops"][:max(rows, 0)]:

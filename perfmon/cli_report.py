@@ -12,8 +12,10 @@ from typing import Any
 
 from .client import ControlError
 from .client import clean as _clean
+from .config import Config
 
-__all__ = ["check_ops", "malformed", "number", "optional_number", "or_default", "report", "short_comparison"]
+__all__ = ["check_ops", "left_behind", "listing", "malformed", "number", "optional_number", "or_default", "report",
+           "short_comparison", "step_counts"]
 
 
 def or_default(value: Any, default: str) -> Any:
@@ -49,6 +51,11 @@ def report(meta: dict[str, Any], what: str) -> list[str]:
     """The lines `perfmon profile` prints after the trace: top ops, comparison, compute. ``ControlError`` naming
     the field when one has the wrong type (a number that is text, null or a list; a list that is an object)."""
     lines = _op_lines(meta.get("summary"), what)
+    if lines:  # the table's calls and times span every recorded step; the per-step figures leave the first out
+        recorded, used = meta.get("steps_recorded"), meta.get("steps")
+        lines.insert(0, f"\ntop ops: totals over the {_clean(recorded, 12)} steps recorded" + (
+            f"; per-step figures (diff, vs baseline) use {used}: the first step, the profiler's warm-up, is left out"
+            if type(recorded) is int and type(used) is int and 0 < used < recorded else ""))
     comparison = meta.get("comparison")
     if isinstance(comparison, dict):
         lines.append(f"\nvs baseline {_clean(comparison.get('baseline'), 40)}: "
@@ -78,8 +85,11 @@ def _op_lines(ops: Any, what: str) -> list[str]:
             raise malformed(what, f"summary[{i}]", op)
     device = any(op.get("self_device_time_total_seconds") for op in ops)
     key = "self_device_time_total_seconds" if device else "self_cpu_time_total_seconds"
-    lines = [f"\n{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
-             f"{'GFLOP':>8} {'GFLOP/s':>8}  bound"]
+    shapes = [_shapes(op.get("input_shapes"), what, f"summary[{i}].input_shapes") for i, op in enumerate(ops)]
+    # A row per (op, input shapes) (captures.trace_summary): without the shapes aten::mm shows up three times over.
+    shown = any(shapes)
+    lines = [f"{'op':<34} {'calls':>6} {'self ' + ('device' if device else 'CPU') + ' ms':>13} {'total CPU ms':>12} "
+             f"{'GFLOP':>8} {'GFLOP/s':>8}  {'bound':<12}" + ("  input shapes" if shown else "")]
     for i, op in enumerate(ops):
         at = f"summary[{i}]"
         calls, self_s = number(op.get("calls"), what, f"{at}.calls"), number(op.get(key), what, f"{at}.{key}")
@@ -88,8 +98,59 @@ def _op_lines(ops: Any, what: str) -> list[str]:
         rate = optional_number(op.get("achieved_flops_per_second"), what, f"{at}.achieved_flops_per_second")
         lines.append(f"{_clean(op.get('name'), 34):<34} {calls:>6g} {self_s * 1e3:>13.3f} {cpu_s * 1e3:>12.3f} "
                      f"{(flops or 0) / 1e9:>8.3f} {'-' if rate is None else f'{rate / 1e9:.1f}':>8}  "
-                     f"{_clean(op.get('bound') or '-', 20)}")
+                     f"{_clean(op.get('bound') or '-', 20):<12}" + (f"  {shapes[i] or '-'}" if shown else ""))
+    return [line.rstrip() for line in lines]
+
+
+def _shapes(value: Any, what: str, field: str) -> str:
+    """A row's input shapes (``["[8, 256]", "[256, 256]"]``) as one cell, "" without them."""
+    if value is None or value == []:
+        return ""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise malformed(what, field, value)
+    return _clean(", ".join(value), 60)
+
+
+def step_counts(meta: dict[str, Any]) -> str:
+    """``used/recorded``: the steps a capture's per-step op table averages over (what diff and the comparison read;
+    the first, the profiler's warm-up, is left out of two or more) of the steps it recorded; "-" used until done."""
+    used = or_default(meta.get("steps"), "-") if meta.get("outcome") else "-"
+    return f"{_clean(used, 12)}/{_clean(or_default(meta.get('steps_recorded'), '0'), 12)}"
+
+
+def listing(profiles: list[dict[str, Any]], *, fleet: bool) -> list[str]:
+    """The lines of `perfmon profiles`: one agent's captures, or (``fleet``) the store's, with their host."""
+    middle = f"{'host':<20} {'trigger':<11}" if fleet else f"{'trigger':<11} {'status':<10}"
+    lines = [f"{'id':<24} {'model':<16} {middle} {'outcome':<8} {'used/recorded':>13}  "
+             f"{'ended at' if fleet else 'armed at':<29}  vs baseline"]
+    for p in profiles:  # every field cleaned (and cut) for the terminal: the agent is not trusted to be honest
+        head = f"{_clean(p.get('id', ''), 64):<24} {_clean(or_default(p.get('model'), ''), 16):<16} "
+        trigger, outcome = _clean(or_default(p.get("trigger"), ""), 32), _clean(or_default(p.get("outcome"), "-"), 32)
+        if fleet:
+            key = str(p.get("key", "")).split("/")  # {model}/{host}/{worker}/{time}-{id}
+            head += f"{_clean(key[1] if len(key) > 1 else '', 20):<20} {trigger:<11} "
+        else:
+            head += f"{trigger:<11} {_clean(p.get('status', ''), 32):<10} "
+        lines.append(f"{head}{outcome:<8} {step_counts(p):>13}  "
+                     f"{_clean(or_default(p.get('ended_at' if fleet else 'armed_at'), ''), 64):<29}  "
+                     f"{short_comparison(p)}")
     return lines
+
+
+def left_behind(meta: dict[str, Any], capture_id: str, url: str, *, armed_seconds_ago: float) -> str:
+    """What a capture the CLI stopped waiting for (``--timeout``, Ctrl-C) goes on doing on the agent, and when it
+    stops refusing other captures. The agent has no route that cancels a capture (``http/routes.py``), so the CLI
+    cannot take its own back; ``armed_seconds_ago``: seconds since the agent answered the POST that armed it."""
+    fetch = f"`perfmon profiles --url {url} --download {capture_id}` fetches it once it is done"
+    status = meta.get("status")
+    if status not in (None, "armed"):  # recording or exporting: it ends on its own, by steps or max_seconds
+        return f"it is {_clean(status, 40)} on the agent and ends on its own; {fetch}"
+    # The agent's setting is not in its answers: the default is the best the CLI knows.
+    left = Config.capture_arm_timeout_seconds - armed_seconds_ago
+    when = f"in about {left:.0f} s" if left >= 1 else "by now"
+    return ("it stays armed on the agent (the API has no way to cancel it), and every other capture there is refused "
+            "(409 \"a capture is armed\"), until a call of the model starts it or capture_arm_timeout_seconds expire "
+            f"it ({when}, with the default {Config.capture_arm_timeout_seconds:g} s); {fetch}")
 
 
 def short_comparison(meta: dict[str, Any], width: int = 60) -> str:

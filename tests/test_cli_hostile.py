@@ -471,15 +471,17 @@ def test_fuzzed_answers_never_raise(command: str, tmp_path: Path, capsys: Any) -
     assert outcomes.get(1, 0) > FUZZ_CASES // 4, outcomes  # the malformed answers were seen, not skipped
 
 
-@pytest.mark.parametrize("out", ["missing-dir/t.gz", "."], ids=["missing-directory", "a-directory"])
+@pytest.mark.parametrize("out", ["missing-dir/t.gz", "missing-dir/"], ids=["missing-directory", "a-new-directory"])
 def test_an_out_path_that_cannot_be_written_is_refused_before_the_capture(out: str, tmp_path: Path,
                                                                          capsys: Any) -> None:
-    """--out in a directory that does not exist, or naming a directory: a usage error (exit 2, one line naming the
-    path) before any request, so no capture is taken for nothing (it was exit 1 after the capture); no file left."""
+    """--out in a directory that does not exist, or naming one ("new/"; an existing directory takes the trace): a
+    usage error (exit 2, one line naming the path) before any request, so no capture is taken for nothing (it was
+    exit 1 after the capture); no file left."""
+    path = os.path.join(tmp_path, out)  # (a Path would drop the trailing "/")
     with Agent(profile_routes(meta())) as agent:
-        rc, _, err = run(capsys, "profile", "--url", agent.url, "--out", str(tmp_path / out))
+        rc, _, err = run(capsys, "profile", "--url", agent.url, "--out", path)
     assert rc == 2 and err.startswith("perfmon: profile: --out ") and err.count("\n") == 1, err
-    assert str(tmp_path / out) in err and "PosixPath" not in err
+    assert path in err and "PosixPath" not in err
     assert agent.requests == [] and list(tmp_path.iterdir()) == []
 
 

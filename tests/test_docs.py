@@ -149,3 +149,20 @@ def test_design_doc_names_every_module() -> None:
         if not re.search(rf"(?<![\w./-])(?:perfmon/)?{re.escape(rel)}(?![\w/])", design):
             missing.append(rel)
     assert missing == [], f"modules docs/design.md does not name: {missing}"
+
+
+def test_public_submodules_are_attributes_after_a_bare_import(tmp_path: Path) -> None:
+    """`import perfmon` then `perfmon.testing.FakeCuda()` works as the README writes it, and the bare import loads no
+    torch (a fresh interpreter: this one has imported perfmon.testing already)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, perfmon\n"
+            "bare = 'torch' in sys.modules\n"
+            "listed = 'testing' in dir(perfmon)\n"
+            "perfmon.testing.FakeCuda(), perfmon.testing.FakeNvml(), perfmon.testing.FakeTorchMemory()\n"
+            "print(bare, listed, perfmon.testing is sys.modules['perfmon.testing'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.split() == ["False", "True", "True"], (done.stdout, done.stderr)
