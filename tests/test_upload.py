@@ -21,7 +21,7 @@ from perfmon.store.remote import capture_key, download_remote, list_remote, reda
 from perfmon.store.traces import TraceStore
 from perfmon.store.uploader import MANIFEST_NAME, TraceUploader, UploadStats
 
-from .conftest import HandClock
+from .conftest import HandClock, wait_until
 
 
 class FlakyFs:
@@ -350,3 +350,69 @@ def test_cli_lists_filters_and_downloads_from_a_store(tmp_path: Path) -> None:
     assert sorted(Path(p).name for p in got)[0] == f"{first}.meta.json" and len(got) == 2
     assert main(["profiles", "--store", url, "--download", new_id(), "--out", str(tmp_path / "x")]) == 1
     assert main(["profiles", "--store", url, "--since", "1h", "--host", "no-such-host"]) == 0
+
+
+class _EvictOnMeta:
+    """A store whose metadata PUT first saves a newer capture locally, so retention (max_files=1) removes the one
+    going up while its upload is in flight; ``fail`` then fails that PUT."""
+
+    def __init__(self, inner: Any, store: TraceStore, *, fail: bool) -> None:
+        self.inner, self.store, self.fail = inner, store, fail
+
+    def pipe_file(self, path: str, data: bytes) -> None:
+        if path.endswith(".meta.json") and self.store is not None:
+            store, self.store = self.store, None
+            _save(store, model="newer")
+            if self.fail:
+                raise ConnectionError("store unreachable")
+        self.inner.pipe_file(path, data)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_capture_removed_by_retention_during_its_upload_is_dropped_only_if_it_did_not_get_there(
+        tmp_path: Path, mem: Any, fail: bool) -> None:
+    """Retention removed a capture while its metadata went up: it was counted dropped, and then ok when the PUT
+    succeeded (a helper's run: ok 1 and dropped{retention} 1, the object in the store). Its upload decides."""
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=1, max_bytes=10**9)
+    first = _save(store)
+    up = _uploader(store, _EvictOnMeta(fs, store, fail=fail), root)
+    up.step()
+    assert first not in store.ids()
+    assert up.stats.uploads == {"ok": 0 if fail else 1, "failed": 1 if fail else 0}
+    assert up.stats.dropped["retention"] == (1 if fail else 0)
+
+
+def test_a_restart_during_a_hung_upload_leaves_one_upload_thread(tmp_path: Path) -> None:
+    """stop() gives up on a thread whose attempt hangs (its join times out); start() used to clear the stop event
+    that thread shared, so it never ended: five stop/start cycles left five upload threads. Each thread has its own
+    event now: once the hung attempt returns, the old threads end and one remains."""
+    import threading
+
+    release = threading.Event()
+
+    class Hung:
+        def pipe_file(self, path: str, data: bytes) -> None:
+            release.wait(30)  # bounded; released below
+            raise ConnectionError("the store answered at last, with an error")
+
+    def uploads() -> int:
+        return sum(t.name == "perfmon-trace-upload" and t.is_alive() for t in threading.enumerate())
+
+    store = TraceStore(tmp_path / "t", max_files=10, max_bytes=10**9)
+    _save(store)
+    up = TraceUploader(store, "memory://bucket/fleet", fs=Hung(), root="/r", timeout_seconds=20.0,
+                       jitter=lambda: 1.0)
+    try:
+        for _ in range(3):
+            up.start()
+            wait_until(lambda: any(t.name == "perfmon-trace-upload-call" and t.is_alive()
+                                   for t in threading.enumerate()), what="an attempt in flight")
+            up.stop(0.05)  # gives up on the hung attempt
+        up.start()
+        release.set()
+        wait_until(lambda: uploads() == 1, timeout=20, what="the threads stop() gave up on to end")
+    finally:
+        release.set()
+        up.stop(5)
+    assert uploads() == 0

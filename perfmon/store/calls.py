@@ -19,7 +19,7 @@ from typing import Any
 from ..exceptions import ConfigError
 from ..selfcost import AgentCpu
 
-__all__ = ["StoreCalls", "io_thread_cpu"]
+__all__ = ["StoreCalls", "count_io", "io_thread_cpu"]
 
 
 class StoreCalls:
@@ -119,3 +119,13 @@ def _clock_ticks() -> float:
 
 
 _CLOCK_TICKS = _clock_ticks()
+
+
+def count_io(cpu: AgentCpu, before: float | None) -> None:
+    """Add what fsspec's IO thread spent since ``before`` (``io_thread_cpu()`` then) to ``thread="upload"``: async
+    filesystems (s3fs, gcsfs, adlfs) run their requests, TLS and signing there, not on the upload thread. The
+    thread is shared, so other fsspec work of the process in that interval counts too (rare in a model server).
+    Created during the attempt (``before`` None): all of its CPU is this attempt's."""
+    after = io_thread_cpu()
+    if after is not None:
+        cpu.add("upload", max(0.0, after - (before or 0.0)))

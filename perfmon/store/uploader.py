@@ -48,7 +48,7 @@ from ..backoff import backoff_seconds
 from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from ..selfcost import AgentCpu
-from .calls import StoreCalls, io_thread_cpu
+from .calls import StoreCalls, count_io, io_thread_cpu
 from .files import TRACE_NAME, _read_at, meta_json, write_at
 from .remote import capture_key, check_usable, iso_seconds, open_store, orphan_traces, redact, scrub, written_at
 from .traces import TraceStore
@@ -137,6 +137,8 @@ class TraceUploader:
         self._gone: set[str] = set()  # unreadable here: never retried
         self._sizes: dict[str, tuple[int, int]] = {}  # pending id -> (files, bytes), read once
         self._loaded = False
+        self._uploading: str | None = None  # the capture an attempt is sending
+        self._evicted_in_flight = False  # ... which retention removed meanwhile
         self.failures = 0
         self.retry_at = 0.0
         self.last_error: str | None = None
@@ -147,7 +149,7 @@ class TraceUploader:
     def _init_threading(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the running thread's own: a restart gives the next thread a new one
         self._thread: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -156,8 +158,11 @@ class TraceUploader:
         """Start the upload thread (idempotent); what an earlier process spooled goes up first."""
         if self._thread is not None and self._thread.is_alive():
             return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="perfmon-trace-upload", daemon=True)
+        # A new event, not the old one cleared: a thread stop() gave up on (an attempt hung past the join) still
+        # sees its own set and ends after that attempt; clearing it kept one more thread alive per restart.
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="perfmon-trace-upload",
+                                        daemon=True)
         self._thread.start()
 
     def stop(self, timeout_seconds: float) -> None:
@@ -187,19 +192,21 @@ class TraceUploader:
 
     def _evicted(self, meta: dict[str, Any]) -> None:
         cid = meta.get("id")
-        if isinstance(cid, str) and cid not in self._uploaded and cid not in self._gone:
+        if cid == self._uploading:  # its upload decides: a success is no drop (step() counts a failure)
+            self._evicted_in_flight = True
+        elif isinstance(cid, str) and cid not in self._uploaded and cid not in self._gone:
             self.stats.dropped["retention"] += 1
             if self._log is not None:
                 self._log.warning("trace_upload_dropped", id=cid, reason="retention",
                                   note="removed by trace_max_files/trace_max_bytes before it was uploaded")
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             self._wake.clear()
             self._cpu.woke("upload")
             try:
                 # Its CPU (trace reads, a sync SDK's requests) is the agent's own cost too; an async SDK's
-                # requests run on fsspec's IO thread, added per attempt by _count_io.
+                # requests run on fsspec's IO thread, added per attempt by calls.count_io.
                 with self._cpu.measure("upload"):
                     wait = self.step()
             except Exception as exc:  # a bug here must not end the thread: count it, slow down
@@ -222,7 +229,13 @@ class TraceUploader:
                     self._sweep_at = self.clock() + self.orphan_sweep_seconds * (0.5 + 0.5 * self._jitter())
                 return min(self.poll_seconds, max(0.0, self._sweep_at - self.clock()))
             cid = pending[0]
-            ok = self._upload(cid)
+            self._uploading, self._evicted_in_flight = cid, False
+            try:
+                ok = self._upload(cid)
+            finally:
+                self._uploading = None
+            if self._evicted_in_flight and not ok:
+                self.stats.dropped["retention"] += 1  # removed while it went up, and it did not get there
             if ok is None:  # nothing to send (gone, unreadable): on to the next one
                 return 0.0
             if ok:
@@ -258,22 +271,13 @@ class TraceUploader:
                     size = (2, body + trace_bytes)
                 else:
                     size = (1, body)
-                if not self.stats.uploads["ok"]:
-                    self._waiting_since(meta)
+                if not self.stats.uploads["ok"] and (saved := _saved_clock(meta, self._wall(), self.clock())):
+                    self.stats.last_ok = min(self.stats.last_ok, saved)
             sizes[cid] = size
         self._sizes = sizes
         self.stats.spool_files = sum(f for f, _ in sizes.values())
         self.stats.spool_bytes = sum(b for _, b in sizes.values())
         return pending
-
-    def _waiting_since(self, meta: dict[str, Any]) -> None:
-        """Before this process's first upload, date the upload age back to when a waiting capture was saved, if
-        earlier: a crash-looping or redeployed pod with a broken store restarted its age at every start, and its
-        alert (age over 15 min with files spooled) never fired while its captures aged in the spool."""
-        saved = iso_seconds(meta.get("ended_at") or meta.get("armed_at"))
-        if saved is not None:
-            waited = max(0.0, self._wall() - saved)
-            self.stats.last_ok = min(self.stats.last_ok, self.clock() - waited)
 
     def _filesystem(self) -> tuple[Any, str]:
         if self._fs is None or self._root is None:
@@ -315,9 +319,9 @@ class TraceUploader:
             if first and self._log is not None:  # once per outage, not per retry
                 self._log.warning("trace_upload_failed", store=self.destination, id=cid, error=self.last_error,
                                   note="the capture stays in trace_dir and is retried with backoff")
-            self._count_io(io_before)
+            count_io(self._cpu, io_before)
             return False
-        self._count_io(io_before)
+        count_io(self._cpu, io_before)
         if self.failures and self._log is not None:
             self._log.info("trace_upload_recovered", store=self.destination, failed_attempts=self.failures)
         self._uploaded[cid] = key
@@ -348,18 +352,9 @@ class TraceUploader:
             if self._log is not None:
                 self._log.warning("trace_store_sweep_failed", store=self.destination, removed=removed,
                                   error=f"{type(exc).__name__}: {scrub(str(exc), self.url)}"[:300])
-        self._count_io(io_before)
+        count_io(self._cpu, io_before)
         if removed and self._log is not None:
             self._log.info("trace_store_orphans_removed", store=self.destination, removed=removed)
-
-    def _count_io(self, before: float | None) -> None:
-        """Add what fsspec's IO thread spent during this attempt to ``thread="upload"``: async filesystems
-        (s3fs, gcsfs, adlfs) run their requests, TLS and signing there, not on the upload thread. The
-        thread is shared, so other fsspec work of the process in that interval counts too (rare in a
-        model server). Created during the attempt (``before`` None): all of its CPU is this attempt's."""
-        after = io_thread_cpu()
-        if after is not None:
-            self._cpu.add("upload", max(0.0, after - (before or 0.0)))
 
     def _missing(self, cid: str) -> None:
         """The capture cannot be read: removed by retention meanwhile (already counted) or unreadable."""
@@ -372,15 +367,9 @@ class TraceUploader:
 
     def _load_manifest(self) -> None:
         self._loaded = True
-        data = _read_manifest(self.store)
-        # A manifest written for another destination says nothing about this one: upload everything again.
-        if data.get("destination") != self.destination:
-            return
-        up, gone = data.get("uploaded"), data.get("unreadable")
-        if isinstance(up, dict):
-            self._uploaded.update({k: v for k, v in up.items() if isinstance(k, str) and isinstance(v, str)})
-        if isinstance(gone, list):
-            self._gone.update(g for g in gone if isinstance(g, str))
+        uploaded, gone = _manifest_marks(self.store, self.destination)
+        self._uploaded.update(uploaded)
+        self._gone.update(gone)
 
     def _write_manifest(self) -> None:
         """Atomically replace the manifest, pruned to the captures still in the directory (so it stays
@@ -397,6 +386,27 @@ class TraceUploader:
                 write_at(dfd, MANIFEST_NAME, body)
         except Exception as exc:
             self._internal.report("trace_upload_manifest", exc)
+
+
+def _saved_clock(meta: dict[str, Any], wall_now: float, clock_now: float) -> float | None:
+    """When a waiting capture was saved, on the uploader's clock (``meta``'s end or arm time; None without one).
+
+    Before a process's first upload its age dates back to the oldest: a crash-looping or redeployed pod with a
+    broken store restarted the age at every start, and its alert (over 15 min with files spooled) never fired
+    while its captures aged in the spool."""
+    saved = iso_seconds(meta.get("ended_at") or meta.get("armed_at"))
+    return None if saved is None else clock_now - max(0.0, wall_now - saved)
+
+
+def _manifest_marks(store: TraceStore, destination: str) -> tuple[dict[str, str], set[str]]:
+    """The manifest's marks for ``destination``: uploaded ids (-> key), unreadable ids. A manifest written for
+    another destination says nothing about this one: none (everything is uploaded again)."""
+    data = _read_manifest(store)
+    if data.get("destination") != destination:
+        return {}, set()
+    up, gone = data.get("uploaded"), data.get("unreadable")
+    return ({k: v for k, v in up.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(up, dict) else {},
+            {g for g in gone if isinstance(g, str)} if isinstance(gone, list) else set())
 
 
 def _read_manifest(store: TraceStore) -> dict[str, Any]:
