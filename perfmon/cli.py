@@ -31,6 +31,7 @@ from .cli_report import listing as _listing
 from .cli_report import malformed as _malformed
 from .cli_report import report as _report
 from .cli_report import step_counts as _step_counts
+from .cli_store import store_profiles
 from .client import ANSWER_MAX_BYTES, TRACE_MAX_BYTES, ControlError, Transport, http_request
 from .client import clean as _clean  # the name every line here, and the tests, use
 from .config import TOKEN_ENDS
@@ -131,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bearer token (default: $PERFMON_TOKEN, which is better: an argument shows in `ps` "
                             "and shell history)")
         p.add_argument("--timeout", type=_positive, default=120.0,
-                       help="seconds for all the command's exchanges with the agent: connecting, every answer, the "
-                            "trace (default 120)")
+                       help="seconds for all the command's exchanges with the agent (connecting, every answer, "
+                            "the trace) or, with --store, the object store (default 120)")
         return p
 
     prof = control("profile", "trigger a capture, wait for it, download the trace, print the top ops")
@@ -223,7 +224,7 @@ def _command(argv: Sequence[str] | None, transport: Transport) -> int:
             return 2
         if args.command == "profiles" and args.store:
             return store_profiles(args.store, model=args.model, host=args.host, trigger=args.trigger, since=args.since,
-                                  limit=args.limit, download=args.download, out=args.out)
+                                  limit=args.limit, download=args.download, out=args.out, timeout=args.timeout)
         if args.command == "profiles" and not args.url:
             print("perfmon: profiles needs --url (one agent) or --store (the fleet's object storage)",
                   file=sys.stderr)
@@ -261,7 +262,8 @@ def _command(argv: Sequence[str] | None, transport: Transport) -> int:
         return run_profile(args.url, token=token, model=args.model, steps=args.steps,
                            max_seconds=args.max_seconds, out=args.out, timeout=args.timeout, transport=transport)
     except ControlError as exc:
-        more = (f" (--timeout {args.timeout:g} s covers all the command's exchanges with the agent)"
+        more = (f" (--timeout {args.timeout:g} s covers all the command's exchanges with the "
+                f"{'store' if getattr(args, 'store', None) else 'agent'})"
                 if isinstance(exc, client.TimedOut) else "")
         # One line, cleaned and cut: the message may quote what an agent or a store said.
         print(f"perfmon: {_clean(exc, 1000)}{more}", file=sys.stderr)
@@ -379,48 +381,6 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
         print("no captures", file=stdout)
         return 0
     for line in _listing(profiles, fleet=False):
-        print(line, file=stdout)
-    return 0
-
-
-def store_profiles(store: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
-                   since: float | None = None, limit: int = 100, download: str | None = None, out: str = ".",
-                   stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """List the fleet's captures in object storage (``trace_store``), newest first, or download one.
-
-    Metadata objects the listing cannot use (over 1 MiB, not JSON, a field of the wrong type: see
-    ``perfmon.store.remote.list_remote``) are left out and counted in one line on ``stderr``.
-    """
-    from .store.remote import download_remote, list_remote, redact
-
-    stdout = stdout if stdout is not None else sys.stdout
-    stderr = stderr if stderr is not None else sys.stderr
-    skipped: list[tuple[str, str]] = []
-
-    def on_skip(key: str, reason: str) -> None:
-        skipped.append((key, reason))
-
-    try:
-        if download is not None:
-            paths = download_remote(store, download, out, on_skip=on_skip)
-            for key, reason in skipped:
-                print(f"perfmon: skipped {_clean(key, 300)}: {_clean(reason, 300)}", file=stderr)
-            for path in paths:
-                print(_clean(path), file=stdout)
-            return 0
-        profiles = list_remote(store, model=model, host=host, trigger=trigger, since=since, limit=limit,
-                               on_skip=on_skip)
-    except (LookupError, ValueError, ConfigError) as exc:
-        raise ControlError(str(exc)) from None
-    except Exception as exc:  # the SDK's errors (no credentials, no bucket, unreachable): say which store
-        raise ControlError(f"{redact(store)}: {type(exc).__name__}: {exc}") from None
-    if skipped:
-        print(f"perfmon: skipped {len(skipped)} metadata objects (malformed or unreadable; "
-              f"first: {_clean(skipped[0][0], 200)}: {_clean(skipped[0][1], 200)})", file=stderr)
-    if not profiles:
-        print("no captures", file=stdout)
-        return 0
-    for line in _listing(profiles, fleet=True):
         print(line, file=stdout)
     return 0
 

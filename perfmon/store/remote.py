@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..backoff import backoff_seconds
 from ..exceptions import ConfigError
@@ -143,12 +143,31 @@ def check_usable(url: str) -> str:
 
 
 def scrub(text: str, url: str) -> str:
-    """An SDK's error message with the configured URL (and so any user-info in it) replaced by its redaction."""
-    return text.replace(url, redact(url)) if url else text
+    """An SDK's error message with the configured URL replaced by its redaction, and any piece of its user-info or
+    query that the SDK quoted on its own (s3fs names ``AKID:SECRET@bucket`` as the bucket) by ``<redacted>``."""
+    if not url:
+        return text
+    text = text.replace(url, redact(url))
+    try:
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        pieces = {userinfo, parts.username or "", parts.password or "", parts.query}
+    except ValueError:
+        return text
+    for piece in sorted({q for p in pieces for q in (p, unquote(p)) if len(q) >= 4}, key=len, reverse=True):
+        text = text.replace(piece, "<redacted>")  # longest first: a password inside the user-info goes with it
+    return text
 
 
 def _relative(path: str, root: str) -> str:
     return path[len(root) + 1:] if path.startswith(root + "/") else path.lstrip("/")
+
+
+def _bucketed(fs: Any) -> bool:
+    """An object store whose path starts with a bucket or container (S3, GCS, Azure)."""
+    protocol = getattr(fs, "protocol", ())
+    names = {protocol} if isinstance(protocol, str) else set(protocol)
+    return bool(names & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
 
 
 def _is_local(fs: Any) -> bool:
@@ -206,7 +225,7 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
                 since: float | None = None, limit: int = 100, fs: Any = None, root: str | None = None,
                 on_skip: Callable[[str, str], None] | None = None,
                 meta_max_bytes: int = REMOTE_META_MAX_BYTES,
-                retry_seconds: float = LIST_RETRY_SECONDS) -> list[dict[str, Any]]:
+                retry_seconds: float = LIST_RETRY_SECONDS, timeout_seconds: float = 30.0) -> list[dict[str, Any]]:
     """Captures in the store, newest first: each one's metadata plus ``key`` (its folder under the prefix).
 
     ``model`` and ``host`` match the key's segments (as ``capture_key`` spells them), ``since`` is Unix
@@ -215,12 +234,17 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     not trusted). A metadata object that is not a regular file, is over ``meta_max_bytes`` (by default
     ``REMOTE_META_MAX_BYTES``), is not a JSON object or has a listed field of the wrong type (``_listing_entry``)
     is skipped, and ``on_skip(key, reason)`` called for it. A metadata read that fails is retried
-    (``LIST_READ_TRIES`` tries, ``retry_seconds`` then doubling between them) before it is skipped.
+    (``LIST_READ_TRIES`` tries, ``retry_seconds`` then doubling between them) before it is skipped. Raises
+    ``LookupError`` for a local directory or an object store's bucket that does not exist. ``timeout_seconds``: the
+    SDK's connect and read timeouts (``open_store``).
     """
     if fs is None or root is None:
-        fs, root = open_store(url)
+        fs, root = open_store(url, timeout_seconds=timeout_seconds)
     if _local(fs) and not fs.isdir(root):  # a typo, not an empty store (an object store's prefix has no folder)
         raise LookupError(f"{redact(url)}: no such directory")
+    bucket = root.strip("/").split("/", 1)[0]
+    if _bucketed(fs) and bucket and not fs.exists(bucket):  # a typo in the bucket too: not a fleet without captures
+        raise LookupError(f"{redact(url)}: no such bucket, or no access to it")
     pattern = f"{root}/{_part(model, '*') if model else '*'}/{_part(host, '*') if host else '*'}/*/*/*.meta.json"
 
     def skip(key: str, reason: str) -> None:
@@ -308,7 +332,7 @@ def _read_all(fs: Any, paths: list[str], retry_seconds: float) -> dict[str, byte
 def download_remote(url: str, capture_id: str, out_dir: str, *, fs: Any = None, root: str | None = None,
                     on_skip: Callable[[str, str], None] | None = None,
                     trace_max_bytes: int = REMOTE_TRACE_MAX_BYTES,
-                    meta_max_bytes: int = REMOTE_META_MAX_BYTES) -> list[str]:
+                    meta_max_bytes: int = REMOTE_META_MAX_BYTES, timeout_seconds: float = 30.0) -> list[str]:
     """Fetch one capture's objects (trace and metadata) into ``out_dir``; returns the local paths written.
 
     Only names perfmon writes are fetched (``{id}.meta.json`` and trace names), only regular files of the
@@ -326,7 +350,7 @@ def download_remote(url: str, capture_id: str, out_dir: str, *, fs: Any = None, 
     if not valid_id(capture_id):
         raise ValueError(f"not a capture id: {capture_id[:80]!r}")
     if fs is None or root is None:
-        fs, root = open_store(url)
+        fs, root = open_store(url, timeout_seconds=timeout_seconds)
     meta_name = f"{capture_id}.meta.json"
     folders: dict[str, dict[str, str]] = {}  # key -> {name: path}, regular files with perfmon's names only
     for path, info in sorted(fs.glob(f"{root}/*/*/*/*-{capture_id}/*", detail=True).items()):
