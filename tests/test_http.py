@@ -255,3 +255,49 @@ def test_mounted_apps_need_a_token_and_then_check_host(make_monitor) -> None:
     app = perfmon.make_wsgi_app(guarded)
     assert call(app, "127.0.0.1:8000", "token-12345678") == "200"
     assert call(app, "attacker.example:8000", "token-12345678") == "403"
+
+
+def test_a_mounted_apps_capture_links_lead_to_the_capture(make_monitor) -> None:
+    """Mounted at /perfmon, POST /perfmon/profile answered links to /profiles/<id>: a 404 on the user's app. Links
+    start with the mount point (ASGI root_path, set by a real FastAPI mount; WSGI SCRIPT_NAME)."""
+    import io
+
+    fastapi = pytest.importorskip("fastapi")
+    auth = [(b"authorization", b"Bearer token-12345678"), (b"host", b"127.0.0.1")]
+
+    async def call(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+
+        headers = [*auth, (b"content-type", b"application/json")] if body else auth
+        await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                   "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+                   "headers": headers, "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)},
+                  receive, send)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return start["status"], json.loads(answer)
+
+    mon = make_monitor(token="token-12345678")
+    mon.wrap(torch.nn.Linear(2, 2), name="m")
+    app = fastapi.FastAPI()
+    app.mount("/perfmon", mon.asgi_app)
+    status, made = asyncio.run(call(app, "POST", "/perfmon/profile", b'{"model": "m", "steps": 1}'))
+    assert status == 202, made
+    assert made["links"]["self"] == f"/perfmon/profiles/{made['id']}"
+    status, got = asyncio.run(call(app, "GET", made["links"]["self"]))
+    assert status == 200 and got["id"] == made["id"]
+
+    other = make_monitor(token="token-12345678")
+    other.wrap(torch.nn.Linear(2, 2), name="m")
+    seen: list[str] = []
+    environ = {"REQUEST_METHOD": "POST", "SCRIPT_NAME": "/ops/perfmon", "PATH_INFO": "/profile",
+               "HTTP_HOST": "127.0.0.1", "HTTP_AUTHORIZATION": "Bearer token-12345678",
+               "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": "13", "wsgi.input": io.BytesIO(b'{"model":"m"}')}
+    body = json.loads(b"".join(perfmon.make_wsgi_app(other)(environ, lambda status, headers: seen.append(status))))
+    assert seen[0].startswith("202") and body["links"]["trace"] == f"/ops/perfmon/profiles/{body['id']}/trace"

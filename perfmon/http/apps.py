@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,7 +45,7 @@ def make_wsgi_app(monitor: Agent, *, mounted: bool = True) -> Callable[..., Iter
         body = environ["wsgi.input"].read(min(length, MAX_BODY_BYTES + 1)) if length > 0 else b""
         method = environ.get("REQUEST_METHOD", "GET")
         with monitor.cpu.measure("http"):
-            resp = router.handle(method, path, headers, body)
+            resp = router.handle(method, path, headers, body, prefix=environ.get("SCRIPT_NAME", ""))
         if method == "HEAD":
             resp = resp.head()  # the GET answer's headers, never a body (not every WSGI server drops it)
         hdrs = [("Content-Type", resp.content_type), *resp.headers]
@@ -84,7 +85,8 @@ def make_asgi_app(monitor: Agent, *, mounted: bool = True) -> Callable[..., Any]
                 break
         # A scrape renders for milliseconds: keep it off the event loop.
         method = scope.get("method", "GET")
-        resp = await asyncio.get_running_loop().run_in_executor(None, router.handle, method, path, headers, body)
+        resp = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(router.handle, method, path, headers, body, prefix=root))
         if method == "HEAD":
             resp = resp.head()  # the GET answer's headers, never a body
         hdrs = [(b"content-type", resp.content_type.encode())]

@@ -72,22 +72,23 @@ class Router:
         }
 
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"",
-               peer: str | None = None) -> Response:
-        """Answer one request (``peer``: the client's address as its socket reports it, None when unknown);
-        internal failures become a 500 JSON body and are counted.
+               peer: str | None = None, *, prefix: str = "") -> Response:
+        """Answer one request (``peer``: the client's address as its socket reports it, None when unknown;
+        ``prefix``: where the app is mounted, the path its links start with); internal failures become a 500 JSON
+        body and are counted.
 
         HEAD is answered as GET, on every route (RFC 9110 9.3.2), body included: whoever writes the answer
         sends it without the body (``Response.head()``: the agent's server, the health port, the mounted
         apps), whatever the status.
         """
         try:
-            return self._route("GET" if method == "HEAD" else method, path, headers, body, peer)
+            return self._route("GET" if method == "HEAD" else method, path, headers, body, peer, _mount(prefix))
         except Exception as exc:
             self.agent.internal.report("http", exc)
             return Response.json(500, {"error": "internal error", "detail": type(exc).__name__})
 
     def _route(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
-               peer: str | None = None) -> Response:
+               peer: str | None = None, prefix: str = "") -> Response:
         clean = path.rstrip("/") or path
         view = self.open_routes.get(clean)
         if view is not None:
@@ -106,7 +107,7 @@ class Router:
                 if media != _JSON:
                     return Response.json(415, {"error": "send the capture request as JSON",
                                                "detail": "POST /profile needs 'Content-Type: application/json'"})
-                return self._post_profile(headers, body)
+                return self._post_profile(headers, body, prefix)
             if method != "GET":
                 return _not_allowed(method, "GET, HEAD")
             if clean == "/profiles":
@@ -160,7 +161,7 @@ class Router:
 
     # -- control routes --------------------------------------------------------------------------
 
-    def _post_profile(self, headers: Mapping[str, str], body: bytes) -> Response:
+    def _post_profile(self, headers: Mapping[str, str], body: bytes, prefix: str = "") -> Response:
         if len(body) > MAX_BODY_BYTES:
             return Response.json(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
         try:
@@ -195,8 +196,8 @@ class Router:
             return Response.json(429, {"error": str(exc), "retry_after_seconds": retry},
                                  [("Retry-After", str(retry))])
         return Response.json(202, {"id": meta["id"], "status": meta["status"], "model": meta["model"],
-                                   "links": {"self": f"/profiles/{meta['id']}",
-                                             "trace": f"/profiles/{meta['id']}/trace"}})
+                                   "links": {"self": f"{prefix}/profiles/{meta['id']}",
+                                             "trace": f"{prefix}/profiles/{meta['id']}/trace"}})
 
     def _trace(self, capture_id: str) -> Response:
         meta = self.agent.profile(capture_id)
@@ -250,3 +251,12 @@ def _typename(typ: type | tuple[type, ...]) -> str:
     if isinstance(typ, tuple):
         return "a number"
     return names.get(typ.__name__, typ.__name__)
+
+
+def _mount(prefix: str) -> str:
+    """A mount point (the server's SCRIPT_NAME or root_path) as links start with it: "/perfmon", or "" at the root.
+    Anything that is not a plain path is no prefix (the server's, but a link must never carry a header break)."""
+    prefix = prefix.rstrip("/")
+    if not prefix.startswith("/") or any(c in prefix for c in '\r\n\x00"?#') or len(prefix) > 1024:
+        return ""
+    return prefix
