@@ -272,3 +272,46 @@ def test_the_start_sweep_removes_an_unnamed_old_trace_and_an_earlier_process_tem
     assert store.sweep_temp() is None
     assert sorted(os.listdir(d)) == sorted([kept["trace_file"], f"{kept['id']}.meta.json", fresh_orphan.name,
                                             mine.name])
+
+
+_FAILED_SAVE = r"""
+import json, resource, signal, sys, time
+import torch, perfmon
+torch.set_num_threads(1)
+mon = perfmon.Monitor(port=None, log_level="critical", regression=None, prepare_profiler=False, trace_dir=sys.argv[1])
+model = mon.wrap(torch.nn.Linear(8, 8), name="m")
+model(torch.ones(2, 8))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a kill
+old = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, old[1]))  # a full disk: no file of this process grows past 1 byte
+cid = mon.capture("m", steps=2, max_seconds=5)["id"]
+meta = None
+for _ in range(3000):  # bounded: 30 s
+    model(torch.ones(2, 8))
+    meta = mon.profile(cid)
+    if meta is None or meta.get("outcome"):
+        break
+    time.sleep(0.01)
+resource.setrlimit(resource.RLIMIT_FSIZE, old)
+print(json.dumps({"meta": meta, "listed": [p["id"] for p in mon.profiles()], "cid": cid}))
+mon.stop()
+"""
+
+
+def test_a_capture_the_store_could_not_keep_is_still_answered_with_its_error(tmp_path: Path) -> None:
+    """A trace_dir where nothing can be written (a full disk; a read-only volume): the capture ran, its export and
+    its metadata's save failed, and then GET /profiles/{id} answered 404 "no such capture" (`perfmon profile`: "HTTP
+    404"), the reason only in the logs. It is answered from memory now, failed, with the store's error."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _FAILED_SAVE, str(_private(tmp_path))], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    meta = got["meta"]
+    assert meta is not None, "the capture was a 404"
+    assert meta["id"] == got["cid"] and meta["outcome"] == "failed" and meta["status"] == "done"
+    assert "File too large" in (meta["error"] or "") or "store failed" in (meta["error"] or ""), meta["error"]
+    assert got["listed"] == [got["cid"]]

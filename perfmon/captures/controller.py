@@ -38,6 +38,7 @@ the metrics collector reads), ``export`` (the export thread's work).
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
@@ -77,6 +78,10 @@ def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+#: Captures whose metadata the store could not keep, answered from memory (``CaptureController.unstored``).
+UNSTORED_KEPT = 16
+
+
 class CaptureController:
     """Owns the one capture slot of a monitor, its limits and its export thread."""
 
@@ -113,6 +118,9 @@ class CaptureController:
         self._lock = threading.Lock()
         self.state = IDLE
         self.current: Capture | None = None
+        #: The last captures whose metadata the store could not keep (an unwritable or full trace_dir): still
+        #: answered by id, with their error, where they were a 404 ("no such capture") once they ended.
+        self.unstored: collections.deque[dict[str, Any]] = collections.deque(maxlen=UNSTORED_KEPT)
         self._state_ref: Any = None  # the ModelState being captured
         self._recording: Recording | None = None  # while the state is RECORDING
         self._armed_t = 0.0
@@ -311,11 +319,12 @@ class CaptureController:
         assert cap is not None
         cap.ended_at = _now_iso()
         self._release_model(st)
+        cap.outcome, cap.error = outcome, error
         try:
-            self.store.save({**cap.public(), "status": "done", "outcome": outcome, "error": error}, None, None)
+            self.store.save({**cap.public(), "status": "done"}, None, None)
         except Exception as exc:
             self._internal.report("trace_store", exc)
-        cap.outcome, cap.error = outcome, error
+            self.unstored.appendleft({**cap.public(), "status": "done"})
         self._move(event)
         self.counts.record(cap)
         self.current = None
@@ -331,6 +340,8 @@ class CaptureController:
                 cap.summary, cap.compute, cap.outcome, cap.error = done.summary, done.compute, done.outcome, done.error
                 cap.ops, cap.steps, cap.comparison = done.ops, done.steps, done.comparison
                 self.counts.record(cap)
+                if done.outcome == "failed" and self.store.get(cap.id) is None:  # its save failed
+                    self.unstored.appendleft({**cap.public(), "status": "done"})
                 self.current = None
                 self._move("done")
             if self._log is not None:
@@ -352,7 +363,7 @@ class CaptureController:
         cap = self.current
         if cap is not None and cap.id == capture_id:
             return cap.public()
-        return None
+        return next((dict(m) for m in list(self.unstored) if m.get("id") == capture_id), None)
 
     def accept(self) -> None:
         """Arm captures again (the monitor started)."""
