@@ -38,7 +38,6 @@ the metrics collector reads), ``export`` (the export thread's work).
 
 from __future__ import annotations
 
-import collections
 import sys
 import threading
 import time
@@ -78,10 +77,6 @@ def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-#: Captures whose metadata the store could not keep, answered from memory (``CaptureController.unstored``).
-UNSTORED_KEPT = 16
-
-
 class CaptureController:
     """Owns the one capture slot of a monitor, its limits and its export thread."""
 
@@ -118,9 +113,6 @@ class CaptureController:
         self._lock = threading.Lock()
         self.state = IDLE
         self.current: Capture | None = None
-        #: The last captures whose metadata the store could not keep (an unwritable or full trace_dir): still
-        #: answered by id, with their error, where they were a 404 ("no such capture") once they ended.
-        self.unstored: collections.deque[dict[str, Any]] = collections.deque(maxlen=UNSTORED_KEPT)
         self._state_ref: Any = None  # the ModelState being captured
         self._recording: Recording | None = None  # while the state is RECORDING
         self._armed_t = 0.0
@@ -324,7 +316,7 @@ class CaptureController:
             self.store.save({**cap.public(), "status": "done"}, None, None)
         except Exception as exc:
             self._internal.report("trace_store", exc)
-            self.unstored.appendleft({**cap.public(), "status": "done"})
+            self.exporter.unstored.appendleft({**cap.public(), "status": "done"})
         self._move(event)
         self.counts.record(cap)
         self.current = None
@@ -340,8 +332,6 @@ class CaptureController:
                 cap.summary, cap.compute, cap.outcome, cap.error = done.summary, done.compute, done.outcome, done.error
                 cap.ops, cap.steps, cap.comparison = done.ops, done.steps, done.comparison
                 self.counts.record(cap)
-                if done.outcome == "failed" and self.store.get(cap.id) is None:  # its save failed
-                    self.unstored.appendleft({**cap.public(), "status": "done"})
                 self.current = None
                 self._move("done")
             if self._log is not None:
@@ -359,11 +349,9 @@ class CaptureController:
                                     f"no call of the model within {self.arm_timeout:g} s of arming", "cancel")
 
     def view(self, capture_id: str) -> dict[str, Any] | None:
-        """The in-flight capture's metadata if it has this id."""
+        """The in-flight capture's metadata if it has this id, or one the store could not keep (``Exporter.lost``)."""
         cap = self.current
-        if cap is not None and cap.id == capture_id:
-            return cap.public()
-        return next((dict(m) for m in list(self.unstored) if m.get("id") == capture_id), None)
+        return cap.public() if cap is not None and cap.id == capture_id else self.exporter.lost(capture_id)
 
     def accept(self) -> None:
         """Arm captures again (the monitor started)."""

@@ -11,6 +11,7 @@ that has a baseline is compared with it (``perfmon.captures.compare``).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -85,6 +86,10 @@ class Exported:
     stored: dict[str, Any]
 
 
+#: Captures whose metadata the store could not keep, answered from memory (``Exporter.unstored``).
+UNSTORED_KEPT = 16
+
+
 class Exporter:
     """Writes a stopped capture's trace and metadata to the trace store, with its op summary."""
 
@@ -104,6 +109,9 @@ class Exporter:
         self._peaks = peaks
         self.timeout = timeout_seconds
         self.max_memory = max_memory_bytes
+        #: The last captures whose metadata the store could not keep (an unwritable or full trace_dir), newest
+        #: first: still answered by id, with their error, where they were a 404 ("no such capture") once ended.
+        self.unstored: collections.deque[dict[str, Any]] = collections.deque(maxlen=UNSTORED_KEPT)
         #: ``(baseline meta, this capture's meta) -> comparison``: ``captures.compare.compare`` (replaceable).
         self.compare: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] = compare
         #: Called with each exported capture's stored metadata (export thread; a fault is counted), e.g. the
@@ -185,7 +193,7 @@ class Exporter:
             try:
                 self.store.save(stored, None, None)
             except Exception:
-                pass
+                self.unstored.appendleft(stored)
         release_memory(collect=False)  # the summary rows: trim only (a full collection costs ~0.2 s of GIL)
         for listener in self.listeners:
             try:
@@ -193,6 +201,10 @@ class Exporter:
             except Exception as exc:
                 self._internal.report("capture_listener", exc)
         return Exported(outcome, error, summary, compute, ops, steps, comparison, stored)
+
+    def lost(self, capture_id: str) -> dict[str, Any] | None:
+        """The metadata of a capture the store could not keep, if it is one of the last ``UNSTORED_KEPT``."""
+        return next((dict(m) for m in list(self.unstored) if m.get("id") == capture_id), None)
 
     def _compare(self, cap: Capture, ops: dict[str, dict[str, float]], top_ops: dict[str, dict[str, Any]],
                  steps: int) -> dict[str, Any] | None:

@@ -176,7 +176,7 @@ class Views:
         ids = {c["id"] for c in out}
         stored = [m for m in self._traces.list() if m.get("id") not in ids]
         # Those the store could not keep, by id (time-ordered), among the stored: a failed save stays visible.
-        lost = [dict(m) for m in list(self._captures.unstored) if m.get("id") not in ids]
+        lost = [dict(m) for m in list(self._captures.exporter.unstored) if m.get("id") not in ids]
         return out + sorted(stored + lost, key=lambda m: str(m.get("id", "")), reverse=True)
 
     def profile(self, capture_id: str) -> dict[str, Any] | None:
