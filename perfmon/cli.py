@@ -311,14 +311,35 @@ def run_profile(url: str, *, token: str | None, model: str | None = None, steps:
             time.sleep(min(0.2, client.remaining(deadline)))
         else:
             raise client.TimedOut(f"{what} did not finish in time (status {_clean(meta.get('status'), 40)})")
-    except (client.TimedOut, KeyboardInterrupt) as exc:  # the capture lives on: say until when, and how to fetch it
-        gone = _left_behind(meta, cap_id, base, armed_seconds_ago=time.monotonic() - armed)
+    except (client.TimedOut, KeyboardInterrupt) as exc:  # take an armed capture back, or say what it goes on doing
+        gone = _take_back(base, cap_id, meta, token=token, transport=transport, armed=armed)
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted(f"interrupted: {what} was not waited for; {gone}") from None
         raise client.TimedOut(f"{exc}; {gone}") from None
     where = Path(out) if out else Path()
     return _save_trace(base, cap_id, meta, None if where.is_dir() else where, token=token, deadline=deadline,
                        transport=transport, stdout=stdout, directory=where)
+
+
+#: Seconds the CLI gives the agent to cancel the capture it stops waiting for.
+CANCEL_SECONDS = 5.0
+
+
+def _take_back(base: str, cap_id: str, meta: dict[str, Any], *, token: str | None, transport: Transport,
+               armed: float) -> str:
+    """Cancel a capture the CLI stopped waiting for (``--timeout``, Ctrl-C) while it is armed (DELETE
+    /profiles/{id}): left armed, it refused every other capture until capture_arm_timeout_seconds. Returns what
+    became of it; one recording or exporting, or an agent without the route, is left as ``left_behind`` says."""
+    if meta.get("status") in (None, "armed"):
+        try:
+            _, _, body = transport(f"{base}/profiles/{cap_id}", token=token, method="DELETE", timeout=CANCEL_SECONDS)
+            reply = client.json_object(body, f"DELETE /profiles/{cap_id}")
+            if reply.get("outcome"):
+                return "it was cancelled on the agent before it recorded anything"
+            meta = reply  # it had just started recording: it ends at its thread's next call
+        except ControlError:  # an agent older than the route, gone, or the capture ended meanwhile
+            pass
+    return _left_behind(meta, cap_id, base, armed_seconds_ago=time.monotonic() - armed)
 
 
 def fetch_profile(url: str, capture_id: str, *, token: str | None, out: str = ".", timeout: float = 120.0,

@@ -138,9 +138,9 @@ def listing(profiles: list[dict[str, Any]], *, fleet: bool) -> list[str]:
 
 
 def left_behind(meta: dict[str, Any], capture_id: str, url: str, *, armed_seconds_ago: float) -> str:
-    """What a capture the CLI stopped waiting for (``--timeout``, Ctrl-C) goes on doing on the agent, and when it
-    stops refusing other captures. The agent has no route that cancels a capture (``http/routes.py``), so the CLI
-    cannot take its own back; ``armed_seconds_ago``: seconds since the agent answered the POST that armed it."""
+    """What a capture the CLI stopped waiting for (``--timeout``, Ctrl-C) and could not cancel (an agent without
+    DELETE /profiles/{id}, one recording already) goes on doing on the agent, and when it stops refusing other
+    captures; ``armed_seconds_ago``: seconds since the agent answered the POST that armed it."""
     fetch = f"`perfmon profiles --url {url} --download {capture_id}` fetches it once it is done"
     status = meta.get("status")
     if status not in (None, "armed"):  # recording or exporting: it ends on its own, by steps or max_seconds
@@ -148,7 +148,7 @@ def left_behind(meta: dict[str, Any], capture_id: str, url: str, *, armed_second
     # The agent's setting is not in its answers: the default is the best the CLI knows.
     left = Config.capture_arm_timeout_seconds - armed_seconds_ago
     when = f"in about {left:.0f} s" if left >= 1 else "by now"
-    return ("it stays armed on the agent (the API has no way to cancel it), and every other capture there is refused "
+    return ("it stays armed on the agent (it could not be cancelled), and every other capture there is refused "
             "(409 \"a capture is armed\"), until a call of the model starts it or capture_arm_timeout_seconds expire "
             f"it ({when}, with the default {Config.capture_arm_timeout_seconds:g} s); {fetch}")
 

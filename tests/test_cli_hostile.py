@@ -93,7 +93,7 @@ class Agent:
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_GET = do_POST = _serve
+            do_GET = do_POST = do_DELETE = _serve
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -116,7 +116,7 @@ def _stuck(status: str) -> dict[tuple[str, str], Reply]:
 def test_a_timed_out_profile_says_until_when_its_capture_stays_armed(capsys: Any) -> None:
     """A `profile` that runs out its --timeout with the capture still armed says that the capture stays armed on the
     agent, refusing other captures (409), about how long (the default capture_arm_timeout_seconds from arming), and
-    how to fetch it later; the agent has no route to cancel it."""
+    how to fetch it later, when the agent has no route to cancel it (an older agent)."""
     with Agent(_stuck("armed")) as agent:
         rc, _, err = run(capsys, "profile", "--url", agent.url, "--timeout", "1")
     assert_one_error_line(rc, err)
@@ -124,6 +124,18 @@ def test_a_timed_out_profile_says_until_when_its_capture_stays_armed(capsys: Any
     found = re.search(r"in about (\d+) s, with the default 60 s", err)
     assert found and 55 <= int(found.group(1)) <= 60, err
     assert f"perfmon profiles --url {agent.url} --download {A}" in err
+
+
+def test_a_timed_out_profile_cancels_its_armed_capture(capsys: Any) -> None:
+    """An agent with DELETE /profiles/{id}: the CLI takes back the capture it stopped waiting for, so the slot is
+    free for the next capture at once (it stayed armed, refusing others with a 409, for up to 60 s)."""
+    routes = {**_stuck("armed"),
+              ("DELETE", f"/profiles/{A}"): _json({**meta(), "status": "done", "outcome": "aborted",
+                                                   "error": "cancelled by http (perfmon-cli)"})}
+    with Agent(routes) as agent:
+        rc, _, err = run(capsys, "profile", "--url", agent.url, "--timeout", "1")
+    assert_one_error_line(rc, err)
+    assert "did not finish in time" in err and "was cancelled on the agent" in err and "409" not in err
 
 
 def test_a_timed_out_profile_that_is_recording_says_it_ends_on_its_own(capsys: Any) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import perfmon
 
-from .conftest import http, promtool_check
+from .conftest import http, promtool_check, wait_until
 
 
 def _get(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -301,3 +301,35 @@ def test_a_mounted_apps_capture_links_lead_to_the_capture(make_monitor) -> None:
                "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": "13", "wsgi.input": io.BytesIO(b'{"model":"m"}')}
     body = json.loads(b"".join(perfmon.make_wsgi_app(other)(environ, lambda status, headers: seen.append(status))))
     assert seen[0].startswith("202") and body["links"]["trace"] == f"/ops/perfmon/profiles/{body['id']}/trace"
+
+
+def test_a_capture_in_flight_can_be_cancelled_and_a_new_one_armed_at_once(make_monitor) -> None:
+    """A capture armed for a model nobody calls held the slot for capture_arm_timeout_seconds (60 s): every other
+    capture was a 409 meanwhile, and `perfmon profile` timing out left it so. DELETE /profiles/{id} ends it: an armed
+    one at once (outcome aborted, who asked in its error), a recording one at its thread's next call. An unknown
+    id is a 404, one that has ended a 409; the token is needed as for every control route."""
+    mon = make_monitor(port=0, token="token-12345678").start()
+    model = mon.wrap(torch.nn.Linear(2, 2), name="m")
+    port = int(mon.url.rsplit(":", 1)[1])
+    auth = {"Host": f"127.0.0.1:{port}", "Authorization": "Bearer token-12345678", "User-Agent": "perfmon-cli"}
+    json_auth = {**auth, "Content-Type": "application/json"}
+    status, armed = _control(port, "POST", "/profile", json_auth, b'{"model": "m", "steps": 2}')
+    assert status == 202
+    assert _control(port, "POST", "/profile", json_auth, b'{"model": "m"}')[0] == 409  # the slot is held
+    assert _control(port, "DELETE", f"/profiles/{armed['id']}", {"Host": auth["Host"]})[0] == 401
+    status, ended = _control(port, "DELETE", f"/profiles/{armed['id']}", auth)
+    assert status == 200 and ended["outcome"] == "aborted" and "perfmon-cli" in ended["error"]
+    assert mon.profile(armed["id"])["outcome"] == "aborted"
+    status, again = _control(port, "DELETE", f"/profiles/{armed['id']}", auth)
+    assert status == 409 and "ended" in again["error"]
+    assert _control(port, "DELETE", f"/profiles/{'0' * 22}", auth)[0] == 404
+    status, second = _control(port, "POST", "/profile", json_auth, b'{"model": "m", "steps": 50, "max_seconds": 30}')
+    assert status == 202  # at once
+    model(torch.ones(1, 2))  # starts recording
+    assert mon.profile(second["id"])["status"] == "recording"
+    status, ending = _control(port, "DELETE", f"/profiles/{second['id']}", auth)
+    assert status == 202 and ending["status"] == "recording"
+    done = wait_until(lambda: (m := mon.profile(second["id"])) and m.get("outcome") and m,
+                      between=lambda: model(torch.ones(1, 2)), what="the cancelled recording to end")
+    assert done["outcome"] == "aborted" and done["steps_recorded"] < 50
+    assert _control(port, "PUT", f"/profiles/{second['id']}", auth)[0] == 405

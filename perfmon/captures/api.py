@@ -20,7 +20,7 @@ __all__ = ["CaptureApi"]
 
 
 class CaptureApi:
-    """``Monitor.capture``, ``profiles``, ``profile`` and ``read_trace``."""
+    """``Monitor.capture``, ``cancel_capture``, ``profiles``, ``profile`` and ``read_trace``."""
 
     models: Models
     captures: CaptureController
@@ -42,6 +42,14 @@ class CaptureApi:
         cap = self.captures.arm(st, options, trigger="manual", reason={"requested_by": requested_by[:200]})
         self._hub.wake.set()  # the resolver, perhaps dozing, expires it after capture_arm_timeout_seconds
         return cap.public()
+
+    def cancel_capture(self, capture_id: str, *, requested_by: str = "api") -> dict[str, Any]:
+        """End the capture in flight with this id: an armed one now (outcome aborted), a recording one at its
+        thread's next call of the model. Returns its metadata; raises ``LookupError`` when no capture in flight has
+        that id, ``CaptureBusy`` while it is exported (it ends on its own)."""
+        meta = self.captures.cancel(capture_id, requested_by)
+        self._hub.wake.set()
+        return meta
 
     def profiles(self) -> list[dict[str, Any]]:
         """Captures, newest first: the one in flight (if any) and the stored ones."""

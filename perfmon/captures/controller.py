@@ -51,6 +51,7 @@ from ..selfcost import AgentCpu
 from ..store.files import UnsafeTraceDir, new_id
 from ..store.traces import TraceStore
 from .counts import CaptureCounts
+from .ending import CaptureEnds
 from .export import EXPORT_MAX_MEMORY_BYTES, Exporter, latest_baseline
 from .limits import CaptureLimits
 from .profiler import Profiler, ProfilerFactory, profiler_active, profiler_warming, torch_profiler, wait_warm_up
@@ -77,7 +78,7 @@ def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-class CaptureController:
+class CaptureController(CaptureEnds):
     """Owns the one capture slot of a monitor, its limits and its export thread."""
 
     def __init__(self, store: TraceStore, *, internal: InternalErrors, log: Any = None, cooldown_seconds: float = 600.0,
@@ -339,50 +340,10 @@ class CaptureController:
                                steps=cap.steps_recorded, ended_by=cap.ended_by, trace=done.stored.get("trace_file"),
                                trace_bytes=done.stored.get("trace_bytes"))
 
-    # -- housekeeping (resolver thread) and shutdown --------------------------------------
-
-    def tick(self) -> None:
-        """Expire a capture armed for too long with no call of its model."""
-        with self._lock:
-            if self.state == ARMED and self.clock() - self._armed_t > self.arm_timeout:
-                self._finish_locked(self._state_ref, "aborted",
-                                    f"no call of the model within {self.arm_timeout:g} s of arming", "cancel")
-
-    def view(self, capture_id: str) -> dict[str, Any] | None:
-        """The in-flight capture's metadata if it has this id, or one the store could not keep (``Exporter.lost``)."""
-        cap = self.current
-        return cap.public() if cap is not None and cap.id == capture_id else self.exporter.lost(capture_id)
-
-    def accept(self) -> None:
-        """Arm captures again (the monitor started)."""
-        self._refusal = None
-
-    def stop(self, timeout_seconds: float) -> None:
-        """Refuse new captures until ``accept``; cancel an armed one; ask a recording one to end at its thread's next
-        call; wait for export."""
-        deadline = self.clock() + timeout_seconds
-        with self._lock:
-            self._refusal = STOPPED
-            if self.state == ARMED:
-                self._finish_locked(self._state_ref, "aborted", "monitor stopped", "cancel")
-            elif self.state == RECORDING:
-                self._abort = True
-        while self.state == RECORDING and self.clock() < deadline:
-            time.sleep(0.01)  # the recording thread's next call ends it (bounded by the deadline)
-        if self.state == RECORDING and self._log is not None:
-            self._log.warning("capture_still_recording", id=self.current.id if self.current else None,
-                              note="the profiler stops at the capturing thread's next call of the model")
-        with self._lock:
-            exporter = self._export_thread
-        if exporter is not None:
-            exporter.join(max(0.0, deadline - self.clock()))
-
 
 #: How long the calls that would start an armed capture wait for perfmon's warm-up to end (seconds, counted from the
 #: first of them, in all); then they run unrecorded and the capture stays armed for a call after the warm-up.
 WARM_UP_WAIT_SECONDS = 2.0
-#: ``arm``'s refusal while the monitor is stopped (no resolver to expire a capture, no stop() to end its recording).
-STOPPED = "perfmon: the monitor is stopped; start() it before a capture"
 
 
 def _exporter(target: Callable[..., None], *args: Any) -> threading.Thread:

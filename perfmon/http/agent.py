@@ -53,5 +53,8 @@ class Agent(Protocol):
                 requested_by: str = "api") -> dict[str, Any]:
         """Arm a capture; its metadata. Raises LookupError, ConfigError, CaptureBusy, CaptureRateLimited."""
 
+    def cancel_capture(self, capture_id: str, *, requested_by: str = "api") -> dict[str, Any]:
+        """End the capture in flight with this id; its metadata. Raises LookupError, CaptureBusy."""
+
     def read_trace(self, capture_id: str) -> tuple[str, bytes] | None:
         """(file name, gzipped bytes) of a stored capture's trace, or None."""

@@ -56,7 +56,15 @@ def openapi_document() -> dict[str, Any]:
                                                   "comparison with its model's baseline capture", "security": auth,
                                        "parameters": [capture_id, control],
                                        "responses": {"200": {"description": "OK", "content": {JSON_CONTENT_TYPE: {}}},
-                                                     **errors(401, 403, 404)}}},
+                                                     **errors(401, 403, 404)}},
+                               "delete": {"summary": "Cancel the capture in flight: an armed one now (outcome "
+                                                     "aborted), a recording one at its thread's next call",
+                                          "security": auth, "parameters": [capture_id, control],
+                                          "responses": {"200": {"description": "Cancelled",
+                                                                "content": {JSON_CONTENT_TYPE: {}}},
+                                                        "202": {"description": "Ends at the next call",
+                                                                "content": {JSON_CONTENT_TYPE: {}}},
+                                                        **errors(401, 403, 404, 409)}}},
             "/profiles/{id}/trace": {"get": {
                 "summary": "The capture's Chrome trace (gzip; Perfetto, TensorBoard)", "security": auth,
                 "parameters": [capture_id, control],

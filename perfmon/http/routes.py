@@ -108,8 +108,10 @@ class Router:
                     return Response.json(415, {"error": "send the capture request as JSON",
                                                "detail": "POST /profile needs 'Content-Type: application/json'"})
                 return self._post_profile(headers, body, prefix)
+            if len(parts) == 3 and method == "DELETE":
+                return self._cancel(parts[2], headers)
             if method != "GET":
-                return _not_allowed(method, "GET, HEAD")
+                return _not_allowed(method, "GET, HEAD, DELETE" if len(parts) == 3 else "GET, HEAD")
             if clean == "/profiles":
                 return Response.json(200, {"profiles": [_brief(p) for p in self.agent.profiles()]})
             if len(parts) == 3:
@@ -198,6 +200,20 @@ class Router:
         return Response.json(202, {"id": meta["id"], "status": meta["status"], "model": meta["model"],
                                    "links": {"self": f"{prefix}/profiles/{meta['id']}",
                                              "trace": f"{prefix}/profiles/{meta['id']}/trace"}})
+
+    def _cancel(self, capture_id: str, headers: Mapping[str, str]) -> Response:
+        """DELETE /profiles/{id}: the capture in flight ended (200 armed: aborted now; 202 recording: at its thread's
+        next call); 404 no such capture, 409 one that has ended or is being exported."""
+        agent = headers.get("user-agent", "")[:100]
+        try:
+            meta = self.agent.cancel_capture(capture_id, requested_by=f"http ({agent or 'no user-agent'})")
+        except LookupError:
+            if self.agent.profile(capture_id) is None:
+                return _unknown_capture(capture_id)
+            return Response.json(409, {"error": f"capture {capture_id} has ended", "id": capture_id})
+        except CaptureBusy as exc:
+            return Response.json(409, {"error": str(exc), "id": capture_id})
+        return Response.json(200 if meta.get("outcome") else 202, meta)
 
     def _trace(self, capture_id: str) -> Response:
         meta = self.agent.profile(capture_id)
