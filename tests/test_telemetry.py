@@ -367,3 +367,20 @@ def test_gpu_metrics_pass_promtool(make_monitor) -> None:
     result = promtool_check(generate_latest(mon.registry))
     assert result.returncode == 0, result.stderr.decode() + result.stdout.decode()
     assert os.environ.get("PERFMON_NVML") is None
+
+
+def test_the_allocator_series_keep_their_gpu_label_when_nvml_fails_later(make_monitor) -> None:
+    """NVML failing mid-run turned the allocator series' gpu="0" into gpu="": a new series, so an OOM counted at the
+    flip was invisible to increase() (PerfmonTorchOOMs) and the GPU dashboard's panels split. A GPU's NVML index is
+    fixed for the process's life: once seen, it stays on the series."""
+    nvml = FakeNvml(gpus=1)
+    stats = {0: {"allocated_bytes.all.current": GIB, "reserved_bytes.all.current": GIB, "num_ooms": 0}}
+    memory = FakeTorchMemory(stats, uuids={0: nvml.gpus[0]["uuid"].removeprefix("GPU-")})
+    mon = make_monitor(nvml=nvml, memory=memory, nvml_interval_seconds=0.05).start()
+    labels = {"device": "cuda:0", "gpu": "0", "UUID": nvml.gpus[0]["uuid"]}
+    assert value(mon, "perfmon_torch_ooms_total", **labels) == 0
+    nvml.failing = {"nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex"}
+    memory.stats_by_device[0]["num_ooms"] = 1
+    wait_until(lambda: value(mon, "perfmon_nvml_up") == 0, what="NVML's failure to be read")
+    assert value(mon, "perfmon_torch_ooms_total", **labels) == 1
+    assert value(mon, "perfmon_torch_ooms_total", **{**labels, "gpu": ""}) is None

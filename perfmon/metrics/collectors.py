@@ -71,13 +71,19 @@ class TelemetryCollector(Collector):
         self._nvml = nvml
         self._internal = internal
         self._oom_snapshots = oom_snapshots
+        #: NVML's index of each GPU UUID seen (fixed for the process's life): the allocator series keep their gpu
+        #: label when NVML fails later; it went "0" -> "", a new series, and an OOM counted at the flip was lost
+        #: to increase() (PerfmonTorchOOMs) and the GPU dashboard's panels split in two.
+        self._gpu_of: dict[str, int] = {}
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
         snap = self._nvml.snapshot() if self._nvml is not None else None
-        gpu_of = snap.index_by_uuid() if snap is not None else {}
+        if snap is not None:
+            self._gpu_of.update(snap.index_by_uuid())
+        gpu_of = self._gpu_of
         if self._memory is not None:
             try:
                 rows = read_memory(self._memory)
