@@ -22,8 +22,18 @@ from typing import Any
 
 from .exceptions import ConfigError
 
-__all__ = ["DEFAULT_BUCKETS", "DEFAULT_HOST_BUCKETS", "DEFAULT_PORT", "FINE_BUCKETS", "SENDABLE_TOKEN", "TOKEN_ENDS",
-           "Config", "log_buckets"]
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "DEFAULT_HOST_BUCKETS",
+    "DEFAULT_PORT",
+    "FINE_BUCKETS",
+    "OTHER_VARIABLES",
+    "REGRESSION_VARIABLE",
+    "SENDABLE_TOKEN",
+    "TOKEN_ENDS",
+    "Config",
+    "log_buckets",
+]
 
 #: No well-known exporter uses it (node_exporter 9100, dcgm-exporter 9400, OpenTelemetry 9464).
 DEFAULT_PORT = 9478
@@ -259,6 +269,7 @@ class Config:
                 values[name] = overrides[name]
             elif var in environ:
                 values[name] = _parse(var, environ[var], kind)
+        _warn_unknown(environ, {"PERFMON_" + name.upper() for name in kinds} | set(OTHER_VARIABLES))
         return cls(**values)
 
     def _check(self) -> None:
@@ -338,6 +349,25 @@ class Config:
                 "production serving normally uses 0.01-0.05",
                 stacklevel=_caller_stacklevel(),
             )
+
+
+#: The regression policy's switch, read by captures/policy.py, not by ``Config``.
+REGRESSION_VARIABLE = "PERFMON_REGRESSION"
+#: ``PERFMON_*`` variables read outside ``Config``: not unknown.
+OTHER_VARIABLES = (REGRESSION_VARIABLE,)
+
+
+def _warn_unknown(environ: Mapping[str, str], known: set[str]) -> None:
+    """Warn once per ``PERFMON_*`` variable no setting reads, naming the nearest one: a misspelt variable was
+    ignored without a word (``PERFMON_SAMPLE_RAT``), where a misspelt keyword is a ``ConfigError``. A warning, not
+    an error: another tool may share the prefix."""
+    import difflib
+
+    for var in sorted(v for v in environ if v.startswith("PERFMON_") and v not in known):
+        near = difflib.get_close_matches(var, sorted(known), n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        # Python's default warning filter shows each message once per place: a monitor per worker says it once.
+        warnings.warn(f"{var[:80]} is not a perfmon setting and is ignored{hint}", stacklevel=_caller_stacklevel())
 
 
 def _caller_stacklevel() -> int:

@@ -97,3 +97,16 @@ def test_perfmon_regression_off_on_or_refused(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PERFMON_REGRESSION", "disabled")
     with pytest.raises(perfmon.ConfigError, match="PERFMON_REGRESSION='disabled'"):
         perfmon.Monitor(port=None)
+
+
+def test_a_misspelt_perfmon_variable_is_a_warning_naming_the_nearest_setting() -> None:
+    """PERFMON_SAMPLE_RAT was ignored without a word, where a misspelt keyword is a ConfigError: it warns now, with
+    the nearest variable; the regression switch (read outside Config) is no unknown, nor is any setting's."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"PERFMON_SAMPLE_RAT is not a perfmon setting .*PERFMON_SAMPLE_RATE\?"):
+        cfg = perfmon.Config.from_env({"PERFMON_SAMPLE_RAT": "0.5", "PERFMON_SAMPLE_RATE": "0.02"})
+    assert cfg.sample_rate == 0.02
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        perfmon.Config.from_env({"PERFMON_REGRESSION": "off", "PERFMON_TRACE_DIR": "/tmp/x", "OTHER_TOOL": "1"})

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..agent.models import Models
 from ..agent.records import STEADY, Sample, series_key, split_key
+from ..config import REGRESSION_VARIABLE
 from ..exceptions import ConfigError
 from ..faults import InternalErrors
 from .controller import CaptureController
@@ -42,7 +43,7 @@ _REGRESSION_ON = ("", "1", "on", "true", "yes")
 def resolve_policy(regression: Any, environ: Mapping[str, str] = os.environ) -> RegressionPolicy | None:
     """``Monitor(regression=...)``: a ``RegressionPolicy``, None (off), or ``FROM_ENV``; else ``ConfigError``."""
     if regression is FROM_ENV:
-        text = environ.get("PERFMON_REGRESSION", "").strip().lower()
+        text = environ.get(REGRESSION_VARIABLE, "").strip().lower()
         if text not in _REGRESSION_OFF + _REGRESSION_ON:  # as every other PERFMON_* setting: a typo is not ignored
             raise ConfigError(f"PERFMON_REGRESSION={text!r}: expected one of {', '.join(_REGRESSION_OFF)} (off) or "
                               f"{', '.join(_REGRESSION_ON[1:])} (on, the default policy), or unset")
