@@ -349,10 +349,11 @@ def occupancy(b: Board) -> None:
              "properties": [{"id": "unit", "value": "s"}, {"id": "custom.axisPlacement", "value": "right"}]}]}})
     cuda = f'{MODEL}, phase="steady", device=~"cuda.*"'
     b.panel("Device time per second (forwards)", [
-        (f"({mean('perfmon_forward_duration_seconds', cuda, 'model')}) * "
-         f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}}"),
+        (f"({mean('perfmon_forward_duration_seconds', cuda, 'instance, model')}) * "
+         f"sum by (instance, model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}} {{instance}}"),
     ], "percentunit", width=8, description="Seconds of device span per wall-clock second spent on each model's "
-        "forwards (SGLang's fwd_occupancy): the sampled mean span times the exact call rate. Low with high latency: "
+        "forwards on each replica (SGLang's fwd_occupancy; one GPU's share, so per instance: summed over replicas it "
+        "read N times a GPU): the sampled mean span times the exact call rate. Low with high latency: "
         "the GPU waits between requests (batching, the server); it counts the gaps inside calls, so it is an upper "
         "bound of busy time.")
 
