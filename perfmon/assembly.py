@@ -33,6 +33,7 @@ from .metrics.requests import RequestCollector
 from .stats.efficiency import Efficiency
 from .stats.gc import GcView
 from .stats.occupancy import Occupancy
+from .store.uploader import upload_view
 from .telemetry.gcpauses import GcPauses
 from .telemetry.memory import MemorySource, OomSnapshotter, TorchMemory
 from .telemetry.nvml import NvmlPoller
@@ -57,6 +58,8 @@ def register_collectors(monitor: Monitor) -> None:
     reg.register(CaptureCollector(detector=monitor.detector, controller=monitor.captures))
     if monitor.uploads is not None:
         reg.register(UploadCollector(monitor.uploads))
+        uploads = monitor.uploads
+        monitor._views.sections.append(lambda: upload_view(uploads))
     reg.register(AgentCollector(cpu=monitor.cpu, resolver=monitor.resolver, http=monitor._hub.http,
                                 listening=lambda: monitor.ports.listening(monitor._running)))
     if monitor._gc:

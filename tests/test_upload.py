@@ -416,3 +416,17 @@ def test_a_restart_during_a_hung_upload_leaves_one_upload_thread(tmp_path: Path)
         release.set()
         up.stop(5)
     assert uploads() == 0
+
+
+def test_stats_say_where_uploads_stand_and_why_they_fail(make_monitor, tmp_path: Path) -> None:
+    """The upload state was only in /metrics (its error in one log line an outage): /stats' trace_upload says where
+    to, what waits, the counts, and the last error while failing."""
+    blocked = tmp_path / "dest"
+    blocked.write_text("a file where the store's directory should be")
+    mon = make_monitor(trace_store=f"file://{blocked}/fleet").start()
+    _save(mon.traces)
+    mon.uploads.notify()  # type: ignore[union-attr]
+    up = wait_until(lambda: (u := mon.stats()["trace_upload"])["failing"] and u, what="a failed upload")
+    assert up["store"] == f"file://{blocked}/fleet" and up["uploads"]["ok"] == 0 and up["spool_files"] == 2
+    assert up["last_error"] and "Error" in up["last_error"]
+    assert "trace_upload" not in make_monitor().stats()  # no store, no section

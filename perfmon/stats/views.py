@@ -82,6 +82,8 @@ class Views:
         self._gc = gc
         #: More sections of each /stats model entry: (model, now ns) -> (key, value) (e.g. stats/occupancy.py's).
         self.model_sections: list[Callable[[str, int], tuple[str, Any]]] = []
+        #: More top-level sections of /stats: () -> (key, value) (e.g. the trace uploader's state).
+        self.sections: list[Callable[[], tuple[str, Any]]] = []
         #: Live FLOP/s, bytes/s, MFU and MBU per model and stage (None with count_flops=False).
         self.efficiency: Efficiency | None = None
 
@@ -148,6 +150,13 @@ class Views:
         if gc is not None:
             for name, g in generation.items():
                 g["gc"] = gc.generation(name, now)
+        extra: dict[str, Any] = {}
+        for top in self.sections:
+            try:
+                key, val = top()
+                extra[key] = val
+            except Exception as exc:  # /stats goes on without it
+                self._hub.internal.report("stats", exc)
         return {
             "version": __version__,
             "pid": os.getpid(),  # which worker of a multi-process server answered
@@ -167,6 +176,7 @@ class Views:
             "devices": self.devices(),
             "series": self.history.series(),
             "control": {"token_required": self.config.token is not None},
+            **extra,
         }
 
     def profiles(self) -> list[dict[str, Any]]:

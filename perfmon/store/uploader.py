@@ -53,7 +53,8 @@ from .files import TRACE_NAME, _read_at, meta_json, write_at
 from .remote import capture_key, check_usable, iso_seconds, open_store, orphan_traces, redact, scrub, written_at
 from .traces import TraceStore
 
-__all__ = ["DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "TraceUploader", "UploadStats"]
+__all__ = ["DROP_REASONS", "MANIFEST_NAME", "MIN_BYTES_PER_SECOND", "OUTCOMES", "TraceUploader", "UploadStats",
+           "upload_view"]
 
 #: The durable record of what is uploaded, in the trace directory (not a name TraceStore lists or removes).
 MANIFEST_NAME = "perfmon-uploads.json"
@@ -386,6 +387,16 @@ class TraceUploader:
                 write_at(dfd, MANIFEST_NAME, body)
         except Exception as exc:
             self._internal.report("trace_upload_manifest", exc)
+
+
+def upload_view(up: TraceUploader) -> tuple[str, dict[str, Any]]:
+    """/stats' ``trace_upload``: where to, what waits, the counts, and the last error while failing (None after a
+    success); it was only in /metrics, and the error in one log line an outage."""
+    st = up.stats
+    return "trace_upload", {"store": up.destination, "spool_files": st.spool_files, "spool_bytes": st.spool_bytes,
+                            "uploads": dict(st.uploads), "dropped": dict(st.dropped),
+                            "age_seconds": max(0.0, up.clock() - st.last_ok), "failing": up.failures,
+                            "last_error": up.last_error if up.failures else None}
 
 
 def _saved_clock(meta: dict[str, Any], wall_now: float, clock_now: float) -> float | None:
