@@ -14,8 +14,8 @@ from .client import ControlError
 from .client import clean as _clean
 from .config import Config
 
-__all__ = ["check_ops", "left_behind", "listing", "malformed", "number", "optional_number", "or_default", "report",
-           "short_comparison", "step_counts"]
+__all__ = ["check_ops", "left_behind", "listing", "malformed", "number", "optional_number", "or_default",
+           "print_listing", "report", "short_comparison", "step_counts"]
 
 
 def or_default(value: Any, default: str) -> Any:
@@ -116,6 +116,16 @@ def step_counts(meta: dict[str, Any]) -> str:
     the first, the profiler's warm-up, is left out of two or more) of the steps it recorded; "-" used until done."""
     used = or_default(meta.get("steps"), "-") if meta.get("outcome") else "-"
     return f"{_clean(used, 12)}/{_clean(or_default(meta.get('steps_recorded'), '0'), 12)}"
+
+
+def print_listing(profiles: list[dict[str, Any]], *, fleet: bool, stdout: Any) -> int:
+    """Print captures as ``listing`` lays them out, or "no captures"; the command's exit status (0)."""
+    if not profiles:
+        print("no captures", file=stdout)
+        return 0
+    for line in listing(profiles, fleet=fleet):
+        print(line, file=stdout)
+    return 0
 
 
 def listing(profiles: list[dict[str, Any]], *, fleet: bool) -> list[str]:

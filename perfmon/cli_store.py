@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from . import client
-from .cli_report import listing as _listing
+from .cli_report import print_listing
 from .client import ControlError
 from .client import clean as _clean
 from .exceptions import ConfigError
@@ -72,12 +72,7 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     if skipped:
         print(f"perfmon: skipped {len(skipped)} metadata objects (malformed or unreadable; "
               f"first: {_clean(skipped[0][0], 200)}: {_clean(skipped[0][1], 200)})", file=stderr)
-    if not profiles:
-        print("no captures", file=stdout)
-        return 0
-    for line in _listing(profiles, fleet=True):
-        print(line, file=stdout)
-    return 0
+    return print_listing(profiles, fleet=True, stdout=stdout)
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[bool, Any]:
