@@ -353,8 +353,9 @@ class Config:
 
 #: The regression policy's switch, read by captures/policy.py, not by ``Config``.
 REGRESSION_VARIABLE = "PERFMON_REGRESSION"
-#: ``PERFMON_*`` variables read outside ``Config``: not unknown.
-OTHER_VARIABLES = (REGRESSION_VARIABLE,)
+#: ``PERFMON_*`` variables read outside ``Config``: not unknown. ``PERFMON_ENABLED`` is an application's switch
+#: (examples/server.py's: whether to embed perfmon at all), which users copy.
+OTHER_VARIABLES = (REGRESSION_VARIABLE, "PERFMON_ENABLED")
 
 
 def _warn_unknown(environ: Mapping[str, str], known: set[str]) -> None:
@@ -364,7 +365,7 @@ def _warn_unknown(environ: Mapping[str, str], known: set[str]) -> None:
     import difflib
 
     for var in sorted(v for v in environ if v.startswith("PERFMON_") and v not in known):
-        near = difflib.get_close_matches(var, sorted(known), n=1)
+        near = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)  # a misspelling, not a guess
         hint = f"; did you mean {near[0]}?" if near else ""
         # Python's default warning filter shows each message once per place: a monitor per worker says it once.
         warnings.warn(f"{var[:80]} is not a perfmon setting and is ignored{hint}", stacklevel=_caller_stacklevel())

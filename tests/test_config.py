@@ -109,4 +109,5 @@ def test_a_misspelt_perfmon_variable_is_a_warning_naming_the_nearest_setting() -
     assert cfg.sample_rate == 0.02
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        perfmon.Config.from_env({"PERFMON_REGRESSION": "off", "PERFMON_TRACE_DIR": "/tmp/x", "OTHER_TOOL": "1"})
+        perfmon.Config.from_env({"PERFMON_REGRESSION": "off", "PERFMON_TRACE_DIR": "/tmp/x", "OTHER_TOOL": "1",
+                                 "PERFMON_ENABLED": "1"})  # examples/server.py's own switch, which users copy

@@ -487,6 +487,24 @@ def test_a_regression_capture_is_kept_when_a_manual_one_takes_the_idle_slot_befo
     assert not policy.deferred and len(slot.armed) == 1
 
 
+def test_a_regression_capture_is_kept_when_the_busy_slot_frees_just_before_its_arm_is_refused() -> None:
+    """The other side of the race above: the slot is busy when looked at, and the capture holding it ends (its export,
+    a DELETE) before the arm reads it, which is refused as busy. Read only after the arm, the slot looked idle and
+    the regression was dropped; it is kept."""
+
+    class Freeing(_Slot):
+        def auto(self, st: object, options: object, details: dict) -> object | None:
+            self.state = "idle"  # the holder ended between the look and the refusal
+            return None
+
+    slot = Freeing()
+    policy = _policy_on(slot)
+    det, t0 = policy.detector, time.perf_counter_ns()
+    assert det is not None
+    policy.fire(_three_healthy_windows_then_a_slow_one(det, t0))
+    assert "m" in policy.deferred
+
+
 def _two_models_regressing(det: Detector, t0: int) -> list:
     """``_three_healthy_windows_then_a_slow_one`` for two models, ``m`` and ``n``, at once: both regressions fired."""
     fired: list = []

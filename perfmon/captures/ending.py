@@ -78,7 +78,8 @@ class CaptureEnds:
 
     def cancel(self, capture_id: str, by: str) -> dict[str, Any]:
         """End the capture ``capture_id`` at a client's request (``by``: who): an armed one is aborted now; a
-        recording one ends at its thread's next call of the model (its trace is not kept). Returns its metadata.
+        recording one ends at its thread's next call of the model (what it recorded is exported, outcome aborted).
+        Returns its metadata.
         Raises ``LookupError`` when no capture in flight has that id, ``CaptureBusy`` when it is being exported."""
         with self._lock:
             cap = self.current
@@ -88,6 +89,7 @@ class CaptureEnds:
                 self._finish_locked(self._state_ref, "aborted", f"cancelled by {by[:200]}", "cancel")
             elif self.state == RECORDING:
                 self._abort = True
+                cap.error = f"cancelled by {by[:200]}"  # the export keeps it (an abort's error is otherwise None)
             else:
                 raise CaptureBusy(f"capture {capture_id} is {self.state}: it ends on its own", capture_id)
             return cap.public()

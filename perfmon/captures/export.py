@@ -127,7 +127,7 @@ class Exporter:
         t0 = time.monotonic()
         json_tmp = gz_tmp = None
         name = None
-        outcome, error = ("aborted" if aborted else "ok"), None
+        outcome, error = ("aborted", cap.error) if aborted else ("ok", None)  # an abort's reason: a cancel's
         summary: list[dict[str, Any]] = []
         compute: dict[str, Any] = {}
         ops: dict[str, dict[str, float]] = {}

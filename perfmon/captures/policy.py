@@ -148,11 +148,13 @@ class CapturePolicy:
                                      record_shapes=policy.capture_record_shapes,
                                      with_stack=policy.capture_with_stack,
                                      profile_memory=policy.capture_profile_memory)
-            # Busy is read after the arm: a manual capture (the HTTP thread) can take a slot that was idle a moment
-            # before, between a look at the state and the arm (seen on a loaded host: the regression's log line
-            # lies between them), and the regression capture was then dropped for good.
+            # Busy before the arm or after it: a manual capture (the HTTP thread) can take a slot that was idle a
+            # moment before (seen on a loaded host: the regression's log line lies between the look and the arm), and
+            # the capture that held it can end meanwhile (its export, a cancel); either way the regression capture
+            # was dropped for good.
+            busy = self._captures.state != "idle"
             if self._captures.auto(st, options, details) is None and (
-                    self._captures.state != "idle" or 0 < self._cooldown_ns() < _DEFER_NS):
+                    busy or self._captures.state != "idle" or 0 < self._cooldown_ns() < _DEFER_NS):
                 # Another capture (a baseline, a manual one) holds the profiler, or the cooldown another model's
                 # capture started ends soon: the detector fires once per regression, so keep this one and arm it
                 # when the slot frees and the cooldown lets it, while the regression lasts.

@@ -230,7 +230,8 @@ class TraceUploader:
                     self._sweep_at = self.clock() + self.orphan_sweep_seconds * (0.5 + 0.5 * self._jitter())
                 return min(self.poll_seconds, max(0.0, self._sweep_at - self.clock()))
             cid = pending[0]
-            self._uploading, self._evicted_in_flight = cid, False
+            self._evicted_in_flight = False  # first: an eviction after the next line is this attempt's
+            self._uploading = cid
             try:
                 ok = self._upload(cid)
             finally:
