@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,27 @@ def test_credentials_in_the_urls_user_info_never_reach_a_message() -> None:
     finally:
         silent.close()
     assert code != 0 and "AKIDEXAMPLE" not in err and "SECRETKEY" not in err
+
+
+def test_only_a_clear_not_found_makes_an_empty_listing_an_error() -> None:
+    """A role allowed to list its prefix may not read the bucket itself (403 on the probe), and a probe may fail:
+    the first bucket check (fs.exists, which makes any failure False) turned such a working store into "no such
+    bucket". Only a listing that found nothing and a probe that says "not found" is one."""
+    from perfmon.store.remote import list_remote
+
+    class Store:
+        protocol = ("s3", "s3a")
+
+        def __init__(self, probe: Exception) -> None:
+            self.probe = probe
+
+        def glob(self, pattern: str, detail: bool = True) -> dict[str, Any]:
+            return {}
+
+        def info(self, path: str) -> dict[str, Any]:
+            raise self.probe
+
+    assert list_remote("s3://bkt/p", fs=Store(PermissionError("403 Forbidden")), root="bkt/p") == []
+    assert list_remote("s3://bkt/p", fs=Store(TimeoutError("throttled")), root="bkt/p") == []
+    with pytest.raises(LookupError, match="no such bucket"):
+        list_remote("s3://bkt/p", fs=Store(FileNotFoundError("NoSuchBucket")), root="bkt/p")

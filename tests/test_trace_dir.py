@@ -269,6 +269,12 @@ def test_the_start_sweep_removes_an_unnamed_old_trace_and_an_earlier_process_tem
     # store (a whole suite runs in ~10).
     before = time.time() - 3000
     os.utime(earlier, (before, before))
+    torn = d / f"{new_id()}.meta.json"  # a metadata file that cannot be read: it may name the old trace
+    torn.write_bytes(b"{not json")
+    torn.chmod(0o600)
+    assert store.sweep_temp() is None
+    assert orphan.exists() and not earlier.exists()  # no trace removed while one metadata file is unreadable
+    torn.unlink()
     assert store.sweep_temp() is None
     assert sorted(os.listdir(d)) == sorted([kept["trace_file"], f"{kept['id']}.meta.json", fresh_orphan.name,
                                             mine.name])

@@ -430,3 +430,26 @@ def test_stats_say_where_uploads_stand_and_why_they_fail(make_monitor, tmp_path:
     assert up["store"] == f"file://{blocked}/fleet" and up["uploads"]["ok"] == 0 and up["spool_files"] == 2
     assert up["last_error"] and "Error" in up["last_error"]
     assert "trace_upload" not in make_monitor().stats()  # no store, no section
+
+
+def test_before_the_first_upload_the_age_is_the_oldest_capture_still_waiting(tmp_path: Path, mem: Any) -> None:
+    """The backlog's age is the oldest capture that still waits: one retention removed unsent no longer dates it
+    (it kept the age of a capture gone from the spool)."""
+    from datetime import datetime, timezone
+
+    fs, root = mem
+    store = TraceStore(tmp_path / "t", max_files=2, max_bytes=10**9)
+    wall = 1_800_000_000.0
+    for ago in (7200.0, 60.0):
+        at = datetime.fromtimestamp(wall - ago, timezone.utc).isoformat(timespec="milliseconds")
+        store.save({"id": new_id(), "model": "enc", "trigger": "manual", "status": "done", "outcome": "ok",
+                    "armed_at": at, "ended_at": at}, b"\x1f" * 10, f"{worker_name()}.{time.time_ns()}.pt.trace.json.gz")
+    clock = HandClock()
+    up = _uploader(store, FlakyFs(fs, fail=100), root, clock=clock, wall=lambda: wall)
+    wait = up.step()
+    assert clock() - up.stats.last_ok == pytest.approx(7200.0)
+    _save(store)  # a third capture: retention (2 files) removes the two-hour-old one, unsent
+    clock.t += wait
+    up.step()
+    assert up.stats.dropped["retention"] == 1
+    assert clock() - up.stats.last_ok == pytest.approx(60.0 + wait)  # the minute-old one, aged on since

@@ -163,17 +163,34 @@ def _relative(path: str, root: str) -> str:
     return path[len(root) + 1:] if path.startswith(root + "/") else path.lstrip("/")
 
 
+def _check_bucket(fs: Any, root: str, url: str) -> None:
+    """``LookupError`` when the bucket of a listing that found nothing does not exist: a typo, not a fleet without
+    captures. Only a clear "not found" counts: a role allowed to list a prefix may not read the bucket itself (a
+    403), a probe may fail, and such a listing's empty answer stands."""
+    bucket = root.strip("/").split("/", 1)[0]
+    if not bucket:
+        return
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise LookupError(f"{redact(url)}: no such bucket") from None
+    except Exception:  # no access to the bucket's own metadata, throttled, ...: the listing said what it could
+        pass
+
+
 def _bucketed(fs: Any) -> bool:
     """An object store whose path starts with a bucket or container (S3, GCS, Azure)."""
-    protocol = getattr(fs, "protocol", ())
-    names = {protocol} if isinstance(protocol, str) else set(protocol)
-    return bool(names & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+    return bool(_protocols(fs) & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
 
 
 def _is_local(fs: Any) -> bool:
+    """fsspec's local filesystem (``file://``), where a store is a directory that must exist."""
+    return bool(_protocols(fs) & {"file", "local"})
+
+
+def _protocols(fs: Any) -> set[str]:
     protocol = getattr(fs, "protocol", ())
-    names = {protocol} if isinstance(protocol, str) else set(protocol)
-    return bool(names & {"file", "local"})
+    return {protocol} if isinstance(protocol, str) else set(protocol)
 
 
 def _regular(fs: Any, path: str, info: Any, root: str) -> bool:
@@ -215,12 +232,6 @@ def _listing_entry(meta: Any, cid: str, key: str) -> dict[str, Any] | None:
     return {**meta, "id": cid, "key": key}
 
 
-def _local(fs: Any) -> bool:
-    """True for fsspec's local filesystem (``file://``), where a store is a directory that must exist."""
-    protocol = getattr(fs, "protocol", ())
-    return bool({"file", "local"} & ({protocol} if isinstance(protocol, str) else set(protocol)))
-
-
 def list_remote(url: str, *, model: str | None = None, host: str | None = None, trigger: str | None = None,
                 since: float | None = None, limit: int = 100, fs: Any = None, root: str | None = None,
                 on_skip: Callable[[str, str], None] | None = None,
@@ -240,11 +251,8 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
     """
     if fs is None or root is None:
         fs, root = open_store(url, timeout_seconds=timeout_seconds)
-    if _local(fs) and not fs.isdir(root):  # a typo, not an empty store (an object store's prefix has no folder)
+    if _is_local(fs) and not fs.isdir(root):  # a typo, not an empty store (an object store's prefix has no folder)
         raise LookupError(f"{redact(url)}: no such directory")
-    bucket = root.strip("/").split("/", 1)[0]
-    if _bucketed(fs) and bucket and not fs.exists(bucket):  # a typo in the bucket too: not a fleet without captures
-        raise LookupError(f"{redact(url)}: no such bucket, or no access to it")
     pattern = f"{root}/{_part(model, '*') if model else '*'}/{_part(host, '*') if host else '*'}/*/*/*.meta.json"
 
     def skip(key: str, reason: str) -> None:
@@ -270,6 +278,8 @@ def list_remote(url: str, *, model: str | None = None, host: str | None = None, 
             skip(key, f"{size} bytes, over {meta_max_bytes}")
             continue
         found.append((m["id"], key, str(path)))
+    if not found and _bucketed(fs):
+        _check_bucket(fs, root, url)
     found.sort(reverse=True)  # ids start with time_ns: newest first
     out: list[dict[str, Any]] = []
     for start in range(0, len(found), 32):

@@ -200,11 +200,6 @@ class TraceStore:
             return None
         return meta if isinstance(meta, dict) else None
 
-    def _trace_file(self, dfd: int, meta_name: str) -> str | None:
-        """The trace file a metadata file names, or None."""
-        name = (self._meta(dfd, meta_name) or {}).get("trace_file")
-        return name if isinstance(name, str) else None
-
     def _trace_name(self, capture_id: str) -> str | None:
         meta = self.get(capture_id)
         name = meta.get("trace_file") if meta else None
@@ -287,10 +282,13 @@ class TraceStore:
                     return None
                 now = time.time()
                 names = os.listdir(dfd)
-                named = {self._trace_file(dfd, n) for n in names if META_NAME.fullmatch(n)}
+                metas = [self._meta(dfd, n) for n in names if META_NAME.fullmatch(n)]
+                named = {m.get("trace_file") for m in metas if m is not None}
+                # A metadata file that cannot be read (torn, an I/O error) may name any trace: remove none then.
+                orphans = None not in metas
                 for name in names:
                     m = TEMP_NAME.fullmatch(name)
-                    if m is None and (name in named or not TRACE_NAME.fullmatch(name)):
+                    if m is None and (not orphans or name in named or not TRACE_NAME.fullmatch(name)):
                         continue
                     try:
                         mtime = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime

@@ -129,6 +129,7 @@ class TraceUploader:
         self._fs, self._root = fs, root
         self._fs_injected = fs is not None
         self.stats = UploadStats(last_ok=clock())
+        self._started = self.stats.last_ok
         self.orphan_grace_seconds = orphan_grace_seconds
         self.orphan_sweep_seconds = orphan_sweep_seconds
         self._wall = wall
@@ -136,7 +137,7 @@ class TraceUploader:
         self._sweep_at = clock() + orphan_sweep_seconds * (0.5 + 0.5 * jitter())  # a fleet does not sweep in step
         self._uploaded: dict[str, str] = {}  # capture id -> its key
         self._gone: set[str] = set()  # unreadable here: never retried
-        self._sizes: dict[str, tuple[int, int]] = {}  # pending id -> (files, bytes), read once
+        self._sizes: dict[str, tuple[int, int, float | None]] = {}  # pending id -> (files, bytes, saved), read once
         self._loaded = False
         self._uploading: str | None = None  # the capture an attempt is sending
         self._evicted_in_flight = False  # ... which retention removed meanwhile
@@ -226,7 +227,7 @@ class TraceUploader:
                 return self.retry_at - now
             if not pending:
                 if now >= self._sweep_at:
-                    self._sweep()
+                    _sweep(self)
                     self._sweep_at = self.clock() + self.orphan_sweep_seconds * (0.5 + 0.5 * self._jitter())
                 return min(self.poll_seconds, max(0.0, self._sweep_at - self.clock()))
             cid = pending[0]
@@ -267,18 +268,16 @@ class TraceUploader:
             size = self._sizes.get(cid)
             if size is None:
                 meta = self.store.get(cid) or {}
-                trace_bytes = meta.get("trace_bytes")
-                body = len(meta_json(meta))
-                if isinstance(trace_bytes, int) and not isinstance(trace_bytes, bool):
-                    size = (2, body + trace_bytes)
-                else:
-                    size = (1, body)
-                if not self.stats.uploads["ok"] and (saved := _saved_clock(meta, self._wall(), self.clock())):
-                    self.stats.last_ok = min(self.stats.last_ok, saved)
+                tb = meta.get("trace_bytes")
+                trace_bytes = tb if isinstance(tb, int) and not isinstance(tb, bool) else None
+                size = (1 if trace_bytes is None else 2, len(meta_json(meta)) + (trace_bytes or 0),
+                        _saved_clock(meta, self._wall(), self.clock()))
             sizes[cid] = size
         self._sizes = sizes
-        self.stats.spool_files = sum(f for f, _ in sizes.values())
-        self.stats.spool_bytes = sum(b for _, b in sizes.values())
+        self.stats.spool_files = sum(f for f, _, _ in sizes.values())
+        self.stats.spool_bytes = sum(b for _, b, _ in sizes.values())
+        if not self.stats.uploads["ok"]:  # before the first upload: since the start, or the oldest still waiting
+            self.stats.last_ok = min([self._started, *(t for _, _, t in sizes.values() if t is not None)])
         return pending
 
     def _filesystem(self) -> tuple[Any, str]:
@@ -330,34 +329,6 @@ class TraceUploader:
         self._write_manifest()
         return True
 
-    def _sweep(self) -> None:
-        """Remove orphan traces (``remote.orphan_traces``) older than the grace: at most ``ORPHANS_PER_SWEEP``,
-        within ``SWEEP_TIMEOUTS * timeout_seconds`` in all; a failure is logged and left to the next sweep."""
-        deadline, io_before, removed = time.monotonic() + SWEEP_TIMEOUTS * self.timeout_seconds, io_thread_cpu(), 0
-        try:
-            fs, root = self._filesystem()
-            # The whole prefix, every pod's (one that crashed may never return), in one flat listing (S3 pages
-            # 1000 keys a request; a five-level glob would list folder by folder).
-            objects = self._calls.call(fs, "find", root, detail=True, deadline=deadline)
-            cutoff = self._wall() - self.orphan_grace_seconds
-            for path in orphan_traces(fs, root, objects, written_before=cutoff)[:ORPHANS_PER_SWEEP]:
-                folder = path.rsplit("/", 1)[0]
-                meta = f"{folder}/{folder.rsplit('-', 1)[1]}.meta.json"
-                # Asked again just before: a restarted pod may have put the whole capture up since the listing.
-                written = written_at(self._calls.call(fs, "info", path, deadline=deadline))
-                if written is not None and written < cutoff and not self._calls.call(fs, "exists", meta,
-                                                                                     deadline=deadline):
-                    self._calls.call(fs, "rm_file", path, deadline=deadline)
-                    removed += 1
-                    self.stats.orphans_removed += 1
-        except Exception as exc:  # the store's or the SDK's: the next sweep tries again
-            if self._log is not None:
-                self._log.warning("trace_store_sweep_failed", store=self.destination, removed=removed,
-                                  error=f"{type(exc).__name__}: {scrub(str(exc), self.url)}"[:300])
-        count_io(self._cpu, io_before)
-        if removed and self._log is not None:
-            self._log.info("trace_store_orphans_removed", store=self.destination, removed=removed)
-
     def _missing(self, cid: str) -> None:
         """The capture cannot be read: removed by retention meanwhile (already counted) or unreadable."""
         if cid in self.store.ids():
@@ -398,6 +369,35 @@ def upload_view(up: TraceUploader) -> tuple[str, dict[str, Any]]:
                             "uploads": dict(st.uploads), "dropped": dict(st.dropped),
                             "age_seconds": max(0.0, up.clock() - st.last_ok), "failing": up.failures,
                             "last_error": up.last_error if up.failures else None}
+
+
+def _sweep(self: TraceUploader) -> None:
+    """Remove orphan traces (``remote.orphan_traces``) older than the grace: at most ``ORPHANS_PER_SWEEP``,
+    within ``SWEEP_TIMEOUTS * timeout_seconds`` in all; a failure is logged and left to the next sweep."""
+    deadline, io_before, removed = time.monotonic() + SWEEP_TIMEOUTS * self.timeout_seconds, io_thread_cpu(), 0
+    try:
+        fs, root = self._filesystem()
+        # The whole prefix, every pod's (one that crashed may never return), in one flat listing (S3 pages
+        # 1000 keys a request; a five-level glob would list folder by folder).
+        objects = self._calls.call(fs, "find", root, detail=True, deadline=deadline)
+        cutoff = self._wall() - self.orphan_grace_seconds
+        for path in orphan_traces(fs, root, objects, written_before=cutoff)[:ORPHANS_PER_SWEEP]:
+            folder = path.rsplit("/", 1)[0]
+            meta = f"{folder}/{folder.rsplit('-', 1)[1]}.meta.json"
+            # Asked again just before: a restarted pod may have put the whole capture up since the listing.
+            written = written_at(self._calls.call(fs, "info", path, deadline=deadline))
+            if written is not None and written < cutoff and not self._calls.call(fs, "exists", meta,
+                                                                                 deadline=deadline):
+                self._calls.call(fs, "rm_file", path, deadline=deadline)
+                removed += 1
+                self.stats.orphans_removed += 1
+    except Exception as exc:  # the store's or the SDK's: the next sweep tries again
+        if self._log is not None:
+            self._log.warning("trace_store_sweep_failed", store=self.destination, removed=removed,
+                              error=f"{type(exc).__name__}: {scrub(str(exc), self.url)}"[:300])
+    count_io(self._cpu, io_before)
+    if removed and self._log is not None:
+        self._log.info("trace_store_orphans_removed", store=self.destination, removed=removed)
 
 
 def _saved_clock(meta: dict[str, Any], wall_now: float, clock_now: float) -> float | None:
