@@ -407,8 +407,9 @@ def overview() -> dict[str, Any]:
     b.panel("Errors", [
         (f"sum by (model, exception) (rate(perfmon_forward_errors_total{{{MODEL}}}[{RATE}]))", "{{model}} {{exception}}"),
         # The all-classes counter: it exists at 0 from the wrap, where a class's series is born with its first
-        # error and rate() misses what it counted before its first scrape.
-        (f"sum by (model) (rate(perfmon_forward_failed_calls_total{{{MODEL}}}[{RATE}])) / "
+        # error and rate() misses what it counted before its first scrape. An agent older than it: by class.
+        (f"(sum by (model) (rate(perfmon_forward_failed_calls_total{{{MODEL}}}[{RATE}])) or "
+         f"sum by (model) (rate(perfmon_forward_errors_total{{{MODEL}}}[{RATE}]))) / "
          f"sum by (model) (rate(perfmon_forward_calls_total{{{MODEL}}}[{RATE}]))", "{{model}} error ratio"),
     ], "ops", width=8, description="Forward calls that raised per second, by exception class (a class appears "
         "with its first error), and the share of forward calls that raised, every class together.",
