@@ -371,33 +371,33 @@ def upload_view(up: TraceUploader) -> tuple[str, dict[str, Any]]:
                             "last_error": up.last_error if up.failures else None}
 
 
-def _sweep(self: TraceUploader) -> None:
+def _sweep(up: TraceUploader) -> None:
     """Remove orphan traces (``remote.orphan_traces``) older than the grace: at most ``ORPHANS_PER_SWEEP``,
     within ``SWEEP_TIMEOUTS * timeout_seconds`` in all; a failure is logged and left to the next sweep."""
-    deadline, io_before, removed = time.monotonic() + SWEEP_TIMEOUTS * self.timeout_seconds, io_thread_cpu(), 0
+    deadline, io_before, removed = time.monotonic() + SWEEP_TIMEOUTS * up.timeout_seconds, io_thread_cpu(), 0
     try:
-        fs, root = self._filesystem()
+        fs, root = up._filesystem()
         # The whole prefix, every pod's (one that crashed may never return), in one flat listing (S3 pages
         # 1000 keys a request; a five-level glob would list folder by folder).
-        objects = self._calls.call(fs, "find", root, detail=True, deadline=deadline)
-        cutoff = self._wall() - self.orphan_grace_seconds
+        objects = up._calls.call(fs, "find", root, detail=True, deadline=deadline)
+        cutoff = up._wall() - up.orphan_grace_seconds
         for path in orphan_traces(fs, root, objects, written_before=cutoff)[:ORPHANS_PER_SWEEP]:
             folder = path.rsplit("/", 1)[0]
             meta = f"{folder}/{folder.rsplit('-', 1)[1]}.meta.json"
             # Asked again just before: a restarted pod may have put the whole capture up since the listing.
-            written = written_at(self._calls.call(fs, "info", path, deadline=deadline))
-            if written is not None and written < cutoff and not self._calls.call(fs, "exists", meta,
+            written = written_at(up._calls.call(fs, "info", path, deadline=deadline))
+            if written is not None and written < cutoff and not up._calls.call(fs, "exists", meta,
                                                                                  deadline=deadline):
-                self._calls.call(fs, "rm_file", path, deadline=deadline)
+                up._calls.call(fs, "rm_file", path, deadline=deadline)
                 removed += 1
-                self.stats.orphans_removed += 1
+                up.stats.orphans_removed += 1
     except Exception as exc:  # the store's or the SDK's: the next sweep tries again
-        if self._log is not None:
-            self._log.warning("trace_store_sweep_failed", store=self.destination, removed=removed,
-                              error=f"{type(exc).__name__}: {scrub(str(exc), self.url)}"[:300])
-    count_io(self._cpu, io_before)
-    if removed and self._log is not None:
-        self._log.info("trace_store_orphans_removed", store=self.destination, removed=removed)
+        if up._log is not None:
+            up._log.warning("trace_store_sweep_failed", store=up.destination, removed=removed,
+                              error=f"{type(exc).__name__}: {scrub(str(exc), up.url)}"[:300])
+    count_io(up._cpu, io_before)
+    if removed and up._log is not None:
+        up._log.info("trace_store_orphans_removed", store=up.destination, removed=removed)
 
 
 def _saved_clock(meta: dict[str, Any], wall_now: float, clock_now: float) -> float | None:
