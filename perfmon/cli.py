@@ -27,8 +27,8 @@ from . import client
 from ._version import __version__
 from .cli_report import check_ops as _check_ops
 from .cli_report import left_behind as _left_behind
+from .cli_report import listing_or_none
 from .cli_report import malformed as _malformed
-from .cli_report import print_listing
 from .cli_report import report as _report
 from .cli_report import step_counts as _step_counts
 from .cli_store import store_profiles
@@ -397,7 +397,9 @@ def list_profiles(url: str, *, token: str | None, timeout: float = 30.0, stdout:
     profiles = client.json_object(body, "GET /profiles").get("profiles")
     if not isinstance(profiles, list):
         raise ControlError("GET /profiles: the agent's answer has no list of profiles")
-    return print_listing([p for p in profiles if isinstance(p, dict)], fleet=False, stdout=stdout)
+    for line in listing_or_none([p for p in profiles if isinstance(p, dict)], fleet=False):
+        print(line, file=stdout)
+    return 0
 
 
 def _fetch_meta(base: str, capture_id: str, *, token: str | None, timeout: float,

@@ -14,8 +14,19 @@ from .client import ControlError
 from .client import clean as _clean
 from .config import Config
 
-__all__ = ["check_ops", "left_behind", "listing", "malformed", "number", "optional_number", "or_default",
-           "print_listing", "report", "short_comparison", "step_counts"]
+__all__ = [
+    "check_ops",
+    "left_behind",
+    "listing",
+    "listing_or_none",
+    "malformed",
+    "number",
+    "optional_number",
+    "or_default",
+    "report",
+    "short_comparison",
+    "step_counts",
+]
 
 
 def or_default(value: Any, default: str) -> Any:
@@ -118,14 +129,9 @@ def step_counts(meta: dict[str, Any]) -> str:
     return f"{_clean(used, 12)}/{_clean(or_default(meta.get('steps_recorded'), '0'), 12)}"
 
 
-def print_listing(profiles: list[dict[str, Any]], *, fleet: bool, stdout: Any) -> int:
-    """Print captures as ``listing`` lays them out, or "no captures"; the command's exit status (0)."""
-    if not profiles:
-        print("no captures", file=stdout)
-        return 0
-    for line in listing(profiles, fleet=fleet):
-        print(line, file=stdout)
-    return 0
+def listing_or_none(profiles: list[dict[str, Any]], *, fleet: bool) -> list[str]:
+    """The lines the CLI prints for these captures (``listing``), or "no captures"."""
+    return listing(profiles, fleet=fleet) if profiles else ["no captures"]
 
 
 def listing(profiles: list[dict[str, Any]], *, fleet: bool) -> list[str]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from . import client
-from .cli_report import print_listing
+from .cli_report import listing_or_none
 from .client import ControlError
 from .client import clean as _clean
 from .exceptions import ConfigError
@@ -72,7 +72,9 @@ def store_profiles(store: str, *, model: str | None = None, host: str | None = N
     if skipped:
         print(f"perfmon: skipped {len(skipped)} metadata objects (malformed or unreadable; "
               f"first: {_clean(skipped[0][0], 200)}: {_clean(skipped[0][1], 200)})", file=stderr)
-    return print_listing(profiles, fleet=True, stdout=stdout)
+    for line in listing_or_none(profiles, fleet=True):
+        print(line, file=stdout)
+    return 0
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[bool, Any]:

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .conftest import wait_until
 from .test_cli_hostile import TRACE, A, Agent, B, Reply, _json, assert_one_error_line, meta, profile_routes, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,9 @@ def test_ctrl_c_while_profile_waits_is_exit_130_saying_the_capture_stays_armed(t
     with Agent(_stuck("armed")) as agent, _perfmon("profile", "--url", agent.url, cwd=tmp_path) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         assert "armed; waiting" in proc.stdout.readline()
-        time.sleep(0.3)
+        # In its wait loop once it has asked for the capture's state (SIGINT before would end argparse's set-up).
+        wait_until(lambda: any(m == "GET" and p == f"/profiles/{A}" for m, p, _ in agent.requests),
+                   what="the CLI polling the capture")
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=30)
         err = proc.stderr.read()

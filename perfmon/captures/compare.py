@@ -379,7 +379,7 @@ def _stats(entry: Any) -> tuple[float, float, float]:
     seconds = entry.get("seconds_per_step")
     spread = float(entry.get("seconds_per_step_stdev") or 0.0)
     median, mad = entry.get("seconds_per_step_median"), entry.get("seconds_per_step_mad")
-    if entry.get("share_of_steps") == 1.0 and _number(median):
+    if _every_step(entry) and _number(median):
         seconds = median
         if _number(mad):
             spread = MAD_TO_SD * float(mad or 0.0)
